@@ -1,0 +1,68 @@
+"""musacache: an asyncio KV-cache layer for LLM inference.
+
+``async with musacache.Cache(config) as cache``: ``put``, ``get``, ``lookup`` and ``prefetch``
+token prefixes across device, host, disk and S3 tiers. See docs/quickstart.md.
+"""
+
+from . import devices
+from ._config import CacheConfig, DeviceTier, HostTier
+from ._engine import Cache, Hit
+from ._errors import (
+    CacheClosedError,
+    CacheUnavailableError,
+    CapacityError,
+    ConfigError,
+    CorruptChunkError,
+    DeviceError,
+    DTypeError,
+    FingerprintMismatchError,
+    InvalidInputError,
+    IPCError,
+    LayoutError,
+    MusaCacheError,
+    NativeBuildError,
+    NativeError,
+    PermissionDeniedError,
+    ProtocolError,
+    ShapeError,
+    SlotRangeError,
+    TierError,
+    TokensError,
+)
+from ._spec import KVSpec
+from ._version import __version__
+from .tiers.base import ChunkMeta, StorageTier, TierContext
+
+__all__ = (
+    "Cache",
+    "CacheClosedError",
+    "CacheConfig",
+    "CacheUnavailableError",
+    "CapacityError",
+    "ChunkMeta",
+    "ConfigError",
+    "CorruptChunkError",
+    "DTypeError",
+    "DeviceError",
+    "DeviceTier",
+    "FingerprintMismatchError",
+    "Hit",
+    "HostTier",
+    "IPCError",
+    "InvalidInputError",
+    "KVSpec",
+    "LayoutError",
+    "MusaCacheError",
+    "NativeBuildError",
+    "NativeError",
+    "PermissionDeniedError",
+    "ProtocolError",
+    "ShapeError",
+    "SlotRangeError",
+    "StorageTier",
+    "TierContext",
+    "TierError",
+    "TokensError",
+    "__version__",
+    "devices",
+)

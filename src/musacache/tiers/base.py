@@ -1,0 +1,116 @@
+"""The tier protocol.
+
+There are two kinds of tier:
+
+* **Memory tiers** (:class:`~musacache.DeviceTier`, :class:`~musacache.HostTier`) hold chunks as
+  tensors in a lazily grown pool. The engine copies straight in and out of them.
+* **Storage tiers** (:class:`StorageTier`: disk, S3, or your own) hold *encoded chunk objects*
+  (see :mod:`musacache.codec`): bytes with a self-describing, checksummed header. The engine
+  encodes before ``write`` and verifies and decodes after ``read``, so a storage tier only moves
+  bytes by key. This is the protocol to implement for a new backend (Redis, NFS, ...).
+
+The engine owns the directory, capacity accounting and eviction for *all* tiers: a storage tier
+with ``capacity_bytes`` set never has to evict by itself, and it never sees a write that would
+exceed its capacity.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._keys import Fingerprint
+from .._spec import KVSpec
+
+__all__ = ["ChunkMeta", "StorageTier", "TierContext"]
+
+
+@dataclass(frozen=True)
+class ChunkMeta:
+    """What the directory knows of one chunk without reading it.
+
+    ``key`` commits to the whole token prefix up to the end of this chunk; ``parent`` is the key
+    of the chunk before it (the chain seed for the first chunk). ``raw_bytes`` is the size of the
+    dense KV; ``stored_bytes`` the size of the encoded object in a storage tier (0 if unknown).
+    ``last_used`` is a wall-clock time used to rebuild LRU order after a restart (0 if unknown).
+    """
+
+    key: bytes
+    parent: bytes
+    num_tokens: int
+    raw_bytes: int
+    stored_bytes: int = 0
+    last_used: float = 0.0
+
+
+@dataclass(frozen=True)
+class TierContext:
+    """Given to a storage tier at start: what the cache stores and how to name it."""
+
+    fingerprint: Fingerprint
+    spec: KVSpec = field(init=False)
+    chunk_size: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "spec", self.fingerprint.spec)
+        object.__setattr__(self, "chunk_size", self.fingerprint.chunk_size)
+
+
+class StorageTier(abc.ABC):
+    """A tier that stores encoded chunk objects by key. Subclass it to plug in a backend.
+
+    Contract:
+
+    * ``write`` is idempotent: writing the same key twice stores the same bytes. It raises
+      :class:`~musacache.TierError` after the tier's own retries are spent; the engine then counts
+      the write as dropped. It is always called from a background task, never on ``put``'s path.
+    * ``read`` returns the object's bytes, ``None`` when the key is absent, and raises
+      :class:`~musacache.TierError` on a fault. The engine bounds it with ``timeout`` seconds and
+      turns faults and timeouts into counted misses.
+    * ``start`` returns the chunks that already exist (after a restart, or written by other
+      nodes), so the engine can rebuild its directory. ``refresh`` is asked again on a miss.
+    """
+
+    #: Shown in stats and logs.
+    name: str = "storage"
+    #: Bytes the engine may store here; ``None`` means unbounded (an object store).
+    capacity_bytes: int | None = None
+    #: Every put is also written here in the background (sharing between nodes).
+    write_through: bool = False
+    #: The codec of the objects this tier stores: ``"lz4"`` (byte-shuffle + lz4) or ``"raw"``.
+    codec: str = "lz4"
+    #: Longest time in seconds the engine waits for one ``read`` before counting a miss.
+    timeout: float = 10.0
+    #: Reads and writes the engine runs at once against this tier.
+    max_concurrency: int = 8
+    #: Whether ``refresh`` can discover chunks written by others (worth asking on a miss).
+    shared: bool = False
+
+    @abc.abstractmethod
+    async def start(self, ctx: TierContext) -> list[ChunkMeta]:
+        """Open connections or folders; return the chunks already stored for ``ctx``."""
+
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Release every resource. Pending writes are the engine's to flush first."""
+
+    @abc.abstractmethod
+    async def write(self, meta: ChunkMeta, obj: bytes) -> None:
+        """Store ``obj`` (an encoded chunk) under ``meta.key``."""
+
+    @abc.abstractmethod
+    async def read(self, meta: ChunkMeta) -> bytes | None:
+        """Return the object stored under ``meta.key``, or ``None`` if there is none."""
+
+    @abc.abstractmethod
+    async def delete(self, key: bytes) -> None:
+        """Remove the object under ``key`` (absent keys are not an error)."""
+
+    async def refresh(self, parent: bytes | None = None) -> list[ChunkMeta]:
+        """Chunks stored now (under ``parent`` only, if given). Shared tiers override this."""
+        return []
+
+    def stats(self) -> dict[str, Any]:
+        """Backend-specific counters, merged into ``Cache.stats()`` under this tier."""
+        return {}

@@ -1,0 +1,123 @@
+"""The slot pool behind the memory tiers (device and host).
+
+Memory is handed out in fixed *slots* of one full chunk each, carved from *segments* that are
+allocated only when a slot in them is first needed. So:
+
+* start-up allocates nothing, whatever the capacity;
+* a freed slot is reused without another allocation or page fault (put/get run at copy speed
+  once warm);
+* ``bytes_allocated <= capacity_bytes`` always: segments are never larger than what capacity
+  has left, and slots are never handed out past ``capacity_bytes // slot_bytes``.
+
+A partial tail chunk takes a whole slot. Tails are one per conversation, and a fixed slot size
+keeps the pool free of fragmentation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import anyio
+import torch
+
+from .. import devices
+
+__all__ = ["MemoryPool", "Slot"]
+
+
+@dataclass(eq=False)
+class Slot:
+    """One slot: ``index`` in the pool, and its bytes as a uint8 tensor."""
+
+    index: int
+    buf: torch.Tensor
+
+    def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        n = 1
+        for s in shape:
+            n *= s
+        nbytes = n * torch.empty((), dtype=dtype).element_size()
+        return self.buf[:nbytes].view(dtype).view(shape)
+
+
+class MemoryPool:
+    """Fixed-size slots on one device, grown lazily in segments."""
+
+    def __init__(self, *, capacity_bytes: int, slot_bytes: int, device: torch.device,
+                 pinned: bool, segment_bytes: int) -> None:
+        self.device = device
+        self.pinned = pinned
+        self.slot_bytes = slot_bytes
+        self.capacity_bytes = capacity_bytes
+        self.max_slots = capacity_bytes // slot_bytes if slot_bytes else 0
+        self.slots_per_segment = max(1, segment_bytes // slot_bytes) if slot_bytes else 1
+        self._segments: dict[int, torch.Tensor] = {}
+        self._free: list[int] = []
+        self._next = 0  # slots [0, _next) have been handed out at least once
+        self._in_use = 0
+        self._grow_lock = anyio.Lock()
+
+    # -- accounting (synchronous, so check-and-reserve can never interleave) --------------
+
+    @property
+    def slots_in_use(self) -> int:
+        return self._in_use
+
+    @property
+    def bytes_used(self) -> int:
+        return self._in_use * self.slot_bytes
+
+    @property
+    def bytes_allocated(self) -> int:
+        return sum(int(t.numel()) for t in self._segments.values())
+
+    def reserve(self) -> int | None:
+        """Reserve a slot index, or None if the pool is full. Never awaits."""
+        if self._free:
+            idx = self._free.pop()
+        elif self._next < self.max_slots:
+            idx = self._next
+            self._next += 1
+        else:
+            return None
+        self._in_use += 1
+        return idx
+
+    def release(self, index: int) -> None:
+        self._in_use -= 1
+        self._free.append(index)
+
+    # -- memory ---------------------------------------------------------------------------
+
+    async def materialize(self, index: int) -> Slot:
+        """The memory of a reserved slot, allocating its segment on first use."""
+        seg_no, off = divmod(index, self.slots_per_segment)
+        seg = self._segments.get(seg_no)
+        if seg is None:
+            async with self._grow_lock:
+                seg = self._segments.get(seg_no)
+                if seg is None:
+                    seg = await self._allocate_segment(seg_no)
+                    self._segments[seg_no] = seg
+        start = off * self.slot_bytes
+        return Slot(index, seg[start : start + self.slot_bytes])
+
+    async def _allocate_segment(self, seg_no: int) -> torch.Tensor:
+        first = seg_no * self.slots_per_segment
+        nslots = min(self.slots_per_segment, self.max_slots - first)
+        nbytes = nslots * self.slot_bytes
+        if self.device.type == "cpu":
+            if self.pinned:
+                # Pinning walks every page: seconds for large segments. Keep it off the loop.
+                return await anyio.to_thread.run_sync(
+                    lambda: devices.alloc_host(nbytes, pinned=True))
+            return devices.alloc_host(nbytes, pinned=False)
+        return await anyio.to_thread.run_sync(
+            lambda: torch.empty(nbytes, dtype=torch.uint8, device=self.device))
+
+    def clear_memory(self) -> None:
+        """Drop every segment (after aclose); the pool can still grow again."""
+        self._segments.clear()
+        self._free.clear()
+        self._next = 0
+        self._in_use = 0

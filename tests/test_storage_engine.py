@@ -1,0 +1,211 @@
+"""The engine over a storage tier: demotion, write-behind, write-through, restart, faults as
+counted misses, and the fail-fast fingerprint check. Uses the in-memory MemStore."""
+
+import time
+
+import anyio
+import pytest
+import torch
+
+import musacache as mc
+from musacache import codec
+
+from conftest import prefix_kv
+from fake_store import MemStore
+
+CH = 16
+
+
+def seq(a, n):
+    return list(range(a, a + n))
+
+
+def cfg(spec, *tiers, namespace="store", **kw):
+    return mc.CacheConfig(spec, namespace, tiers=tiers, chunk_size=CH, **kw)
+
+
+async def test_host_evictions_are_demoted_to_storage_and_promoted_back(spec):
+    store = MemStore()
+    async with mc.Cache(cfg(spec, mc.HostTier(spec.nbytes(CH) * 2), store)) as c:
+        a = seq(0, 80)
+        assert await c.put(a, prefix_kv(spec, a)) == 80
+        await c.flush()
+        # The head stays in host (leaves first keeps a prefix whole), the rest goes below.
+        assert store.writes == 3
+        b = seq(5000, 32)
+        assert await c.put(b, prefix_kv(spec, b)) == 32  # pushes a's head down
+        await c.flush()
+        st = c.stats()["tiers"]
+        assert st["host"]["bytes_used"] <= spec.nbytes(CH) * 2
+        assert st["mem"]["demotions"] == 2 and st["mem"]["chunks"] == 5
+        assert await c.lookup(a) == 80
+        hit = await c.get(a)
+        assert hit.num_tokens == 80 and torch.equal(hit.kv, prefix_kv(spec, a))
+        assert c.stats()["tiers"]["host"]["promotions"] >= 1
+        assert c.stats()["tiers"]["mem"]["hits"] >= 1
+
+
+async def test_write_through_and_restart_find_old_chunks(spec):
+    objects: dict[bytes, bytes] = {}
+    a = seq(0, 50)
+    async with mc.Cache(cfg(spec, mc.HostTier(spec.nbytes(CH) * 8),
+                            MemStore(objects, write_through=True))) as c:
+        await c.put(a, prefix_kv(spec, a))
+        await c.flush()
+    assert len(objects) == 4  # 3 full chunks and the tail
+    async with mc.Cache(cfg(spec, mc.HostTier(spec.nbytes(CH) * 8), MemStore(objects))) as c2:
+        assert await c2.lookup(a) == 50
+        assert await c2.lookup(a + [7, 7]) == 50  # the tail is found by its parent
+        hit = await c2.get(a)
+        assert torch.equal(hit.kv, prefix_kv(spec, a))
+
+
+async def test_other_namespace_or_tenant_never_hits_a_shared_store(spec):
+    objects: dict[bytes, bytes] = {}
+    a = seq(0, 40)
+    async with mc.Cache(cfg(spec, mc.HostTier(spec.nbytes(CH) * 8),
+                            MemStore(objects, write_through=True))) as c:
+        await c.put(a, prefix_kv(spec, a))
+        await c.flush()
+    for kw in (dict(namespace="another-model"), dict(tenant="tenant-b")):
+        async with mc.Cache(cfg(spec, mc.HostTier(spec.nbytes(CH) * 8), MemStore(objects),
+                                **kw)) as other:
+            assert await other.lookup(a) == 0
+            assert (await other.get(a)).num_tokens == 0
+
+
+async def test_read_faults_are_counted_misses(spec):
+    store = MemStore(timeout=0.2)
+    async with mc.Cache(cfg(spec, mc.HostTier(0), store)) as c:
+        a = seq(0, 48)
+        assert await c.put(a, prefix_kv(spec, a)) == 48
+        await c.flush()
+        store.fail_reads = True
+        hit = await c.get(a)
+        assert hit.num_tokens == 0
+        st = c.stats()["tiers"]["mem"]
+        assert st["faults"] >= 1 and st["misses"] >= 1
+        store.fail_reads = False
+        hit = await c.get(a)  # recovery: correct data again
+        assert hit.num_tokens == 48 and torch.equal(hit.kv, prefix_kv(spec, a))
+
+
+async def test_slow_reads_never_hang_past_the_timeout(spec):
+    store = MemStore(timeout=0.1)
+    async with mc.Cache(cfg(spec, mc.HostTier(0), store)) as c:
+        a = seq(0, 32)
+        await c.put(a, prefix_kv(spec, a))
+        await c.flush()
+        store.read_delay = 30
+        t0 = time.monotonic()
+        hit = await c.get(a)
+        assert time.monotonic() - t0 < 2
+        assert hit.num_tokens == 0 and c.stats()["tiers"]["mem"]["timeouts"] >= 1
+
+
+async def test_corrupt_objects_are_misses_and_deleted(spec):
+    store = MemStore()
+    async with mc.Cache(cfg(spec, mc.HostTier(0), store)) as c:
+        a = seq(0, 32)
+        await c.put(a, prefix_kv(spec, a))
+        await c.flush()
+        key = sorted(store.objects, key=lambda k: codec.read_header(store.objects[k]).num_tokens)[0]
+        first = [k for k in store.objects
+                 if codec.read_header(store.objects[k]).parent == c._chain.seed][0]
+        buf = bytearray(store.objects[first])
+        buf[-10] ^= 0xFF
+        store.objects[first] = bytes(buf)
+        hit = await c.get(a)
+        assert hit.num_tokens == 0
+        await c.flush()
+        assert c.stats()["tiers"]["mem"]["corrupt"] == 1
+        assert first not in store.objects  # quarantined by deletion
+        assert key is not None
+
+
+async def test_fingerprint_mismatch_fails_fast_naming_both_sides(spec):
+    objects: dict[bytes, bytes] = {}
+    a = seq(0, 16)
+    async with mc.Cache(cfg(spec, mc.HostTier(0), MemStore(objects))) as c:
+        await c.put(a, prefix_kv(spec, a))
+        await c.flush()
+        (key, obj), = objects.items()
+        # An object stored under this cache's key but written for another model.
+        from musacache._keys import Fingerprint
+        other = Fingerprint("other-model", spec, CH)
+        meta = codec.read_header(obj).meta()
+        objects[key] = codec.encode_chunk(other, meta, prefix_kv(spec, a))
+        with pytest.raises(mc.FingerprintMismatchError) as ei:
+            await c.get(a)
+        assert "other-model" in str(ei.value) and "store" in str(ei.value)
+
+
+async def test_write_faults_are_dropped_and_counted_never_block_put(spec):
+    store = MemStore()
+    store.fail_writes = True
+    async with mc.Cache(cfg(spec, mc.HostTier(spec.nbytes(CH) * 8),
+                            MemStore(write_through=True, name="wt"))) as c:
+        c._stores[0].store.fail_writes = True
+        a = seq(0, 64)
+        with anyio.fail_after(5):
+            assert await c.put(a, prefix_kv(spec, a)) == 64
+        await c.flush()
+        assert c.stats()["tiers"]["wt"]["write_drops"] == 4
+        assert await c.lookup(a) == 64  # still served from host
+
+
+async def test_backpressure_bounds_queued_bytes(spec):
+    store = MemStore(codec="raw")
+    store.write_delay = 0.02
+    obj_size = spec.nbytes(CH) + 4096
+    async with mc.Cache(cfg(spec, mc.HostTier(spec.nbytes(CH)), store,
+                            write_queue_bytes=2 * obj_size)) as c:
+        peak = 0
+        done = anyio.Event()
+
+        async def watch():
+            nonlocal peak
+            while not done.is_set():
+                peak = max(peak, c._stores[0].pending_bytes)
+                await anyio.sleep(0.001)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch)
+            a = seq(0, 16 * 12)
+            assert await c.put(a, prefix_kv(spec, a)) == 16 * 12
+            await c.flush()
+            done.set()
+        assert 0 < peak <= 2 * obj_size
+        assert torch.equal((await c.get(a)).kv, prefix_kv(spec, a))
+
+
+async def test_bounded_storage_tier_evicts_leaves_first_and_never_exceeds(spec):
+    objsize = len(codec.encode_chunk(
+        mc.Cache(cfg(spec, mc.HostTier(0)))._chain.fingerprint,
+        mc.ChunkMeta(b"k" * 32, b"p" * 32, CH, spec.nbytes(CH)),
+        prefix_kv(spec, seq(0, CH)), "raw"))
+    store = MemStore(capacity_bytes=objsize * 3, codec="raw")
+    async with mc.Cache(cfg(spec, mc.HostTier(0), store)) as c:
+        a = seq(0, 48)
+        await c.put(a, prefix_kv(spec, a))
+        await c.flush()
+        b = seq(1000, 16)
+        await c.put(b, prefix_kv(spec, b))
+        await c.flush()
+        st = c.stats()["tiers"]["mem"]
+        assert st["bytes_used"] <= objsize * 3 and st["evictions"] == 1
+        assert await c.lookup(a) == 32 and await c.lookup(b) == 16
+
+
+async def test_refresh_on_miss_finds_chunks_written_by_another_node(spec):
+    objects: dict[bytes, bytes] = {}
+    a = seq(0, 64)
+    async with mc.Cache(cfg(spec, mc.HostTier(spec.nbytes(CH) * 8),
+                            MemStore(objects, shared=True), refresh_interval=0)) as reader:
+        assert await reader.lookup(a) == 0
+        async with mc.Cache(cfg(spec, mc.HostTier(spec.nbytes(CH) * 8),
+                                MemStore(objects, write_through=True))) as writer:
+            await writer.put(a, prefix_kv(spec, a))
+            await writer.flush()
+        assert await reader.lookup(a) == 64
+        assert torch.equal((await reader.get(a)).kv, prefix_kv(spec, a))
