@@ -5,7 +5,6 @@ import pytest
 import torch
 
 import musacache as mc
-
 from conftest import host_config, prefix_kv, small_spec
 
 

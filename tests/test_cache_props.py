@@ -8,7 +8,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import musacache as mc
-
 from conftest import prefix_kv, small_spec
 
 SPEC = small_spec()

@@ -8,7 +8,6 @@ import anyio
 import torch
 
 import musacache as mc
-
 from conftest import prefix_kv
 
 CH = 16

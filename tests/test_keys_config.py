@@ -5,10 +5,9 @@ import pytest
 import torch
 
 import musacache as mc
+from conftest import host_config, prefix_kv, small_spec
 from musacache._config import parse_size
 from musacache._keys import Fingerprint, KeyChain, as_tokens
-
-from conftest import host_config, prefix_kv, small_spec
 
 
 def chain(namespace="m", spec=None, chunk=16, salt=None):

@@ -8,10 +8,9 @@ import pytest
 import torch
 
 import musacache as mc
-from musacache import codec
-
 from conftest import prefix_kv
 from fake_store import MemStore
+from musacache import codec
 
 CH = 16
 

@@ -79,7 +79,8 @@ class HostTier:
         object.__setattr__(self, "segment_bytes",
                            parse_size(self.segment_bytes, what=f"{self.name}.segment_bytes"))
         if self.pinned not in (True, False, "auto"):
-            raise ConfigError(f"{self.name}.pinned must be true, false or 'auto', got {self.pinned!r}")
+            raise ConfigError(
+                f"{self.name}.pinned must be true, false or 'auto', got {self.pinned!r}")
         if int(self.segment_bytes) <= 0:
             raise ConfigError(f"{self.name}.segment_bytes must be positive")
 
@@ -165,7 +166,8 @@ class CacheConfig:
         data = dict(data)
         spec_data = data.pop("spec", None)
         if not isinstance(spec_data, Mapping):
-            raise ConfigError("the config needs a [spec] table (num_layers, num_kv_heads, head_dim)")
+            raise ConfigError(
+                "the config needs a [spec] table (num_layers, num_kv_heads, head_dim)")
         tiers_data = data.pop("tiers", None)
         if tiers_data is None:
             tiers: tuple[Any, ...] = (HostTier(capacity_bytes=4 * 1024**3),)

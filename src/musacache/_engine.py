@@ -348,8 +348,7 @@ class Cache:
                 return sum(m.num_tokens for m in matches)
             with anyio.move_on_after(timeout):
                 for f in flights:
-                    if f is not None:
-                        await f.done.wait()
+                    await f.done.wait()
             return self._top_prefix(matches)
         finally:
             self._inflight["prefetches"] -= 1
@@ -701,9 +700,9 @@ class Cache:
             await self._copy_many(copies)
             self._touch([m.entry for m in matches[: len(copies)]])
             for m, _src, name in sources[: len(copies)]:
-                for t in self._tiers:
-                    if t.name == name:
-                        t.c["bytes_out"] += self.spec.nbytes(m.num_tokens)
+                for tier in self._tiers:
+                    if tier.name == name:
+                        tier.c["bytes_out"] += self.spec.nbytes(m.num_tokens)
             return served, by_tier
         finally:
             for m in matches:
@@ -728,18 +727,19 @@ class Cache:
                                        else (hottest.name if hottest else "storage"))
         return None, ""
 
-    def _promotion(self, e: Entry) -> _Flight | None:
+    def _promotion(self, e: Entry) -> _Flight:
         """Join or start the promotion of ``e`` into the top tier."""
         if self._in_top(e) and isinstance(self._tiers[0], _MemTier):
             f = _Flight()
             f.tensor = self._entry_view(self._tiers[0], e)
             f.done.set()
             return f
-        f = self._flights.get(e.key)
-        if f is None:
-            f = _Flight()
-            self._flights[e.key] = f
-            self._spawn(self._promote(e, f))
+        joined = self._flights.get(e.key)
+        if joined is not None:
+            return joined
+        f = _Flight()
+        self._flights[e.key] = f
+        self._spawn(self._promote(e, f))
         return f
 
     async def _promote(self, e: Entry, f: _Flight) -> None:
@@ -821,7 +821,8 @@ class Cache:
                 self._drop_stored(t, e)
                 return None
         try:
-            _, data = await self._in_thread(lambda: decode_chunk(self.fingerprint, obj, expect=meta))
+            _, data = await self._in_thread(
+                lambda: decode_chunk(self.fingerprint, obj, expect=meta))
         except FingerprintMismatchError:
             raise
         except MusaCacheError as exc:
@@ -972,20 +973,20 @@ class Cache:
                 continue
             e.dead = True
             self._dir.remove(e)
-            for t in self._mem:
-                slot = e.blocks.pop(t.idx, None)
+            for mt in self._mem:
+                slot = e.blocks.pop(mt.idx, None)
                 if slot is not None:
-                    t.lru.pop(e.key, None)
-                    e.detached.append((t.idx, slot))
-            for t in self._stores:
-                if t.idx in e.stored:
-                    t.used -= e.stored.pop(t.idx)
-                    t.lru.pop(e.key, None)
-                    deletes.append((t, e.key))
+                    mt.lru.pop(e.key, None)
+                    e.detached.append((mt.idx, slot))
+            for st in self._stores:
+                if st.idx in e.stored:
+                    st.used -= e.stored.pop(st.idx)
+                    st.lru.pop(e.key, None)
+                    deletes.append((st, e.key))
             if e.pins == 0:
                 self._free_detached(e)
-        for t, key in deletes:
-            await self._quiet_delete(t, key)
+        for st, key in deletes:
+            await self._quiet_delete(st, key)
 
     # -- pins, LRU, copies, background ---------------------------------------------------------
 

@@ -70,7 +70,7 @@ class KeyChain:
     def iter_keys(self, tokens: np.ndarray) -> Iterator[tuple[int, int, bytes, bytes]]:
         """Yield ``(start, end, parent, key)`` for each chunk of ``tokens`` (int32), the last one
         possibly partial. Lazy, so a lookup that misses early hashes only what it needs."""
-        view = memoryview(tokens).cast("B")
+        view = memoryview(tokens).cast("B")  # type: ignore[arg-type]
         parent = self.seed
         n = len(tokens)
         step = self.chunk_size

@@ -42,6 +42,15 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _int(v: object) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, str)):
+        raise ConfigError(f"expected an integer, got {v!r}")
+    try:
+        return int(v)
+    except ValueError:
+        raise ConfigError(f"expected an integer, got {v!r}") from None
+
+
 @dataclass(frozen=True)
 class KVSpec:
     """The KV of one model: ``num_layers`` layers of ``num_kv_heads`` heads of ``head_dim``.
@@ -133,8 +142,7 @@ class KVSpec:
     @classmethod
     def from_dict(cls, d: dict[str, object]) -> KVSpec:
         try:
-            return cls(int(d["num_layers"]), int(d["num_kv_heads"]),  # type: ignore[call-overload]
-                       int(d["head_dim"]), dtype_from_name(str(d.get("dtype", "bfloat16"))),
-                       bool(d.get("mla", False)))
+            return cls(_int(d["num_layers"]), _int(d["num_kv_heads"]), _int(d["head_dim"]),
+                       dtype_from_name(str(d.get("dtype", "bfloat16"))), bool(d.get("mla", False)))
         except KeyError as e:
             raise ConfigError(f"KVSpec is missing {e.args[0]!r}") from None

@@ -111,9 +111,10 @@ def resolve(device: str | torch.device | None = "auto") -> torch.device:
         # torch rejects "musa" until torch_musa is imported; probe and retry once.
         kind = str(device).split(":", 1)[0]
         if kind in ACCELERATORS and accelerator_module(kind) is not None:
-            dev = torch.device(device)  # type: ignore[arg-type]
+            dev = torch.device(device)
         else:
-            raise ConfigError(f"unknown device {device!r}; use auto, cpu, cuda[:i] or musa[:i]") from None
+            raise ConfigError(
+                f"unknown device {device!r}; use auto, cpu, cuda[:i] or musa[:i]") from None
     if dev.type not in _KINDS:
         raise ConfigError(f"unsupported device type {dev.type!r}; use cpu, cuda or musa")
     if not available(dev.type):
@@ -371,7 +372,8 @@ async def wait_ready(event: Any, timeout: float | None = None) -> None:
             await wait()
         ok = not scope.cancelled_caught
     else:
-        raise DeviceError(f"ready= must be an event with wait() or query(), got {type(event).__name__}")
+        raise DeviceError(
+            f"ready= must be an event with wait() or query(), got {type(event).__name__}")
     if not ok:
         raise TimeoutError(f"ready event was not set within {timeout} s")
 

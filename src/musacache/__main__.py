@@ -1,0 +1,5 @@
+"""``python -m musacache`` is the ``musacache`` command."""
+
+from .cli import main
+
+raise SystemExit(main())

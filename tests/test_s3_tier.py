@@ -1,0 +1,332 @@
+"""The S3 storage tier against moto, with faults injected by a proxy in front of it.
+
+Every fault test asserts the typed outcome (None, or TierError within the timeout plus a
+margin) and that the data is right again once the fault is gone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+import torch
+from s3_servers import FaultProxy, unique_bucket
+
+from musacache._errors import ConfigError, CorruptChunkError, TierError
+from musacache._keys import Fingerprint
+from musacache._spec import KVSpec
+from musacache.codec import decode_chunk, encode_chunk
+from musacache.tiers.base import ChunkMeta, StorageTier, TierContext
+from musacache.tiers.s3 import S3Store, S3Tier
+
+SPEC = KVSpec(2, 2, 16, torch.bfloat16)
+FP = Fingerprint("s3-test", SPEC, 16)
+CTX = TierContext(FP)
+MARGIN = 1.0  # seconds of slack on a loaded 2-core machine
+
+
+def _key(tag: str) -> bytes:
+    return hashlib.blake2b(tag.encode(), digest_size=32).digest()
+
+
+def _chunk(i: int, tokens: int = 16, parent: bytes | None = None) -> tuple[ChunkMeta, bytes]:
+    meta = ChunkMeta(_key(f"k{i}"), parent if parent is not None else _key(f"k{i - 1}"), tokens,
+                     SPEC.nbytes(tokens))
+    data = torch.randn(SPEC.shape(tokens), generator=torch.Generator().manual_seed(i))
+    return meta, encode_chunk(FP, meta, data.to(SPEC.dtype))
+
+
+StoreFactory = Callable[..., Any]
+
+
+@pytest.fixture
+async def make_store(moto_endpoint: str) -> AsyncIterator[StoreFactory]:
+    """``await make_store(endpoint=..., bucket=..., **S3Tier fields)`` -> a started S3Store;
+    all are closed at the end. Each test gets its own bucket."""
+    bucket = unique_bucket()
+    stores: list[S3Store] = []
+
+    async def make(endpoint: str = moto_endpoint, ctx: TierContext = CTX,
+                   **kw: Any) -> S3Store:
+        kw.setdefault("bucket", bucket)
+        kw.setdefault("create_bucket", True)
+        store = S3Tier(endpoint_url=endpoint, **kw).build()
+        await store.start(ctx)
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        await store.aclose()
+
+
+# -- config --------------------------------------------------------------------------------------
+
+
+def test_config_fields_and_build() -> None:
+    tier = S3Tier(bucket="b", prefix="/a/b/", access_key_id="id", secret_access_key="secret",
+                  multipart_threshold="16MiB", capacity_bytes="1GiB")
+    assert tier.prefix == "a/b" and tier.multipart_threshold == 16 * 1024**2
+    assert "secret" not in repr(tier)
+    store = tier.build()
+    assert isinstance(store, StorageTier)
+    assert (store.name, store.shared, store.capacity_bytes, store.codec, store.timeout,
+            store.max_concurrency, store.write_through) == (
+        "s3", True, 1024**3, "lz4", 10.0, 16, False)
+    assert S3Tier(bucket="b").build().capacity_bytes is None
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"bucket": ""},
+    {"codec": "gzip"},
+    {"timeout": 0},
+    {"retries": -1},
+    {"retries": 1.5},
+    {"max_concurrency": 0},
+    {"part_size": "1MiB"},
+    {"multipart_threshold": -1},
+    {"access_key_id": "only-the-id"},
+    {"create_bucket": "yes"},
+    {"capacity_bytes": -5},
+    {"endpoint_url": 5},
+])
+def test_config_rejects(kwargs: dict[str, Any]) -> None:
+    args = {"bucket": "b", **kwargs}
+    with pytest.raises(ConfigError):
+        S3Tier(**args)
+
+
+# -- behaviour -----------------------------------------------------------------------------------
+
+
+async def test_write_read_delete(make_store: StoreFactory) -> None:
+    store = await make_store()
+    meta, obj = _chunk(1)
+    await store.write(meta, obj)
+    assert await store.read(meta) == obj
+    assert await store.read(_chunk(2)[0]) is None  # absent: a miss, not a fault
+    await store.write(meta, obj)  # known to be there: skipped
+    await store.delete(meta.key)
+    assert await store.read(meta) is None
+    await store.delete(meta.key)
+    stats = store.stats()
+    assert (stats["writes"], stats["writes_skipped"], stats["reads"], stats["read_misses"],
+            stats["read_faults"], stats["deletes"], stats["bytes_in"], stats["bytes_out"]) == (
+        1, 1, 1, 2, 0, 1, len(obj), len(obj))
+
+
+async def test_listing_finds_other_nodes_chunks(make_store: StoreFactory) -> None:
+    node_a = await make_store()
+    root = _key("root")
+    chain = [_chunk(1, parent=root)]
+    for i in range(2, 5):
+        chain.append(_chunk(i, parent=chain[-1][0].key))
+    tail = _chunk(99, tokens=5, parent=chain[-1][0].key)  # a partial tail chunk
+    for meta, obj in [*chain, tail]:
+        await node_a.write(meta, obj)
+    # Not ours: another fingerprint's chunk in the same bucket, and a stray object.
+    other = Fingerprint("other-model", SPEC, 16)
+    await (await make_store(ctx=TierContext(other))).write(*_chunk(7))
+    await node_a.client.put_object(Bucket=node_a.config.bucket, Key="musacache/stray.txt",
+                                   Body=b"x")
+
+    node_b = await make_store()
+    found = {m.key: m for m in await node_b.refresh()}
+    assert set(found) == {m.key for m, _ in [*chain, tail]}
+    for meta, obj in [*chain, tail]:
+        got = found[meta.key]
+        assert (got.parent, got.num_tokens, got.raw_bytes, got.stored_bytes) == (
+            meta.parent, meta.num_tokens, meta.raw_bytes, len(obj))
+        assert abs(got.last_used - time.time()) < 300
+        assert await node_b.read(got) == obj
+    # One parent's children: the next full chunk and, under the last, the tail.
+    assert [m.key for m in await node_b.refresh(root)] == [chain[0][0].key]
+    assert [(m.key, m.num_tokens) for m in await node_b.refresh(chain[-1][0].key)] == [
+        (tail[0].key, 5)]
+    assert await node_b.refresh(_key("nobody")) == []
+    # A chunk written after B started is found by refreshing its parent.
+    late = _chunk(50, parent=tail[0].key)
+    await node_a.write(*late)
+    assert [m.key for m in await node_b.refresh(tail[0].key)] == [late[0].key]
+
+
+async def test_start_returns_existing_chunks(make_store: StoreFactory) -> None:
+    first = await make_store()
+    chunks = [_chunk(i) for i in range(3)]
+    for meta, obj in chunks:
+        await first.write(meta, obj)
+    again = await make_store()
+    # start() already listed: the restart finds every chunk without a refresh.
+    assert again.stats()["known_objects"] == 3
+    await again.write(*chunks[0])
+    assert again.stats()["writes_skipped"] == 1
+
+
+async def test_refresh_interval_reuses_a_listing(make_store: StoreFactory) -> None:
+    store = await make_store(refresh_interval=30.0)
+    await store.write(*_chunk(1))
+    lists = store.stats()["lists"]
+    assert len(await store.refresh()) == 1
+    assert len(await store.refresh()) == 1
+    assert store.stats()["lists"] == lists + 1
+
+
+async def test_multipart_and_ranged_reads(make_store: StoreFactory) -> None:
+    store = await make_store(multipart_threshold="5MiB", part_size="5MiB")
+    meta = ChunkMeta(_key("big"), _key("big-parent"), 16, SPEC.nbytes(16))
+    obj = bytes(range(256)) * (12 * 1024**2 // 256) + b"tail"  # 3 parts, the last short
+    await store.write(meta, obj)
+    assert store.stats()["multipart_writes"] == 1
+    listed = await store.refresh(meta.parent)
+    assert listed[0].stored_bytes == len(obj)
+    assert await store.read(listed[0]) == obj
+    assert store.stats()["ranged_reads"] == 1
+    # Below the threshold (or with stored_bytes unknown) a read is a single GET.
+    small_meta, small = _chunk(1)
+    await store.write(small_meta, small)
+    assert await store.read(small_meta) == small
+    assert store.stats()["multipart_writes"] == 1
+
+
+async def test_damaged_objects_are_caught_by_the_codec(make_store: StoreFactory) -> None:
+    store = await make_store()
+    meta, obj = _chunk(1)
+    await store.write(meta, obj)
+    name = store.object_name(meta.key, meta.parent, meta.num_tokens)
+    bucket = store.config.bucket
+    flipped = bytearray(obj)
+    flipped[len(obj) // 2] ^= 0x01
+    await store.client.put_object(Bucket=bucket, Key=name, Body=bytes(flipped))
+    got = await store.read(meta)
+    assert got == bytes(flipped)  # the tier moves bytes; verification is the codec's
+    with pytest.raises(CorruptChunkError):
+        decode_chunk(FP, got, expect=meta)
+    await store.client.put_object(Bucket=bucket, Key=name, Body=obj[: len(obj) - 100])
+    with pytest.raises(CorruptChunkError):
+        decode_chunk(FP, await store.read(meta), expect=meta)
+    await store.client.put_object(Bucket=bucket, Key=name, Body=obj)
+    assert decode_chunk(FP, await store.read(meta), expect=meta)[0].key == meta.key
+
+
+# -- faults --------------------------------------------------------------------------------------
+
+
+async def _timed(coro: Any) -> tuple[float, BaseException | None, Any]:
+    start = time.monotonic()
+    try:
+        result = await coro
+    except Exception as e:
+        return time.monotonic() - start, e, None
+    return time.monotonic() - start, None, result
+
+
+async def test_endpoint_down_then_back(make_store: StoreFactory,
+                                       fault_proxy: FaultProxy) -> None:
+    store = await make_store(endpoint=fault_proxy.endpoint_url, timeout=2.0, retries=2,
+                             retry_backoff=0.05, connect_timeout=1.0)
+    meta, obj = _chunk(1)
+    await store.write(meta, obj)
+    assert await store.read(meta) == obj
+
+    fault_proxy.stop()  # the server goes away mid-run
+    elapsed, err, _ = await _timed(store.read(meta))
+    assert isinstance(err, TierError) and elapsed < 2.0 + MARGIN
+    meta2, obj2 = _chunk(2)
+    elapsed, err, _ = await _timed(store.write(meta2, obj2))
+    assert isinstance(err, TierError) and "3 attempt" in str(err)
+    with pytest.raises(TierError):
+        await store.refresh(meta.parent)
+    stats = store.stats()
+    assert stats["read_faults"] == 1 and stats["write_retries"] == 2
+    assert stats["write_failures"] == 1 and stats["list_faults"] == 1
+    assert "unreachable" in stats["last_error"]
+
+    fault_proxy.start()  # back on the same port
+    assert await store.read(meta) == obj
+    await store.write(meta2, obj2)
+    assert await store.read(meta2) == obj2
+    assert [m.key for m in await store.refresh(meta2.parent)] == [meta2.key]
+
+
+async def test_start_while_unreachable(make_store: StoreFactory,
+                                       fault_proxy: FaultProxy) -> None:
+    seeded = await make_store()
+    meta, obj = _chunk(1)
+    await seeded.write(meta, obj)
+    fault_proxy.stop()
+    store = await make_store(endpoint=fault_proxy.endpoint_url, create_bucket=False,
+                             timeout=2.0, connect_timeout=1.0)
+    # Unreachable is not a configuration error: the tier starts empty and learns later.
+    assert store.stats()["list_faults"] == 1 and store.stats()["known_objects"] == 0
+    fault_proxy.start()
+    assert [m.key for m in await store.refresh()] == [meta.key]
+    assert await store.read(meta) == obj
+
+
+async def test_missing_bucket_fails_start(moto_endpoint: str) -> None:
+    store = S3Tier(bucket=unique_bucket(), endpoint_url=moto_endpoint).build()
+    with pytest.raises(TierError, match="NoSuchBucket"):
+        await store.start(CTX)
+    await store.aclose()
+
+
+async def test_throttling(make_store: StoreFactory, fault_proxy: FaultProxy) -> None:
+    store = await make_store(endpoint=fault_proxy.endpoint_url, retries=3, retry_backoff=0.05)
+    meta, obj = _chunk(1)
+    await store.write(meta, obj)
+
+    fault_proxy.throttle = 1
+    with pytest.raises(TierError, match="throttled"):
+        await store.read(meta)  # reads never retry: the engine counts a miss
+    assert await store.read(meta) == obj
+
+    fault_proxy.throttle = 2
+    meta2, obj2 = _chunk(2)
+    await store.write(meta2, obj2)  # two 503s, then it goes through
+    assert store.stats()["write_retries"] == 2
+    assert await store.read(meta2) == obj2
+
+    fault_proxy.throttle = 100
+    meta3, obj3 = _chunk(3)
+    with pytest.raises(TierError, match="throttled"):
+        await store.write(meta3, obj3)
+    stats = store.stats()
+    assert stats["write_retries"] == 5 and stats["write_failures"] == 1
+    assert stats["read_faults"] == 1
+    fault_proxy.throttle = 0
+    assert await store.read(meta3) is None  # the failed write left nothing behind
+
+
+async def test_slow_server_never_holds_a_read_past_timeout(make_store: StoreFactory,
+                                                           fault_proxy: FaultProxy) -> None:
+    store = await make_store(endpoint=fault_proxy.endpoint_url, timeout=0.5, retries=1,
+                             write_timeout=0.5, retry_backoff=0.01)
+    meta, obj = _chunk(1)
+    await store.write(meta, obj)
+    fault_proxy.delay = 3.0
+    elapsed, err, _ = await _timed(store.read(meta))
+    assert isinstance(err, TierError) and "timeout" in str(err)
+    assert elapsed < 0.5 + MARGIN
+    elapsed, err, _ = await _timed(store.write(*_chunk(2)))
+    assert isinstance(err, TierError) and elapsed < 2 * 0.5 + 0.01 + MARGIN
+    fault_proxy.delay = 0.0
+    assert await store.read(meta) == obj
+
+
+async def test_fault_logs_are_rate_limited(make_store: StoreFactory, fault_proxy: FaultProxy,
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    store = await make_store(endpoint=fault_proxy.endpoint_url, log_interval=60.0)
+    meta, obj = _chunk(1)
+    await store.write(meta, obj)
+    fault_proxy.throttle = 5
+    with caplog.at_level(logging.WARNING, logger="musacache.s3"):
+        for _ in range(5):
+            with pytest.raises(TierError):
+                await store.read(meta)
+    lines = [r for r in caplog.records if r.name == "musacache.s3"]
+    assert len(lines) == 1 and "SlowDown" in lines[0].getMessage()
+    assert store.stats()["read_faults"] == 5
