@@ -28,6 +28,7 @@ from ._errors import (
     ConfigError,
     DeviceError,
     FingerprintMismatchError,
+    InvalidInputError,
     MusaCacheError,
     ShapeError,
 )
@@ -353,6 +354,136 @@ class Cache:
         finally:
             self._inflight["prefetches"] -= 1
 
+    async def store(self, tokens: Any, kv_caches: Any, slot_mapping: Any, *,
+                    layout: str = "vllm", skip_prefix: int = 0, ready: Any = None,
+                    ready_timeout: float | None = None) -> int:
+        """Store the KV of ``tokens``, gathered from an engine's paged ``kv_caches``.
+
+        ``slot_mapping[i]`` is the slot of ``tokens[i]`` in the pages (see
+        :mod:`musacache.transfer` for the layouts). The first ``skip_prefix`` tokens are not
+        read (the engine got them from this cache). A chunk holding a -1 slot past
+        ``skip_prefix`` ends the store: its KV is not in the pages. ``ready`` (a host or
+        device event) is awaited, without blocking the loop, before the pages are read.
+        Returns the number of leading tokens of ``tokens`` now cached, as ``put`` does.
+        """
+        self._check_open()
+        toks = as_tokens(tokens)
+        slots, paged = self._check_paged(toks, kv_caches, slot_mapping, layout, skip_prefix)
+        self._ops["puts"] += 1
+        self._inflight["puts"] += 1
+        try:
+            await devices.wait_ready(ready, ready_timeout)
+            valid = self._first_skip(slots, skip_prefix)
+
+            async def fill(dst: torch.Tensor, start: int, n: int) -> None:
+                await self._gather_into(kv_caches, slots[start:start + n], dst, layout,
+                                        paged.device)
+
+            return await self._put(toks[:valid], lambda s, n: torch.empty(0), fill,
+                                   skip_prefix=skip_prefix)
+        finally:
+            self._inflight["puts"] -= 1
+
+    async def retrieve(self, tokens: Any, kv_caches: Any, slot_mapping: Any, *,
+                       layout: str = "vllm", skip_prefix: int = 0, ready: Any = None,
+                       ready_timeout: float | None = None) -> int:
+        """Write the cached prefix of ``tokens`` into an engine's paged ``kv_caches``.
+
+        Tokens before ``skip_prefix`` (the engine holds them) are neither read nor overwritten;
+        slots of -1 are skipped. ``ready`` is awaited before the pages are written. Returns the
+        number of tokens written: the cached prefix length minus ``skip_prefix`` (0 if the
+        cached prefix is shorter). Every argument is checked before any page is touched.
+        """
+        self._check_open()
+        toks = as_tokens(tokens)
+        slots, paged = self._check_paged(toks, kv_caches, slot_mapping, layout, skip_prefix)
+        self._ops["gets"] += 1
+        self._inflight["gets"] += 1
+        try:
+            await devices.wait_ready(ready, ready_timeout)
+            matches = await self._match(toks)
+            total = sum(m.num_tokens for m in matches)
+            self._count_request(len(toks), total)
+            if total <= skip_prefix:
+                return 0
+            td = self.spec.token_dim
+            # Read the matched chunks like get() (pinned, promoted), then scatter each
+            # chunk's tokens past skip_prefix straight into the pages.
+            for m in matches:
+                self._pin(m.entry)
+            try:
+                written = 0
+                for m in matches:
+                    lo = max(m.start, skip_prefix)
+                    hi = m.start + m.num_tokens
+                    if hi <= lo:
+                        continue
+                    t = self._hottest_mem(m.entry)
+                    if t is not None and t.idx == 0:
+                        src: torch.Tensor | None = self._entry_view(t, m.entry)
+                        t.c["hits"] += 1
+                    else:
+                        src, _name = await self._fetch(m.entry)
+                    if src is None:
+                        break
+                    part = src.narrow(td, lo - m.start, hi - lo)
+                    await self._scatter_from(part, kv_caches, slots[lo:hi], layout,
+                                             paged.device)
+                    written += hi - lo
+                self._touch([m.entry for m in matches])
+                return written
+            finally:
+                for m in matches:
+                    self._unpin(m.entry)
+        finally:
+            self._inflight["gets"] -= 1
+
+    def _check_paged(self, toks: np.ndarray, kv_caches: Any, slot_mapping: Any, layout: str,
+                     skip_prefix: int) -> tuple[torch.Tensor, Any]:
+        from . import transfer
+
+        paged = transfer.describe(kv_caches, layout)
+        if paged.spec() != self.spec:
+            raise ShapeError(f"kv_caches hold {paged.spec().describe()}, this cache stores "
+                             f"{self.spec.describe()}")
+        slots = transfer._as_slots(slot_mapping, len(toks))
+        transfer._check_slot_range(slots, paged.num_slots)
+        if isinstance(skip_prefix, bool) or not isinstance(skip_prefix, int) \
+                or not 0 <= skip_prefix <= len(toks):
+            raise InvalidInputError(f"skip_prefix must be an int in [0, {len(toks)}], "
+                                    f"got {skip_prefix!r}")
+        return slots, paged
+
+    @staticmethod
+    def _first_skip(slots: torch.Tensor, skip_prefix: int) -> int:
+        """Tokens before the first -1 slot at or after ``skip_prefix``."""
+        tail = slots[skip_prefix:]
+        holes = (tail == -1).nonzero()
+        return skip_prefix + int(holes[0, 0]) if holes.numel() else len(slots)
+
+    async def _gather_into(self, kv_caches: Any, slots: torch.Tensor, dst: torch.Tensor,
+                           layout: str, pages_device: torch.device) -> None:
+        from . import transfer
+
+        if dst.device == pages_device:
+            await self._in_thread(lambda: transfer.gather(kv_caches, slots, dst, layout))
+            return
+        tmp = torch.empty(dst.shape, dtype=dst.dtype, device=pages_device)
+        await self._in_thread(lambda: transfer.gather(
+            kv_caches, slots.to(pages_device), tmp, layout))
+        await self._copy(dst, tmp)
+
+    async def _scatter_from(self, src: torch.Tensor, kv_caches: Any, slots: torch.Tensor,
+                            layout: str, pages_device: torch.device) -> None:
+        from . import transfer
+
+        if src.device != pages_device:
+            staged = torch.empty(src.shape, dtype=src.dtype, device=pages_device)
+            await self._copy(staged, src)
+            src = staged
+            slots = slots.to(pages_device)
+        await self._in_thread(lambda: transfer.scatter(src, kv_caches, slots, layout))
+
     async def delete(self, tokens: Any) -> int:
         """Forget the chunks of ``tokens`` (and every chunk that extends them) in all tiers.
         Returns the number of chunks removed."""
@@ -423,8 +554,10 @@ class Cache:
                     await self._put_flights[key].wait()
                     e = self._dir.get(key)
                 if e is None:
-                    if end <= skip_prefix:
-                        break  # the caller holds this prefix but we do not: nothing to chain
+                    if start < skip_prefix:
+                        # The caller said not to read these tokens, and we do not hold them:
+                        # nothing after them can be chained.
+                        break
                     flight = anyio.Event()
                     self._put_flights[key] = flight
                     try:

@@ -29,6 +29,7 @@ __all__ = [
     "ProtocolError",
     "CacheUnavailableError",
     "PermissionDeniedError",
+    "ReadyTimeoutError",
 ]
 
 
@@ -136,3 +137,7 @@ class CacheUnavailableError(MusaCacheError, ConnectionError):
 
 class PermissionDeniedError(MusaCacheError, PermissionError):
     """The node server refused the peer (its uid is not the server's and not allow-listed)."""
+
+
+class ReadyTimeoutError(MusaCacheError, TimeoutError):
+    """A ``ready`` event was not set within its timeout; nothing was read or written."""

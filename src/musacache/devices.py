@@ -23,7 +23,7 @@ from typing import Any, Protocol, runtime_checkable
 import anyio
 import torch
 
-from ._errors import ConfigError, DeviceError
+from ._errors import ConfigError, DeviceError, ReadyTimeoutError
 
 __all__ = [
     "ACCELERATORS",
@@ -375,7 +375,7 @@ async def wait_ready(event: Any, timeout: float | None = None) -> None:
         raise DeviceError(
             f"ready= must be an event with wait() or query(), got {type(event).__name__}")
     if not ok:
-        raise TimeoutError(f"ready event was not set within {timeout} s")
+        raise ReadyTimeoutError(f"ready event was not set within {timeout} s")
 
 
 def _accepts_timeout(event: Any) -> bool:

@@ -1,0 +1,218 @@
+"""Cache.store / Cache.retrieve: the engine API over paged KV caches, one key space with
+put/get, checked before anything is written."""
+
+import random
+
+import pytest
+import torch
+
+import musacache as mc
+from musacache import devices
+
+from conftest import prefix_kv, small_spec
+
+CH = 16
+BS = 4  # tokens per page
+
+
+def make_pages(spec, layout, num_blocks):
+    L, H, D = spec.num_layers, spec.num_kv_heads, spec.head_dim
+    slots = num_blocks * BS
+    if layout == "vllm":
+        return [torch.full((2, num_blocks, BS, H, D), -7.0, dtype=spec.dtype) for _ in range(L)]
+    if layout == "vllm-mla":
+        return [torch.full((num_blocks, BS, D), -7.0, dtype=spec.dtype) for _ in range(L)]
+    if layout == "sglang":
+        return ([torch.full((slots, H, D), -7.0, dtype=spec.dtype) for _ in range(L)],
+                [torch.full((slots, H, D), -7.0, dtype=spec.dtype) for _ in range(L)])
+    if layout == "sglang-mla":
+        return [torch.full((slots, 1, D), -7.0, dtype=spec.dtype) for _ in range(L)]
+    raise AssertionError(layout)
+
+
+def random_slots(n, num_blocks, rng):
+    """Slots for n tokens in randomly chosen pages (a block table), as an engine assigns them."""
+    blocks = rng.sample(range(num_blocks), (n + BS - 1) // BS)
+    return torch.tensor([blocks[i // BS] * BS + i % BS for i in range(n)], dtype=torch.int64)
+
+
+def write_dense(spec, layout, pages, slots, dense):
+    """Reference scatter, element by element."""
+    for i, s in enumerate(slots.tolist()):
+        if s < 0:
+            continue
+        b, o = divmod(s, BS)
+        for layer in range(spec.num_layers):
+            if layout == "vllm":
+                pages[layer][:, b, o] = dense[layer, :, i]
+            elif layout == "vllm-mla":
+                pages[layer][b, o] = dense[layer, i]
+            elif layout == "sglang":
+                pages[0][layer][s] = dense[layer, 0, i]
+                pages[1][layer][s] = dense[layer, 1, i]
+            else:
+                pages[layer][s, 0] = dense[layer, i]
+
+
+def read_dense(spec, layout, pages, slots):
+    out = torch.empty(spec.shape(len(slots)), dtype=spec.dtype)
+    for i, s in enumerate(slots.tolist()):
+        b, o = divmod(s, BS)
+        for layer in range(spec.num_layers):
+            if layout == "vllm":
+                out[layer, :, i] = pages[layer][:, b, o]
+            elif layout == "vllm-mla":
+                out[layer, i] = pages[layer][b, o]
+            elif layout == "sglang":
+                out[layer, 0, i] = pages[0][layer][s]
+                out[layer, 1, i] = pages[1][layer][s]
+            else:
+                out[layer, i] = pages[layer][s, 0]
+    return out
+
+
+def flat(pages):
+    if isinstance(pages, tuple):
+        return [t.clone() for t in pages[0] + pages[1]]
+    return [t.clone() for t in pages]
+
+
+LAYOUTS = ["vllm", "vllm-mla", "sglang", "sglang-mla"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+async def test_store_then_retrieve_into_other_pages_is_byte_exact(layout):
+    rng = random.Random(3)
+    spec = small_spec(mla=layout.endswith("mla"))
+    toks = [rng.randrange(1000) for _ in range(45)]
+    dense = prefix_kv(spec, toks)
+    src_pages = make_pages(spec, layout, 32)
+    src_slots = random_slots(45, 32, rng)
+    write_dense(spec, layout, src_pages, src_slots, dense)
+    cfg = mc.CacheConfig(spec, "paged", tiers=(mc.HostTier(spec.nbytes(CH) * 16),), chunk_size=CH)
+    async with mc.Cache(cfg) as c:
+        assert await c.store(toks, src_pages, src_slots, layout=layout) == 45
+        dst_pages = make_pages(spec, layout, 40)
+        dst_slots = random_slots(45, 40, rng)
+        assert await c.retrieve(toks, dst_pages, dst_slots, layout=layout) == 45
+        assert torch.equal(read_dense(spec, layout, dst_pages, dst_slots), dense)
+        # One key space: what store put, get serves, and the reverse.
+        assert torch.equal((await c.get(toks)).kv, dense)
+        other = toks[:30] + [5, 6, 7]
+        await c.put(other, prefix_kv(spec, other))
+        pages3 = make_pages(spec, layout, 40)
+        slots3 = random_slots(33, 40, rng)
+        assert await c.retrieve(other, pages3, slots3, layout=layout) == 33
+        assert torch.equal(read_dense(spec, layout, pages3, slots3), prefix_kv(spec, other))
+
+
+async def test_skip_prefix_is_neither_read_nor_overwritten():
+    layout = "vllm"
+    rng = random.Random(5)
+    spec = small_spec()
+    toks = list(range(40))
+    dense = prefix_kv(spec, toks)
+    pages = make_pages(spec, layout, 16)
+    slots = random_slots(40, 16, rng)
+    write_dense(spec, layout, pages, slots, dense)
+    cfg = mc.CacheConfig(spec, "skip", tiers=(mc.HostTier(spec.nbytes(CH) * 16),), chunk_size=CH)
+    async with mc.Cache(cfg) as c:
+        assert await c.store(toks, pages, slots, layout=layout) == 40
+        dst = make_pages(spec, layout, 16)
+        dslots = random_slots(40, 16, rng)
+        before = flat(dst)
+        assert await c.retrieve(toks, dst, dslots, layout=layout, skip_prefix=20) == 20
+        got = read_dense(spec, layout, dst, dslots)
+        assert torch.equal(got[:, :, 20:], dense[:, :, 20:])
+        assert torch.all(got[:, :, :20] == -7.0)  # untouched
+        assert len(before) == len(flat(dst))
+        # store with skip_prefix: the skipped tokens are already cached, the rest is added.
+        more = toks + [77, 78, 79, 80]
+        dense2 = prefix_kv(spec, more)
+        pages2 = make_pages(spec, layout, 16)
+        slots2 = random_slots(44, 16, rng)
+        write_dense(spec, layout, pages2, slots2[32:], dense2[:, :, 32:])  # only the new tail
+        assert await c.store(more, pages2, slots2, layout=layout, skip_prefix=32) == 44
+        assert torch.equal((await c.get(more)).kv, dense2)
+
+
+async def test_minus_one_slots_end_a_store_and_are_skipped_by_retrieve():
+    spec = small_spec()
+    rng = random.Random(9)
+    toks = list(range(48))
+    dense = prefix_kv(spec, toks)
+    pages = make_pages(spec, "vllm", 16)
+    slots = random_slots(48, 16, rng)
+    write_dense(spec, "vllm", pages, slots, dense)
+    slots[35] = -1  # a padding token inside chunk 2
+    cfg = mc.CacheConfig(spec, "holes", tiers=(mc.HostTier(spec.nbytes(CH) * 16),), chunk_size=CH)
+    async with mc.Cache(cfg) as c:
+        assert await c.store(toks, pages, slots, layout="vllm") == 35
+        assert await c.lookup(toks) == 35
+        dst = make_pages(spec, "vllm", 16)
+        dslots = random_slots(35, 16, rng)
+        dslots[3] = -1
+        assert await c.retrieve(toks[:35], dst, dslots, layout="vllm") == 35
+        got = read_dense(spec, "vllm", dst, dslots.clamp(min=0))
+        keep = [i for i in range(35) if i != 3]
+        assert torch.equal(got[:, :, keep], dense[:, :, keep])
+
+
+@pytest.mark.parametrize("mutate,err", [
+    (lambda s: s.__setitem__(5, 10**6), mc.SlotRangeError),
+    (lambda s: s.__setitem__(0, -2), mc.SlotRangeError),
+])
+async def test_bad_slots_raise_before_any_page_changes(mutate, err):
+    spec = small_spec()
+    rng = random.Random(1)
+    toks = list(range(32))
+    pages = make_pages(spec, "vllm", 16)
+    slots = random_slots(32, 16, rng)
+    cfg = mc.CacheConfig(spec, "bad", tiers=(mc.HostTier(spec.nbytes(CH) * 8),), chunk_size=CH)
+    async with mc.Cache(cfg) as c:
+        await c.put(toks, prefix_kv(spec, toks))
+        mutate(slots)
+        before = flat(pages)
+        with pytest.raises(err):
+            await c.retrieve(toks, pages, slots, layout="vllm")
+        assert all(torch.equal(a, b) for a, b in zip(before, flat(pages)))
+        with pytest.raises(err):
+            await c.store(list(range(500, 532)), pages, slots, layout="vllm")
+        assert await c.lookup(list(range(500, 532))) == 0
+
+
+async def test_bad_paged_arguments_are_typed_errors():
+    spec = small_spec()
+    toks = list(range(16))
+    cfg = mc.CacheConfig(spec, "bad2", tiers=(mc.HostTier(spec.nbytes(CH) * 8),), chunk_size=CH)
+    async with mc.Cache(cfg) as c:
+        pages = make_pages(spec, "vllm", 8)
+        slots = torch.arange(16)
+        with pytest.raises(mc.ShapeError):
+            await c.store(toks, pages, slots[:10], layout="vllm")  # length disagrees
+        with pytest.raises(mc.DTypeError):
+            await c.store(toks, pages, slots.int(), layout="vllm")
+        with pytest.raises(mc.LayoutError):
+            await c.store(toks, pages, slots, layout="nope")
+        wrong = make_pages(small_spec(dtype=torch.float16), "vllm", 8)
+        with pytest.raises(mc.InvalidInputError):
+            await c.store(toks, wrong, slots, layout="vllm")
+        with pytest.raises(mc.InvalidInputError):
+            await c.retrieve(toks, pages, slots, layout="vllm", skip_prefix=99)
+        assert c.stats()["chunks"] == 0
+
+
+async def test_ready_event_is_awaited_before_reading_pages():
+    spec = small_spec()
+    toks = list(range(16))
+    pages = make_pages(spec, "vllm", 8)
+    slots = torch.arange(16)
+    write_dense(spec, "vllm", pages, slots, prefix_kv(spec, toks))
+    cfg = mc.CacheConfig(spec, "ready", tiers=(mc.HostTier(spec.nbytes(CH) * 8),), chunk_size=CH)
+    async with mc.Cache(cfg) as c:
+        ev = devices.HostEvent()
+        with pytest.raises(mc.ReadyTimeoutError):
+            await c.store(toks, pages, slots, layout="vllm", ready=ev, ready_timeout=0.05)
+        assert await c.lookup(toks) == 0
+        ev.set()
+        assert await c.store(toks, pages, slots, layout="vllm", ready=ev) == 16
