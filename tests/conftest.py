@@ -3,58 +3,15 @@ themselves; with CI=true a missing service is a failure, never a skip."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
-import torch
 
 import musacache as mc
+from helpers import small_spec
 
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-
-
-def need_service(available: bool, what: str) -> None:
-    """Skip locally, fail in CI, when a service a test needs is missing."""
-    if available:
-        return
-    if IN_CI:
-        pytest.fail(f"{what} is required in CI but is not available")
-    pytest.skip(f"{what} is not available")
-
-
-def small_spec(mla: bool = False, dtype: torch.dtype = torch.float32) -> mc.KVSpec:
-    return mc.KVSpec(num_layers=2, num_kv_heads=1 if mla else 2, head_dim=8, dtype=dtype, mla=mla)
-
-
-def prefix_kv(spec: mc.KVSpec, tokens: torch.Tensor | list[int]) -> torch.Tensor:
-    """Deterministic KV for a token sequence where position j depends only on tokens[:j+1]
-    (like a causal model), so two prompts that share a prefix share its KV exactly."""
-    toks = torch.as_tensor(tokens, dtype=torch.int64)
-    ph = torch.empty(len(toks), dtype=torch.int64)
-    acc = 7
-    for j, t in enumerate(toks.tolist()):
-        acc = (acc * 1000003 + t + 1) % 8388593
-        ph[j] = acc
-    shape = spec.shape(len(toks))
-    if spec.mla:
-        base = ph.view(1, -1, 1)
-        offs = (torch.arange(shape[0]).view(-1, 1, 1) * 7 + torch.arange(shape[2]).view(1, 1, -1) * 13)
-    else:
-        base = ph.view(1, 1, -1, 1, 1)
-        offs = (torch.arange(shape[0]).view(-1, 1, 1, 1, 1) * 7
-                + torch.arange(2).view(1, -1, 1, 1, 1) * 3
-                + torch.arange(shape[3]).view(1, 1, 1, -1, 1) * 11
-                + torch.arange(shape[4]).view(1, 1, 1, 1, -1) * 13)
-    # Values stay below 2**24 so they are exact in float32 (and distinct in bf16 often enough).
-    return ((base + offs) % 16777213).to(spec.dtype)
+# moto and Swift fixtures (they start the servers themselves; see tests/s3_servers.py).
+pytest_plugins = ["s3_servers"]
 
 
 @pytest.fixture
 def spec() -> mc.KVSpec:
     return small_spec()
-
-
-def host_config(spec: mc.KVSpec, chunks: int = 64, chunk_size: int = 16, **kw: object) -> mc.CacheConfig:
-    tiers = kw.pop("tiers", None) or (mc.HostTier(capacity_bytes=spec.nbytes(chunk_size) * chunks),)
-    return mc.CacheConfig(spec=spec, namespace=str(kw.pop("namespace", "test-model")),
-                          tiers=tiers, chunk_size=chunk_size, **kw)  # type: ignore[arg-type]

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import musacache as mc
-from conftest import host_config, prefix_kv, small_spec
+from helpers import host_config, prefix_kv, small_spec
 
 
 async def test_put_get_roundtrip_every_prefix_length(spec):

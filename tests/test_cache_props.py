@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import musacache as mc
-from conftest import prefix_kv, small_spec
+from helpers import prefix_kv, small_spec
 
 SPEC = small_spec()
 CHUNK = 4

@@ -8,7 +8,7 @@ import anyio
 import torch
 
 import musacache as mc
-from conftest import prefix_kv
+from helpers import prefix_kv
 
 CH = 16
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import musacache as mc
-from conftest import host_config, prefix_kv, small_spec
+from helpers import host_config, prefix_kv, small_spec
 from musacache._config import parse_size
 from musacache._keys import Fingerprint, KeyChain, as_tokens
 

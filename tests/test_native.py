@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -55,9 +57,21 @@ def test_stale_build_raises_with_rebuild_hint(monkeypatch: pytest.MonkeyPatch) -
     assert isinstance(info.value, ImportError) and isinstance(info.value, MusaCacheError)
 
 
+# The package __init__ imports the native module itself, so a subprocess that wants to patch
+# things first enters the package as a bare namespace (no __init__ run).
+_BARE_PACKAGE = (
+    "import importlib.util, sys, types\n"
+    "found = importlib.util.find_spec('musacache')\n"
+    "pkg = types.ModuleType('musacache')\n"
+    "pkg.__path__ = list(found.submodule_search_locations)\n"
+    "sys.modules['musacache'] = pkg\n"
+)
+
+
 def _import_in_subprocess(prelude: str) -> subprocess.CompletedProcess[str]:
     code = (
-        f"{prelude}\n"
+        _BARE_PACKAGE
+        + f"{prelude}\n"
         "from musacache._errors import NativeBuildError\n"
         "try:\n"
         "    import musacache._native\n"
@@ -79,6 +93,18 @@ def test_import_of_a_stale_build_raises_native_build_error() -> None:
 
 def test_import_without_a_build_raises_native_build_error() -> None:
     result = _import_in_subprocess("import sys; sys.modules['musacache._native_lib'] = None")
+    assert result.returncode == 0, result.stderr
+    assert "NativeBuildError:" in result.stdout and "pip install -e ." in result.stdout
+
+
+def test_import_musacache_without_a_build_says_how_to_rebuild() -> None:
+    code = ("import sys; sys.modules['musacache._native_lib'] = None\n"
+            "try:\n"
+            "    import musacache\n"
+            "except ImportError as e:\n"
+            "    print(type(e).__name__ + ':', e)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     assert "NativeBuildError:" in result.stdout and "pip install -e ." in result.stdout
 
@@ -118,6 +144,49 @@ def test_c_rejects_bad_arguments_without_writing() -> None:
     assert not dst.any()
     copy.block_size = 0
     assert lib.mc_scatter_rows(copy, 1) == lib.MC_ERR_ARGUMENT
+
+
+def _shuffle_work() -> Callable[[], None]:
+    src, out = bytearray(32 << 20), bytearray(32 << 20)
+    return lambda: _native.shuffle(src, 2, out)
+
+
+def _gather_work() -> Callable[[], None]:
+    paged, dense = np.ones(32 << 20, np.uint8), np.zeros(32 << 20, np.uint8)
+    slots = np.arange((32 << 20) // 4096, dtype=np.int64)
+    return lambda: _native.gather_rows([paged.ctypes.data], [dense.ctypes.data], slots,
+                                       row_bytes=4096, num_slots=slots.size,
+                                       paged_extents=paged.nbytes, dense_extents=dense.nbytes,
+                                       threads=1)
+
+
+@pytest.mark.parametrize("make_work", [_shuffle_work, _gather_work], ids=["shuffle", "gather"])
+def test_native_calls_release_the_gil(make_work: Callable[[], Callable[[], None]]) -> None:
+    """With a 60 s switch interval a thread that holds the GIL keeps it until it blocks or
+    ends, so the main thread only gets to count while the worker is inside C if the call
+    released the GIL. (The counting loop sleeps for 0 s to hand the GIL back in turn.)"""
+    work = make_work()
+    started = threading.Event()
+
+    def worker() -> None:
+        started.set()
+        for _ in range(4):
+            work()
+
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(60)
+    try:
+        thread = threading.Thread(target=worker)
+        thread.start()
+        started.wait()
+        ticks = 0
+        while thread.is_alive():
+            ticks += 1
+            time.sleep(0)
+        thread.join()
+    finally:
+        sys.setswitchinterval(old_interval)
+    assert ticks > 100
 
 
 # -- settings -------------------------------------------------------------------------------

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import musacache as mc
-from conftest import prefix_kv
 from fake_store import MemStore
+from helpers import prefix_kv
 from musacache import codec
 
 CH = 16

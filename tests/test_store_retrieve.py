@@ -7,9 +7,8 @@ import pytest
 import torch
 
 import musacache as mc
+from helpers import prefix_kv, small_spec
 from musacache import devices
-
-from conftest import prefix_kv, small_spec
 
 CH = 16
 BS = 4  # tokens per page

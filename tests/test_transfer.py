@@ -504,3 +504,27 @@ def test_aiter_is_not_given_non_contiguous_caches(
     transfer.gather(caches, [1, 6], out, "vllm")
     assert aiter.calls == []
     assert torch.equal(out, reference_vllm_gather(caches, [1, 6], torch.zeros_like(out)))
+
+
+# -- benchmark ------------------------------------------------------------------------------
+
+
+def test_bench_runs_small_and_reports_every_figure(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from musacache.bench import transfer as bench
+
+    argv = ["--layers", "2", "--blocks", "8", "--block-size", "4", "--heads", "2",
+            "--head-dim", "16", "--tokens", "12", "--threads", "2", "--repeats", "1", "--json"]
+    assert bench.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["config"]["bytes_per_call"] == 2 * 2 * 12 * 2 * 16 * 2
+    for name in ("native_gather", "native_scatter", "copy", "torch_index_select",
+                 "torch_index_copy"):
+        for n in (1, 2):
+            assert report["gbps"][f"{name}_{n}t"] > 0
+    assert report["gbps"]["shuffle_1t"] > 0
+    assert set(report["goals_met"]) == {"gather_1t_vs_copy_1t", "gather_1t_vs_index_select_1t",
+                                        "shuffle_1t_gbps"}
+    assert bench.main(argv[:-1]) == 0
+    assert "gather_1t_vs_copy_1t" in capsys.readouterr().out

@@ -4,7 +4,7 @@
 token prefixes across device, host, disk and S3 tiers. See docs/quickstart.md.
 """
 
-from . import devices
+from . import devices, ipc, transfer
 from ._config import CacheConfig, DeviceTier, HostTier
 from ._engine import Cache, Hit
 from ._errors import (
@@ -32,6 +32,7 @@ from ._errors import (
 )
 from ._spec import KVSpec
 from ._version import __version__
+from .client import Client, connect
 from .tiers.base import ChunkMeta, StorageTier, TierContext
 
 __all__ = (
@@ -41,6 +42,7 @@ __all__ = (
     "CacheUnavailableError",
     "CapacityError",
     "ChunkMeta",
+    "Client",
     "ConfigError",
     "CorruptChunkError",
     "DTypeError",
@@ -66,5 +68,8 @@ __all__ = (
     "TierError",
     "TokensError",
     "__version__",
+    "connect",
     "devices",
+    "ipc",
+    "transfer",
 )

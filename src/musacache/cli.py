@@ -25,6 +25,8 @@ BENCHES = {
 
 SUBCOMMANDS = {
     "demo": ("musacache.demo", "TTFT with and without the cache on a small random Llama"),
+    "serve": ("musacache.server", "run the node server on a Unix socket"),
+    "stats": ("musacache.stats_cli", "live table of a running node server's tiers"),
 }
 
 

@@ -1,0 +1,497 @@
+"""Checked wrappers over the native module ``musacache._native_lib``.
+
+The C code trusts its arguments, so every bound (buffer extents, row sizes, slot ranges,
+lengths, thread counts) is checked here before C is called, and a C status code is turned
+into :class:`NativeError`. cffi's API mode releases the GIL around every call, so the copies
+and the shuffle run in parallel with Python threads (``anyio.to_thread.run_sync``).
+
+The module is loaded and its version checked at import, as cryptography does: a missing or
+stale build raises :class:`NativeBuildError` that says how to rebuild.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any, TypeVar, overload
+
+import numpy as np
+
+from . import _version
+from ._errors import ConfigError, InvalidInputError, NativeBuildError, NativeError, SlotRangeError
+
+__all__ = [
+    "MAX_THREADS",
+    "SIMD_LEVELS",
+    "built_version",
+    "check_build_version",
+    "check_slots",
+    "gather_rows",
+    "get_num_threads",
+    "get_simd_level",
+    "get_streaming_threshold",
+    "get_thread_min_bytes",
+    "has_streaming_stores",
+    "max_simd_level",
+    "scatter_rows",
+    "set_num_threads",
+    "set_simd_level",
+    "set_streaming_threshold",
+    "set_thread_min_bytes",
+    "shuffle",
+    "unshuffle",
+]
+
+REBUILD_HINT = "rebuild it from the source tree with `pip install -e .` (or `pip install .`)"
+
+try:
+    from ._native_lib import ffi, lib
+except ImportError as exc:
+    raise NativeBuildError(
+        f"the native module musacache._native_lib is missing or cannot be loaded ({exc}); "
+        f"{REBUILD_HINT}"
+    ) from exc
+
+#: The most threads one call may use (the C side caps at the same number).
+MAX_THREADS = 256
+#: Names of the SIMD levels accepted by :func:`set_simd_level`, lowest first.
+SIMD_LEVELS = ("none", "sse2", "avx2", "avx512")
+_DEFAULT_MAX_THREADS = 8
+_THREADS_ENV = "MUSACACHE_NATIVE_THREADS"
+
+_STATUS_NAMES = {
+    lib.MC_ERR_ARGUMENT: "invalid argument",
+    lib.MC_ERR_SLOT_RANGE: "slot out of range",
+    lib.MC_ERR_NO_MEMORY: "out of memory",
+}
+
+
+# -- build check ----------------------------------------------------------------------------
+
+
+def built_version() -> str:
+    """The musacache version the native module was compiled from."""
+    return str(ffi.string(lib.mc_version()).decode("ascii"))
+
+
+def check_build_version(expected: str | None = None) -> None:
+    """Raise NativeBuildError unless the native module was built from this package version."""
+    want = _version.__version__ if expected is None else expected
+    built = built_version()
+    if built != want:
+        raise NativeBuildError(
+            f"the native module musacache._native_lib was built for musacache {built}, but the "
+            f"package is {want}; {REBUILD_HINT}"
+        )
+
+
+check_build_version()
+
+
+def _check_status(status: int, what: str) -> None:
+    if status != lib.MC_OK:
+        name = _STATUS_NAMES.get(status, "unknown status")
+        raise NativeError(f"native {what} failed with status {status} ({name})")
+
+
+# -- threads --------------------------------------------------------------------------------
+
+_num_threads: int | None = None
+
+
+def _check_thread_count(n: object, what: str) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_THREADS:
+        raise InvalidInputError(f"{what} must be an int in [1, {MAX_THREADS}], got {n!r}")
+    return n
+
+
+def _default_threads() -> int:
+    raw = os.environ.get(_THREADS_ENV)
+    if raw is None or raw.strip() == "":
+        return max(1, min(os.cpu_count() or 1, _DEFAULT_MAX_THREADS))
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_THREADS:
+        raise ConfigError(f"{_THREADS_ENV}={raw!r} must be an int in [1, {MAX_THREADS}]")
+    return value
+
+
+def get_num_threads() -> int:
+    """Threads a gather/scatter call uses when it is not told otherwise.
+
+    Defaults to ``os.cpu_count()`` capped at 8; ``MUSACACHE_NATIVE_THREADS`` overrides that.
+    """
+    global _num_threads
+    if _num_threads is None:
+        _num_threads = _default_threads()
+    return _num_threads
+
+
+def set_num_threads(n: int) -> None:
+    """Set the default thread count of gather/scatter calls (1 to ``MAX_THREADS``)."""
+    global _num_threads
+    _num_threads = _check_thread_count(n, "the number of native threads")
+
+
+# -- settings -------------------------------------------------------------------------------
+
+
+def has_streaming_stores() -> bool:
+    """Whether large copies can use non-temporal stores on this CPU and build."""
+    out = ffi.new("int *")
+    _check_status(lib.mc_has_streaming_stores(out), "has_streaming_stores")
+    return bool(out[0])
+
+
+def get_streaming_threshold() -> int:
+    """Total bytes above which one gather/scatter call uses streaming stores."""
+    out = ffi.new("int64_t *")
+    _check_status(lib.mc_get_streaming_threshold(out), "get_streaming_threshold")
+    return int(out[0])
+
+
+def set_streaming_threshold(nbytes: int | None) -> None:
+    """Set the streaming-store threshold in bytes; ``None`` restores the cache-size default."""
+    if nbytes is None:
+        value = -1
+    elif isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise InvalidInputError(f"the streaming threshold must be an int >= 0, got {nbytes!r}")
+    else:
+        value = nbytes
+    _check_status(lib.mc_set_streaming_threshold(value), "set_streaming_threshold")
+
+
+def get_thread_min_bytes() -> int:
+    """A call uses at most one thread per this many bytes it copies."""
+    out = ffi.new("int64_t *")
+    _check_status(lib.mc_get_thread_min_bytes(out), "get_thread_min_bytes")
+    return int(out[0])
+
+
+def set_thread_min_bytes(nbytes: int | None) -> None:
+    """Set the bytes each extra thread must have to copy; ``None`` restores the default
+    (2 MiB), 0 lets small calls use every thread (tests use it to reach the threaded path)."""
+    if nbytes is None:
+        value = -1
+    elif isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise InvalidInputError(f"the thread minimum must be an int >= 0, got {nbytes!r}")
+    else:
+        value = nbytes
+    _check_status(lib.mc_set_thread_min_bytes(value), "set_thread_min_bytes")
+
+
+def max_simd_level() -> str:
+    """The best SIMD level the CPU supports (one of ``SIMD_LEVELS``)."""
+    out = ffi.new("int *")
+    _check_status(lib.mc_max_simd_level(out), "max_simd_level")
+    return SIMD_LEVELS[out[0]]
+
+
+def get_simd_level() -> str:
+    """The SIMD level the kernels use now (one of ``SIMD_LEVELS``)."""
+    out = ffi.new("int *")
+    _check_status(lib.mc_get_simd_level(out), "get_simd_level")
+    return SIMD_LEVELS[out[0]]
+
+
+def set_simd_level(level: str) -> str:
+    """Cap the SIMD level (tests use it to reach every kernel); returns the level in effect."""
+    if level not in SIMD_LEVELS:
+        raise InvalidInputError(f"unknown SIMD level {level!r}; use one of {SIMD_LEVELS}")
+    _check_status(lib.mc_set_simd_level(SIMD_LEVELS.index(level)), "set_simd_level")
+    return get_simd_level()
+
+
+# -- paged <-> dense rows -------------------------------------------------------------------
+
+
+def _check_nonneg(name: str, value: object, *, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidInputError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def check_slots(slots: np.ndarray[Any, Any], num_slots: int) -> None:
+    """Check a slot array: 1-D C-contiguous int64 with every entry -1 or in [0, num_slots).
+
+    Raises SlotRangeError naming the first bad index and its value.
+    """
+    if not isinstance(slots, np.ndarray) or slots.dtype != np.int64 or slots.ndim != 1:
+        raise InvalidInputError(
+            f"slots must be a 1-D int64 numpy array, got {type(slots).__name__}"
+            + (f" {slots.dtype} of rank {slots.ndim}" if isinstance(slots, np.ndarray) else "")
+        )
+    if not slots.flags.c_contiguous:
+        raise InvalidInputError("slots must be C-contiguous")
+    if slots.size == 0:
+        return
+    if int(slots.min()) >= -1 and int(slots.max()) < num_slots:
+        return
+    bad = np.flatnonzero((slots < -1) | (slots >= num_slots))
+    first = int(bad[0])
+    raise SlotRangeError(
+        f"slot_mapping[{first}] = {int(slots[first])} is outside the paged cache "
+        f"[0, {num_slots}) (only -1 may mean skip)"
+    )
+
+
+def _max_row_offset(num_slots: int, block_size: int, block_stride: int, slot_stride: int) -> int:
+    """The largest byte offset of a row of any slot in [0, num_slots), from the plane base.
+
+    Offsets grow with the offset inside a block and with the block index, so the largest is
+    the last slot's or the last slot of the block before it.
+    """
+    def offset(slot: int) -> int:
+        return (slot // block_size) * block_stride + (slot % block_size) * slot_stride
+
+    last = num_slots - 1
+    best = offset(last)
+    before_last_block = last - last % block_size - 1
+    if before_last_block >= 0:
+        best = max(best, offset(before_last_block))
+    return best
+
+
+def _int_array(name: str, values: int | Sequence[int], count: int) -> np.ndarray[Any, Any]:
+    """``values`` (one int for all, or one per plane) as a 1-D int64 array of ``count``."""
+    if isinstance(values, bool):
+        raise InvalidInputError(f"{name} must be ints, got {values!r}")
+    array = np.full(count, values, dtype=np.int64) if isinstance(values, int) else (
+        np.asarray(values))
+    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+        raise InvalidInputError(f"{name} must be a sequence of ints, got {array.dtype} "
+                                f"of shape {array.shape}")
+    if array.shape[0] != count:
+        raise InvalidInputError(f"{name} has {array.shape[0]} entries, expected {count}")
+    return array.astype(np.int64, copy=False)
+
+
+def _plane_array(name: str, planes: Sequence[int], count: int) -> Any:
+    """The plane addresses as a C ``uintptr_t[]`` (kept alive by the returned array)."""
+    array = _int_array(name, planes, count)
+    if array.size and int(array.min()) <= 0:
+        first = int(np.flatnonzero(array <= 0)[0])
+        raise InvalidInputError(f"{name}[{first}] must be a non-null address, got "
+                                f"{int(array[first])}")
+    return array.astype(np.uint64)
+
+
+def _check_extents(name: str, extents: int | Sequence[int], count: int, need: int,
+                   what: str) -> None:
+    array = _int_array(name, extents, count)
+    if array.size and int(array.min()) < need:
+        first = int(np.flatnonzero(array < need)[0])
+        raise InvalidInputError(f"{name}[{first}] is {int(array[first])} bytes but {what} "
+                                f"reach byte {need}")
+
+
+def _transfer_rows(
+    fn: Any,
+    what: str,
+    paged_planes: Sequence[int],
+    dense_planes: Sequence[int],
+    slots: np.ndarray[Any, Any],
+    *,
+    row_bytes: int,
+    num_slots: int,
+    paged_extents: int | Sequence[int],
+    dense_extents: int | Sequence[int],
+    block_size: int,
+    block_stride: int | None,
+    slot_stride: int | None,
+    dense_row_stride: int | None,
+    threads: int | None,
+) -> None:
+    num_planes = len(paged_planes)
+    _check_nonneg("row_bytes", row_bytes)
+    _check_nonneg("num_slots", num_slots)
+    _check_nonneg("block_size", block_size, minimum=1)
+    slot_stride = row_bytes if slot_stride is None else _check_nonneg("slot_stride", slot_stride)
+    block_stride = (block_size * slot_stride if block_stride is None
+                    else _check_nonneg("block_stride", block_stride))
+    dense_row_stride = (row_bytes if dense_row_stride is None
+                        else _check_nonneg("dense_row_stride", dense_row_stride))
+    nthreads = get_num_threads() if threads is None else _check_thread_count(threads, "threads")
+    check_slots(slots, num_slots)
+    num_tokens = int(slots.shape[0])
+
+    # Rows that overlap each other would make a scatter depend on copy order.
+    if block_size > 1 and slot_stride < row_bytes:
+        raise InvalidInputError(f"slot_stride {slot_stride} is smaller than row_bytes {row_bytes}")
+    if num_slots > block_size and block_stride < (block_size - 1) * slot_stride + row_bytes:
+        raise InvalidInputError(
+            f"block_stride {block_stride} is smaller than one block of rows "
+            f"({block_size} x {slot_stride}-byte stride, {row_bytes}-byte rows)"
+        )
+    if num_tokens > 1 and dense_row_stride < row_bytes:
+        raise InvalidInputError(
+            f"dense_row_stride {dense_row_stride} is smaller than row_bytes {row_bytes}"
+        )
+
+    paged = _plane_array("paged_planes", paged_planes, num_planes)
+    dense = _plane_array("dense_planes", dense_planes, num_planes)
+    if num_slots > 0 and row_bytes > 0:
+        need = _max_row_offset(num_slots, block_size, block_stride, slot_stride) + row_bytes
+        _check_extents("paged_extents", paged_extents, num_planes, need, "slot rows")
+    else:
+        _int_array("paged_extents", paged_extents, num_planes)
+    if num_tokens > 0 and row_bytes > 0:
+        need = (num_tokens - 1) * dense_row_stride + row_bytes
+        _check_extents("dense_extents", dense_extents, num_planes, need, f"{num_tokens} rows")
+    else:
+        _int_array("dense_extents", dense_extents, num_planes)
+
+    copy = ffi.new("mc_row_copy *")
+    paged_buf = ffi.from_buffer("uintptr_t[]", paged)
+    dense_buf = ffi.from_buffer("uintptr_t[]", dense)
+    copy.paged_planes = ffi.cast("char *const *", paged_buf)
+    copy.dense_planes = ffi.cast("char *const *", dense_buf)
+    copy.num_planes = num_planes
+    copy.row_bytes = row_bytes
+    copy.block_size = block_size
+    copy.block_stride = block_stride
+    copy.slot_stride = slot_stride
+    copy.num_slots = num_slots
+    copy.dense_row_stride = dense_row_stride
+    slot_buf = ffi.from_buffer("int64_t[]", slots)
+    copy.slots = slot_buf
+    copy.num_tokens = num_tokens
+    _check_status(fn(copy, nthreads), what)
+
+
+def gather_rows(
+    paged_planes: Sequence[int],
+    dense_planes: Sequence[int],
+    slots: np.ndarray[Any, Any],
+    *,
+    row_bytes: int,
+    num_slots: int,
+    paged_extents: int | Sequence[int],
+    dense_extents: int | Sequence[int],
+    block_size: int = 1,
+    block_stride: int | None = None,
+    slot_stride: int | None = None,
+    dense_row_stride: int | None = None,
+    threads: int | None = None,
+) -> None:
+    """Copy paged rows to dense rows for every plane in one call (many layers, K and V).
+
+    Plane ``p`` is a pair of addresses: ``paged_planes[p]`` (row of slot ``s`` at
+    ``(s // block_size) * block_stride + (s % block_size) * slot_stride``) and
+    ``dense_planes[p]`` (row of token ``t`` at ``t * dense_row_stride``). Token ``t`` copies
+    ``row_bytes`` bytes from slot ``slots[t]``; a slot of -1 is skipped and its dense row is
+    left as it was. ``paged_extents``/``dense_extents`` are the bytes addressable from each
+    base (one int for all planes, or one per plane); every row the call can touch is checked
+    against them first. Strides default to packed rows. Byte copies, so any dtype works.
+    """
+    _transfer_rows(lib.mc_gather_rows, "gather", paged_planes, dense_planes, slots,
+                   row_bytes=row_bytes, num_slots=num_slots, paged_extents=paged_extents,
+                   dense_extents=dense_extents, block_size=block_size,
+                   block_stride=block_stride, slot_stride=slot_stride,
+                   dense_row_stride=dense_row_stride, threads=threads)
+
+
+def scatter_rows(
+    paged_planes: Sequence[int],
+    dense_planes: Sequence[int],
+    slots: np.ndarray[Any, Any],
+    *,
+    row_bytes: int,
+    num_slots: int,
+    paged_extents: int | Sequence[int],
+    dense_extents: int | Sequence[int],
+    block_size: int = 1,
+    block_stride: int | None = None,
+    slot_stride: int | None = None,
+    dense_row_stride: int | None = None,
+    threads: int | None = None,
+) -> None:
+    """The reverse of :func:`gather_rows`: dense rows to paged rows.
+
+    Threads split the work by plane only, so when a slot repeats, the last token wins.
+    """
+    _transfer_rows(lib.mc_scatter_rows, "scatter", paged_planes, dense_planes, slots,
+                   row_bytes=row_bytes, num_slots=num_slots, paged_extents=paged_extents,
+                   dense_extents=dense_extents, block_size=block_size,
+                   block_stride=block_stride, slot_stride=slot_stride,
+                   dense_row_stride=dense_row_stride, threads=threads)
+
+
+# -- byte shuffle ---------------------------------------------------------------------------
+
+BufferT = TypeVar("BufferT")
+
+
+def _buffer(obj: object, *, writable: bool, what: str) -> tuple[Any, int, int]:
+    """(uint8_t pointer, byte length, address) of a C-contiguous CPU buffer or torch tensor."""
+    data_ptr = getattr(obj, "data_ptr", None)
+    if callable(data_ptr) and hasattr(obj, "is_contiguous"):
+        # A torch tensor: no buffer protocol, and bf16 has no numpy dtype, so use its pointer.
+        # The caller holds the tensor for the duration of the call.
+        tensor: Any = obj
+        if tensor.device.type != "cpu":
+            raise InvalidInputError(f"{what} is a {tensor.device} tensor; it must be on the CPU")
+        if not tensor.is_contiguous():
+            raise InvalidInputError(f"{what} must be a contiguous tensor")
+        nbytes = int(tensor.numel()) * int(tensor.element_size())
+        address = int(data_ptr())
+        return ffi.cast("uint8_t *", address), nbytes, address
+    try:
+        view = memoryview(obj)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidInputError(
+            f"{what} must be a bytes-like object or a CPU tensor, got {type(obj).__name__}"
+        ) from None
+    with view:
+        if not view.c_contiguous:
+            raise InvalidInputError(f"{what} must be C-contiguous")
+        if writable and view.readonly:
+            raise InvalidInputError(f"{what} must be writable, got a read-only buffer")
+        nbytes = view.nbytes
+    pointer = ffi.from_buffer("uint8_t[]", obj, require_writable=writable)
+    return pointer, nbytes, int(ffi.cast("uintptr_t", pointer))
+
+
+def _check_itemsize(itemsize: object) -> int:
+    if isinstance(itemsize, bool) or not isinstance(itemsize, int) or itemsize < 1:
+        raise InvalidInputError(f"itemsize must be an int >= 1, got {itemsize!r}")
+    return itemsize
+
+
+def _shuffle_common(fn: Any, what: str, src: object, itemsize: int, out: Any) -> Any:
+    size = _check_itemsize(itemsize)
+    src_ptr, nbytes, src_addr = _buffer(src, writable=False, what="src")
+    result = bytearray(nbytes) if out is None else out
+    out_ptr, out_nbytes, out_addr = _buffer(result, writable=True, what="out")
+    if out_nbytes != nbytes:
+        raise InvalidInputError(f"out holds {out_nbytes} bytes, src holds {nbytes}")
+    if nbytes and src_addr < out_addr + nbytes and out_addr < src_addr + nbytes:
+        raise InvalidInputError(f"out overlaps src; {what} cannot work in place")
+    _check_status(fn(src_ptr, out_ptr, nbytes, size), what)
+    return result
+
+
+@overload
+def shuffle(src: object, itemsize: int, out: None = None) -> bytearray: ...
+@overload
+def shuffle(src: object, itemsize: int, out: BufferT) -> BufferT: ...
+def shuffle(src: object, itemsize: int, out: Any = None) -> Any:
+    """Byte-shuffle ``src`` (blosc's filter): byte ``j`` of every element goes to plane ``j``.
+
+    ``src`` is any C-contiguous buffer (bytes, bytearray, memoryview, numpy array, or a
+    contiguous CPU torch tensor). Trailing bytes that do not fill an element are copied as
+    they are. Writes into ``out`` (a writable buffer of the same byte length, not overlapping
+    ``src``) and returns it, or returns a new bytearray.
+    """
+    return _shuffle_common(lib.mc_shuffle, "shuffle", src, itemsize, out)
+
+
+@overload
+def unshuffle(src: object, itemsize: int, out: None = None) -> bytearray: ...
+@overload
+def unshuffle(src: object, itemsize: int, out: BufferT) -> BufferT: ...
+def unshuffle(src: object, itemsize: int, out: Any = None) -> Any:
+    """The inverse of :func:`shuffle` for the same ``itemsize``."""
+    return _shuffle_common(lib.mc_unshuffle, "unshuffle", src, itemsize, out)

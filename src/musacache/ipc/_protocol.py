@@ -1,0 +1,397 @@
+"""The node-server wire protocol, without I/O: frame encoding, an incremental decoder, and
+the mapping of exceptions to and from the wire. See ``docs/protocol.md``.
+
+A frame is an 8-byte header and a msgpack body::
+
+    offset  size  field
+    0       2     magic b"MK"
+    2       1     protocol version (PROTOCOL_VERSION)
+    3       1     number of file descriptors attached to this frame (0..253)
+    4       4     body length in bytes, big-endian (<= the receiver's max_frame_size)
+    8       n     msgpack map: a request {id, op, args} or a reply {id, result} / {id, error}
+
+Dense tensor data never travels in frames: it is shared through memory IPC, so frames are
+small metadata and the size limit protects the receiver, not the throughput.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections import deque
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal
+
+import msgpack
+
+from .. import _errors
+from .._errors import MusaCacheError, ProtocolError
+
+__all__ = [
+    "DEFAULT_MAX_FRAME_SIZE",
+    "HEADER_SIZE",
+    "MAGIC",
+    "MAX_FDS_PER_FRAME",
+    "PROTOCOL_VERSION",
+    "Frame",
+    "FrameDecoder",
+    "FrameError",
+    "Reply",
+    "Request",
+    "encode_error",
+    "encode_reply",
+    "encode_request",
+    "error_from_wire",
+    "error_to_wire",
+]
+
+PROTOCOL_VERSION: Final = 1
+MAGIC: Final = b"MK"
+_HEADER: Final = struct.Struct(">2sBBI")
+HEADER_SIZE: Final = _HEADER.size
+DEFAULT_MAX_FRAME_SIZE: Final = 64 * 1024 * 1024
+#: The kernel's limit of fds per sendmsg (SCM_MAX_FD); one frame is sent by one sendmsg.
+MAX_FDS_PER_FRAME: Final = 253
+_MAX_BODY_LENGTH: Final = (1 << 32) - 1
+_MAX_REQUEST_ID: Final = (1 << 64) - 1
+_MAX_OP_LENGTH: Final = 128
+
+
+class FrameError(ProtocolError):
+    """A frame broke the protocol.
+
+    ``fatal``: the byte stream can no longer be trusted (bad magic or version, oversized
+    length, fds that do not match), so the connection must be closed. Otherwise the frame
+    was cut out cleanly and the connection can go on; ``request_id`` (when the bad frame
+    had a readable one) is the id to send an error reply to. Travels as ``ProtocolError``.
+    """
+
+    def __init__(self, message: str, *, fatal: bool, request_id: int | None = None) -> None:
+        super().__init__(message)
+        self.fatal = fatal
+        self.request_id = request_id
+
+
+@dataclass(frozen=True)
+class Request:
+    """A call: ``op`` with ``args``; the reply carries the same ``id``. ``fds`` are owned by
+    whoever takes the frame."""
+
+    id: int
+    op: str
+    args: dict[str, Any]
+    fds: tuple[int, ...] = field(default=(), repr=False)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The answer to request ``id``: a ``result``, or an ``error`` ``{type, message}``.
+
+    ``id`` is None only for an error about a frame whose id could not be read.
+    """
+
+    id: int | None
+    result: Any = None
+    error: dict[str, str] | None = None
+    fds: tuple[int, ...] = field(default=(), repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def unwrap(self) -> Any:
+        """The result, or the remote error re-raised as its musacache type."""
+        if self.error is not None:
+            raise error_from_wire(self.error)
+        return self.result
+
+
+Frame = Request | Reply
+
+
+# -- errors on the wire ---------------------------------------------------------------------
+
+_ERROR_TYPES: Final[dict[str, type[MusaCacheError]]] = {
+    name: cls
+    for name in _errors.__all__
+    if isinstance(cls := getattr(_errors, name), type) and issubclass(cls, MusaCacheError)
+}
+
+
+def error_to_wire(exc: BaseException) -> dict[str, str]:
+    """``{"type", "message"}`` for ``exc``: the nearest musacache error class it derives from.
+
+    A foreign exception (a server bug) travels as ``MusaCacheError`` with its own type name in
+    the message, so the client still gets an exception from the musacache tree.
+    """
+    for cls in type(exc).__mro__:
+        if _ERROR_TYPES.get(cls.__name__) is cls:
+            return {"type": cls.__name__, "message": str(exc)}
+    return {"type": "MusaCacheError", "message": f"{type(exc).__name__}: {exc}"}
+
+
+def error_from_wire(wire: Any) -> MusaCacheError:
+    """The exception an error dict describes (not raised). Unknown types -> MusaCacheError."""
+    if (not isinstance(wire, Mapping) or type(wire.get("type")) is not str
+            or type(wire.get("message")) is not str):
+        return ProtocolError(f"malformed error in reply: {wire!r:.200}")
+    name, message = wire["type"], wire["message"]
+    cls = _ERROR_TYPES.get(name)
+    if cls is None:
+        return MusaCacheError(f"{name}: {message}")
+    return cls(message)
+
+
+# -- encoding -------------------------------------------------------------------------------
+
+
+def _check_request_id(request_id: object) -> None:
+    if type(request_id) is not int or not 0 <= request_id <= _MAX_REQUEST_ID:
+        raise ProtocolError(f"a request id must be an int in [0, 2**64), got {request_id!r}")
+
+
+def encode_frame(body: Mapping[str, Any], *, nfds: int = 0,
+                 max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> bytes:
+    """Header + msgpack ``body``. Raises ProtocolError if it cannot be encoded or is too big."""
+    if type(nfds) is not int or not 0 <= nfds <= MAX_FDS_PER_FRAME:
+        raise ProtocolError(f"a frame carries 0..{MAX_FDS_PER_FRAME} fds, got {nfds!r}")
+    try:
+        payload = msgpack.packb(body, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ProtocolError(f"cannot encode frame body: {exc}") from exc
+    if len(payload) > min(max_frame_size, _MAX_BODY_LENGTH):
+        raise ProtocolError(f"frame body of {len(payload)} bytes exceeds the limit of "
+                            f"{max_frame_size}; dense data belongs in shared memory")
+    return _HEADER.pack(MAGIC, PROTOCOL_VERSION, nfds, len(payload)) + payload
+
+
+def encode_request(request_id: int, op: str, args: Mapping[str, Any] | None = None, *,
+                   nfds: int = 0, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> bytes:
+    """A request frame. ``nfds`` fds must be sent with it (see ``Connection.send_frame``)."""
+    _check_request_id(request_id)
+    if type(op) is not str or not 0 < len(op) <= _MAX_OP_LENGTH:
+        raise ProtocolError(f"an op is a non-empty string of at most {_MAX_OP_LENGTH} "
+                            f"characters, got {op!r:.200}")
+    body = {"id": request_id, "op": op, "args": dict(args) if args is not None else {}}
+    return encode_frame(body, nfds=nfds, max_frame_size=max_frame_size)
+
+
+def encode_reply(request_id: int, result: Any = None, *, nfds: int = 0,
+                 max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> bytes:
+    """A successful reply frame to ``request_id``."""
+    _check_request_id(request_id)
+    return encode_frame({"id": request_id, "result": result}, nfds=nfds,
+                        max_frame_size=max_frame_size)
+
+
+def encode_error(request_id: int | None, exc: BaseException) -> bytes:
+    """An error reply frame (``request_id`` None: the failing frame's id was unreadable)."""
+    if request_id is not None:
+        _check_request_id(request_id)
+    return encode_frame({"id": request_id, "error": error_to_wire(exc)})
+
+
+# -- decoding -------------------------------------------------------------------------------
+
+
+@dataclass
+class _FdBatch:
+    """fds that arrived with the stream bytes [start, end).
+
+    The kernel attaches fds to the first byte of the sendmsg that carried them and ends a
+    read right after that message, so they belong to the last frame starting in the batch.
+    """
+
+    start: int
+    end: int
+    fds: list[int]
+
+
+def _reject_ext(code: int, data: bytes) -> object:
+    raise ValueError(f"msgpack extension types are not part of the protocol (type {code})")
+
+
+def _close_all(fds: Sequence[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+class FrameDecoder:
+    """Incremental frame decoder: feed it bytes (and fds) as they arrive, take whole frames.
+
+    Handles partial reads and many frames per read; memory grows only with bytes actually
+    received, never with a declared length (an oversized length is refused from its header).
+    Every failure is a :class:`FrameError`; a fatal one is sticky.
+
+    * ``expect``: ``"request"`` for a server, ``"reply"`` for a client, ``"any"`` for both.
+    * ``ops``: the known ops; a request for another op is a recoverable FrameError.
+
+    fds fed in are owned by the decoder until handed out in a frame; :meth:`close` (and any
+    failure) closes the ones it still holds.
+    """
+
+    def __init__(self, *, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+                 max_fds: int = MAX_FDS_PER_FRAME,
+                 expect: Literal["any", "request", "reply"] = "any",
+                 ops: Collection[str] | None = None) -> None:
+        if not 0 < max_frame_size <= _MAX_BODY_LENGTH:
+            raise ValueError(f"max_frame_size must be in (0, 2**32), got {max_frame_size}")
+        if not 0 <= max_fds <= MAX_FDS_PER_FRAME:
+            raise ValueError(f"max_fds must be in [0, {MAX_FDS_PER_FRAME}], got {max_fds}")
+        if expect not in ("any", "request", "reply"):
+            raise ValueError(f"expect must be 'any', 'request' or 'reply', got {expect!r}")
+        self.max_frame_size = max_frame_size
+        self.max_fds = max_fds
+        self.expect = expect
+        self.ops = frozenset(ops) if ops is not None else None
+        self._buf = bytearray()
+        self._pos = 0
+        self._base = 0  # stream offset of _buf[0]
+        self._batches: deque[_FdBatch] = deque()
+        self._failure: FrameError | None = None
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet returned as frames."""
+        return len(self._buf) - self._pos
+
+    @property
+    def pending_fds(self) -> int:
+        return sum(len(batch.fds) for batch in self._batches)
+
+    def feed(self, data: bytes | bytearray | memoryview, fds: Sequence[int] = ()) -> None:
+        """Append received bytes and the fds that came with them (adopted by the decoder)."""
+        if self._failure is not None:
+            _close_all(fds)
+            raise self._failure
+        if fds and not len(data):
+            _close_all(fds)
+            raise self._fail("fds arrived without data")
+        if self._pos:
+            del self._buf[: self._pos]
+            self._base += self._pos
+            self._pos = 0
+        start = self._base + len(self._buf)
+        self._buf += data
+        if fds:
+            self._batches.append(_FdBatch(start, start + len(data), list(fds)))
+            if self.pending_fds > self.max_fds:
+                raise self._fail(f"the peer sent more than {self.max_fds} fds ahead of "
+                                 f"their frames")
+
+    def next_frame(self) -> Frame | None:
+        """The next complete frame, or None until more bytes arrive."""
+        if self._failure is not None:
+            raise self._failure
+        buf, pos = self._buf, self._pos
+        available = len(buf) - pos
+        if available == 0:
+            return None
+        seen = min(available, len(MAGIC))
+        if buf[pos:pos + seen] != MAGIC[:seen]:
+            raise self._fail("bad frame magic: the peer does not speak the musacache protocol")
+        if available < HEADER_SIZE:
+            return None
+        _, version, nfds, length = _HEADER.unpack_from(buf, pos)
+        if version != PROTOCOL_VERSION:
+            raise self._fail(f"the peer speaks protocol version {version}, this side speaks "
+                             f"{PROTOCOL_VERSION}")
+        if length > self.max_frame_size:
+            raise self._fail(f"frame of {length} bytes exceeds the limit of "
+                             f"{self.max_frame_size}")
+        if nfds > self.max_fds:
+            raise self._fail(f"frame declares {nfds} fds, the limit is {self.max_fds}")
+        frame_start = self._base + pos
+        if self._batches and self._batches[0].end <= frame_start:
+            raise self._fail("fds arrived with a frame that declared none")
+        if available < HEADER_SIZE + length:
+            return None
+        fds = self._claim_fds(frame_start, nfds)
+        body = bytes(buf[pos + HEADER_SIZE:pos + HEADER_SIZE + length])
+        self._pos = pos + HEADER_SIZE + length
+        try:
+            return self._parse_body(body, fds)
+        except FrameError:
+            _close_all(fds)
+            raise
+
+    def _claim_fds(self, frame_start: int, nfds: int) -> tuple[int, ...]:
+        if nfds == 0:
+            return ()
+        batch = self._batches[0] if self._batches else None
+        if batch is None or not batch.start <= frame_start < batch.end:
+            raise self._fail(f"frame declares {nfds} fds but none arrived with it")
+        if len(batch.fds) != nfds:
+            raise self._fail(f"frame declares {nfds} fds but {len(batch.fds)} arrived with it")
+        self._batches.popleft()
+        return tuple(batch.fds)
+
+    def _parse_body(self, body: bytes, fds: tuple[int, ...]) -> Frame:
+        try:
+            obj = msgpack.unpackb(body, raw=False, strict_map_key=True, ext_hook=_reject_ext)
+        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            raise FrameError(f"undecodable frame body: {exc}", fatal=False) from None
+        if not isinstance(obj, dict):
+            raise FrameError(f"a frame body must be a map, got {type(obj).__name__}",
+                             fatal=False)
+        raw_id = obj.get("id")
+        readable_id = (raw_id if type(raw_id) is int and 0 <= raw_id <= _MAX_REQUEST_ID
+                       else None)
+
+        def bad(message: str) -> FrameError:
+            return FrameError(message, fatal=False, request_id=readable_id)
+
+        if "op" in obj:
+            if "result" in obj or "error" in obj:
+                raise bad("a frame is either a request or a reply, not both")
+            if self.expect == "reply":
+                raise bad("got a request where only replies are expected")
+            if readable_id is None:
+                raise bad(f"a request needs an int id in [0, 2**64), got {raw_id!r:.100}")
+            op = obj["op"]
+            if type(op) is not str or not 0 < len(op) <= _MAX_OP_LENGTH:
+                raise bad(f"malformed op {op!r:.100}")
+            if self.ops is not None and op not in self.ops:
+                raise bad(f"unknown op {op!r}")
+            args = obj.get("args", {})
+            if args is None:
+                args = {}
+            if not isinstance(args, dict):
+                raise bad(f"args must be a map, got {type(args).__name__}")
+            return Request(readable_id, op, args, fds)
+        if "result" in obj or "error" in obj:
+            if self.expect == "request":
+                raise bad("got a reply where only requests are expected")
+            if "result" in obj and "error" in obj:
+                raise bad("a reply has either a result or an error, not both")
+            if raw_id is not None and readable_id is None:
+                raise bad(f"malformed reply id {raw_id!r:.100}")
+            error = obj.get("error")
+            if "error" in obj and not (isinstance(error, dict)
+                                       and type(error.get("type")) is str
+                                       and type(error.get("message")) is str):
+                raise bad(f"malformed error in reply: {error!r:.200}")
+            if raw_id is None and "error" not in obj:
+                raise bad("a successful reply needs the id of its request")
+            return Reply(readable_id, obj.get("result"), error, fds)
+        raise bad("a frame needs an 'op' (request) or a 'result'/'error' (reply)")
+
+    def _fail(self, message: str) -> FrameError:
+        self._failure = FrameError(message, fatal=True)
+        self.close()
+        return self._failure
+
+    def close(self) -> None:
+        """Close every fd not handed out in a frame and drop buffered bytes (idempotent).
+
+        The decoder is unusable afterwards."""
+        if self._failure is None:
+            self._failure = FrameError("the frame decoder was closed", fatal=True)
+        while self._batches:
+            _close_all(self._batches.popleft().fds)
+        self._buf = bytearray()
+        self._pos = 0

@@ -1,0 +1,91 @@
+/* musacache native transfer module: paged KV <-> dense rows, and the byte-shuffle filter.
+ *
+ * Plain C (no Python.h). Every function but mc_version() returns an mc_status; 0 is success.
+ * build.py hands everything outside the preprocessor lines of this file to cffi's cdef, so
+ * declarations below use only types cffi knows (stdint types, enums, structs, pointers).
+ */
+#ifndef MUSACACHE_NATIVE_H
+#define MUSACACHE_NATIVE_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum mc_status {
+    MC_OK = 0,
+    MC_ERR_ARGUMENT = 1,   /* a null pointer, a negative size or stride, a zero block size */
+    MC_ERR_SLOT_RANGE = 2, /* a slot < -1 or >= num_slots; nothing was written */
+    MC_ERR_NO_MEMORY = 3   /* the run table could not be allocated; nothing was written */
+} mc_status;
+
+/* SIMD levels for mc_set_simd_level(); a level above what the CPU has is clamped down. */
+typedef enum mc_simd_level {
+    MC_SIMD_NONE = 0,   /* plain memcpy and scalar loops */
+    MC_SIMD_SSE2 = 1,
+    MC_SIMD_AVX2 = 2,
+    MC_SIMD_AVX512 = 3
+} mc_simd_level;
+
+/* One row copy between paged planes and dense planes.
+ *
+ * A plane is one (layer, K-or-V[, head]) slice. Row `slot` of paged plane p starts at
+ *   paged_planes[p] + (slot / block_size) * block_stride + (slot % block_size) * slot_stride
+ * and row t of dense plane p starts at
+ *   dense_planes[p] + t * dense_row_stride.
+ * Each row is row_bytes contiguous bytes. Token t uses slots[t]; a slot of -1 is skipped.
+ * All strides are in bytes. The caller guarantees every addressed row lies inside its buffer.
+ */
+typedef struct mc_row_copy {
+    char *const *paged_planes;
+    char *const *dense_planes;
+    int64_t num_planes;
+    int64_t row_bytes;
+    int64_t block_size;
+    int64_t block_stride;
+    int64_t slot_stride;
+    int64_t num_slots;
+    int64_t dense_row_stride;
+    const int64_t *slots;
+    int64_t num_tokens;
+} mc_row_copy;
+
+const char *mc_version(void);
+
+/* paged -> dense. Work is split over up to num_threads threads by plane and token range. */
+int mc_gather_rows(const mc_row_copy *copy, int num_threads);
+
+/* dense -> paged. Work is split by plane only, so when a slot repeats the last token wins. */
+int mc_scatter_rows(const mc_row_copy *copy, int num_threads);
+
+/* Byte-shuffle: dst[j * n + i] = src[i * itemsize + j] for n = nbytes / itemsize whole
+ * elements; the nbytes % itemsize trailing bytes are copied as they are. src and dst must not
+ * overlap. */
+int mc_shuffle(const uint8_t *src, uint8_t *dst, int64_t nbytes, int64_t itemsize);
+int mc_unshuffle(const uint8_t *src, uint8_t *dst, int64_t nbytes, int64_t itemsize);
+
+/* *out = 1 when non-temporal stores are compiled in and the CPU has them, else 0. */
+int mc_has_streaming_stores(int *out);
+
+/* Copies whose total exceeds this many bytes use streaming stores. -1 restores the default
+ * (derived from the last-level cache size). */
+int mc_set_streaming_threshold(int64_t nbytes);
+int mc_get_streaming_threshold(int64_t *out);
+
+/* A call uses at most one thread per this many bytes it copies. -1 restores the default
+ * (2 MiB); 0 lets every call use all the threads it is given (tests use it). */
+int mc_set_thread_min_bytes(int64_t nbytes);
+int mc_get_thread_min_bytes(int64_t *out);
+
+/* The SIMD level in use; setting clamps to what the CPU supports (tests use it to reach
+ * every code path on one machine). */
+int mc_set_simd_level(int level);
+int mc_get_simd_level(int *out);
+int mc_max_simd_level(int *out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MUSACACHE_NATIVE_H */

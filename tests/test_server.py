@@ -1,0 +1,269 @@
+"""The node server across real processes: zero-copy store/retrieve between workers, worker and
+server deaths, bad frames, and socket security."""
+
+import asyncio
+import multiprocessing as mp
+import os
+import random
+import signal
+import socket
+import stat
+import struct
+import time
+
+import pytest
+import torch
+
+import musacache as mc
+from helpers import prefix_kv, small_spec
+from musacache import ipc
+from musacache.server import Server, ServerConfig
+from server_utils import (
+    ServerProcess,
+    worker_hang_in_store,
+    worker_retrieve,
+    worker_store,
+    write_config,
+)
+
+CH = 16
+NB, BS = 64, 4  # 256 slots per worker
+
+
+@pytest.fixture
+def server(tmp_path):
+    spec = small_spec()
+    cfg = write_config(tmp_path / "server.toml", spec, "srv", CH, spec.nbytes(CH) * 256)
+    sock = str(tmp_path / "run" / "musacache.sock")
+    proc = ServerProcess(sock, cfg).start()
+    yield proc, spec
+    proc.stop()
+
+
+def spawn_pool(n):
+    return mp.get_context("spawn").Pool(n)
+
+
+def rand_slots(rng, n):
+    blocks = rng.sample(range(NB), (n + BS - 1) // BS)
+    return [blocks[i // BS] * BS + i % BS for i in range(n)]
+
+
+def test_worker_a_stores_worker_b_retrieves_byte_exact(server):
+    proc, spec = server
+    rng = random.Random(1)
+    toks = [rng.randrange(30000) for _ in range(150)]
+    with spawn_pool(1) as pool:
+        n = pool.apply(worker_store, (proc.sock, spec.to_dict(), "srv", toks,
+                                      rand_slots(rng, 150), NB, BS))
+        assert n == 150
+        got, ok = pool.apply(worker_retrieve, (proc.sock, spec.to_dict(), "srv", toks,
+                                               rand_slots(rng, 150), NB, BS))
+    assert got == 150 and ok
+
+
+def test_four_workers_at_once_on_overlapping_prompts(server):
+    proc, spec = server
+    rng = random.Random(2)
+    system = [rng.randrange(30000) for _ in range(70)]
+    prompts = [system + [rng.randrange(30000) for _ in range(20 + 15 * i)] for i in range(4)]
+    with spawn_pool(4) as pool:
+        stores = [pool.apply_async(worker_store, (proc.sock, spec.to_dict(), "srv", p,
+                                                  rand_slots(rng, len(p)), NB, BS))
+                  for p in prompts]
+        assert [r.get(60) for r in stores] == [len(p) for p in prompts]
+        order = prompts[::-1]
+        gets = [pool.apply_async(worker_retrieve, (proc.sock, spec.to_dict(), "srv", p,
+                                                   rand_slots(rng, len(p)), NB, BS))
+                for p in order]
+        results = [r.get(60) for r in gets]
+    assert results == [(len(p), True) for p in order]
+
+
+async def stats_of(sock, spec):
+    async with mc.connect(sock, spec=spec, namespace="srv", timeout=10) as c:
+        return await c.stats()
+
+
+def test_killed_worker_leaves_no_mapping_fd_or_pin(server):
+    proc, spec = server
+    rng = random.Random(3)
+    toks = [rng.randrange(30000) for _ in range(60)]
+
+    async def baseline():
+        async with mc.connect(proc.sock, spec=spec, namespace="srv", timeout=10) as c:
+            before = (await c.stats())["server"]
+            ctx = mp.get_context("spawn")
+            started = ctx.Event()
+            worker = ctx.Process(target=worker_hang_in_store, args=(
+                proc.sock, spec.to_dict(), "srv", toks, rand_slots(rng, 60), NB, BS, started))
+            worker.start()
+            assert await asyncio.to_thread(started.wait, 30)
+            during = await c.stats()
+            assert during["server"]["peers"] == 2
+            assert during["server"]["open_mappings"] >= spec.num_layers
+            assert during["in_flight"]["puts"] == 1
+            os.kill(worker.pid, signal.SIGKILL)
+            await asyncio.to_thread(worker.join, 10)
+            for _ in range(200):
+                after = await c.stats()
+                if after["server"]["peers"] == 1 and after["in_flight"]["puts"] == 0:
+                    break
+                await asyncio.sleep(0.05)
+            srv = after["server"]
+            assert srv["peers"] == 1
+            assert srv["open_mappings"] == 0 and srv["open_events"] == 0
+            assert srv["open_fds"] == before["open_fds"]
+            assert after["pins"] == 0 and after["in_flight"]["puts"] == 0
+            # The half-done store is never served.
+            assert await c.lookup(toks) == 0
+
+    asyncio.run(baseline())
+
+
+def test_killed_server_fails_fast_then_reconnects(tmp_path):
+    spec = small_spec()
+    cfg = write_config(tmp_path / "s.toml", spec, "srv", CH, spec.nbytes(CH) * 64)
+    sock = str(tmp_path / "run" / "s.sock")
+    proc = ServerProcess(sock, cfg).start()
+
+    async def run():
+        async with mc.connect(sock, spec=spec, namespace="srv", timeout=20,
+                              connect_timeout=2) as c:
+            pages = [ipc.empty_shared((2, NB, BS, 2, 8), spec.dtype) for _ in range(2)]
+            await c.register_kv_caches(pages, "vllm")
+            toks = list(range(40))
+            assert await c.put(toks, prefix_kv(spec, toks)) == 40
+            proc.kill()
+            t0 = time.monotonic()
+            with pytest.raises(mc.CacheUnavailableError):
+                await c.lookup(toks)
+            with pytest.raises(mc.CacheUnavailableError):
+                await c.lookup(toks)  # reconnecting fails fast too while it is down
+            assert time.monotonic() - t0 < 5
+            proc.start()
+            assert await c.lookup(toks) == 0  # a fresh server: empty, but reachable
+            # Registrations were replayed on the new connection: retrieve works.
+            assert await c.put(toks, prefix_kv(spec, toks)) == 40
+            slots = list(range(40))
+            assert await c.retrieve(toks, slots) == 40
+            assert c.reconnects >= 1
+
+    try:
+        asyncio.run(run())
+    finally:
+        proc.stop()
+
+
+def test_socket_is_private(server):
+    proc, _spec = server
+    st = os.stat(proc.sock)
+    assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(os.path.dirname(proc.sock)).st_mode) == 0o700
+
+
+def test_bad_frames_get_errors_and_others_keep_being_served(server):
+    proc, spec = server
+    rng = random.Random(4)
+
+    async def run():
+        async with mc.connect(proc.sock, spec=spec, namespace="srv", timeout=10) as good:
+            toks = list(range(30))
+            await good.put(toks, prefix_kv(spec, toks))
+            for i in range(60):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.connect(proc.sock)
+                kind = i % 3
+                if kind == 0:
+                    payload = rng.randbytes(rng.randrange(1, 200))
+                elif kind == 1:  # a valid header announcing a huge body
+                    payload = struct.pack(">2sBBI", b"MK", ipc.PROTOCOL_VERSION, 0, 2**31)
+                else:  # a well-formed frame with an unknown op
+                    payload = ipc.encode_request(1, "no_such_op", {})
+                s.sendall(payload)
+                s.settimeout(5)
+                try:
+                    s.recv(4096)  # an error reply, or the server closing on us
+                except (TimeoutError, ConnectionResetError):
+                    pass
+                s.close()
+                assert await good.lookup(toks) == 30
+            st = (await good.stats())["server"]
+            assert st["bad_frames"] >= 20
+
+    asyncio.run(run())
+
+
+async def test_spec_mismatch_fails_at_connect(tmp_path):
+    spec = small_spec()
+    cfg = ServerConfig(str(tmp_path / "r" / "s.sock"),
+                       mc.CacheConfig(spec, "srv", tiers=(mc.HostTier(spec.nbytes(CH) * 8),),
+                                      chunk_size=CH))
+    async with Server(cfg) as srv:
+        task = asyncio.create_task(srv.serve_forever())
+        with pytest.raises(mc.FingerprintMismatchError, match="other"):
+            async with mc.connect(cfg.socket_path, spec=spec, namespace="other"):
+                pass
+        with pytest.raises(mc.FingerprintMismatchError):
+            async with mc.connect(cfg.socket_path, spec=small_spec(dtype=torch.float16),
+                                  namespace="srv"):
+                pass
+        srv.stop()
+        await task
+
+
+async def test_foreign_uid_is_refused(tmp_path, monkeypatch):
+    spec = small_spec()
+    cfg = ServerConfig(str(tmp_path / "r" / "s.sock"),
+                       mc.CacheConfig(spec, "srv", tiers=(mc.HostTier(spec.nbytes(CH) * 8),),
+                                      chunk_size=CH))
+    async with Server(cfg) as srv:
+        task = asyncio.create_task(srv.serve_forever())
+        import musacache.server as server_mod
+        real = os.getuid()
+        monkeypatch.setattr(server_mod.os, "getuid", lambda: real + 4242)
+        with pytest.raises((mc.PermissionDeniedError, mc.CacheUnavailableError)):
+            async with mc.connect(cfg.socket_path, spec=spec, namespace="srv", timeout=5):
+                pass
+        assert srv.counters["refused"] == 1
+        monkeypatch.setattr(server_mod.os, "getuid", lambda: real)
+        async with mc.connect(cfg.socket_path, spec=spec, namespace="srv") as ok:
+            assert await ok.lookup([1, 2]) == 0
+        srv.stop()
+        await task
+
+
+async def test_client_api_matches_the_embedded_cache(tmp_path):
+    """The same coroutine runs against Cache and against a Client."""
+    spec = small_spec()
+    config = mc.CacheConfig(spec, "srv", tiers=(mc.HostTier(spec.nbytes(CH) * 32),),
+                            chunk_size=CH)
+
+    async def workload(cache):
+        toks = list(range(200, 260))
+        kv = prefix_kv(spec, toks)
+        assert await cache.put(toks, kv) == 60
+        assert await cache.lookup(toks[:45] + [1]) == 45
+        hit = await cache.get(toks)
+        assert hit.num_tokens == 60 and torch.equal(hit.kv, kv)
+        out = torch.zeros(spec.shape(60))
+        hit = await cache.get(toks, out=out)
+        assert torch.equal(out, kv) and hit.kv.data_ptr() == out.data_ptr()
+        assert await cache.prefetch(toks, timeout=1) == 60
+        await cache.flush()
+        assert await cache.delete(toks) >= 1
+        assert await cache.lookup(toks) == 0
+        with pytest.raises(mc.ShapeError):
+            await cache.put(toks, kv[:, :, :10])
+        with pytest.raises(mc.TokensError):
+            await cache.lookup([[1, 2]])
+
+    async with mc.Cache(config) as embedded:
+        await workload(embedded)
+    cfg = ServerConfig(str(tmp_path / "r" / "s.sock"), config)
+    async with Server(cfg) as srv:
+        task = asyncio.create_task(srv.serve_forever())
+        async with mc.connect(cfg.socket_path, spec=spec, namespace="srv") as client:
+            await workload(client)
+        srv.stop()
+        await task
