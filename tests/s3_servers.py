@@ -126,7 +126,7 @@ class FaultProxy:
     def stop(self) -> None:
         listener, self._listener = self._listener, None
         if listener is not None:
-            listener.close()
+            self._close(listener)  # shutdown first: close alone does not wake accept()
         with self._lock:
             socks, self._socks = list(self._socks), set()
         for s in socks:

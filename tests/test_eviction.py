@@ -90,7 +90,7 @@ async def test_evicted_chunks_are_demoted_and_promoted_back(spec):
         assert torch.equal(hit.kv, prefix_kv(spec, a[:32]))
         st = c.stats()["tiers"]
         assert st["dev"]["promotions"] >= 1 and st["host"]["hits"] >= 1
-        assert hit.tiers  # says which tier served the tokens
+        assert hit.tiers == {"host": 32}  # says which tier served the tokens
 
 
 async def test_concurrent_gets_join_one_promotion(spec):

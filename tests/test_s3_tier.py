@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 import torch
-from s3_servers import FaultProxy, unique_bucket
 
 from musacache._errors import ConfigError, CorruptChunkError, TierError
 from musacache._keys import Fingerprint
@@ -22,6 +21,7 @@ from musacache._spec import KVSpec
 from musacache.codec import decode_chunk, encode_chunk
 from musacache.tiers.base import ChunkMeta, StorageTier, TierContext
 from musacache.tiers.s3 import S3Store, S3Tier
+from s3_servers import FaultProxy, unique_bucket
 
 SPEC = KVSpec(2, 2, 16, torch.bfloat16)
 FP = Fingerprint("s3-test", SPEC, 16)
@@ -258,7 +258,7 @@ async def test_start_while_unreachable(make_store: StoreFactory,
     meta, obj = _chunk(1)
     await seeded.write(meta, obj)
     fault_proxy.stop()
-    store = await make_store(endpoint=fault_proxy.endpoint_url, create_bucket=False,
+    store = await make_store(endpoint=fault_proxy.endpoint_url, create_bucket=True,
                              timeout=2.0, connect_timeout=1.0)
     # Unreachable is not a configuration error: the tier starts empty and learns later.
     assert store.stats()["list_faults"] == 1 and store.stats()["known_objects"] == 0
@@ -330,3 +330,19 @@ async def test_fault_logs_are_rate_limited(make_store: StoreFactory, fault_proxy
     lines = [r for r in caplog.records if r.name == "musacache.s3"]
     assert len(lines) == 1 and "SlowDown" in lines[0].getMessage()
     assert store.stats()["read_faults"] == 5
+
+
+def test_config_from_the_cache_loader() -> None:
+    from musacache._config import CacheConfig
+
+    env = {"MUSACACHE_NAMESPACE": "m", "MUSACACHE_SPEC__NUM_LAYERS": "2",
+           "MUSACACHE_SPEC__NUM_KV_HEADS": "2", "MUSACACHE_SPEC__HEAD_DIM": "16",
+           "MUSACACHE_TIERS__0__KIND": "host", "MUSACACHE_TIERS__0__CAPACITY_BYTES": "1MiB",
+           "MUSACACHE_TIERS__1__KIND": "s3", "MUSACACHE_TIERS__1__BUCKET": "20240101",
+           "MUSACACHE_TIERS__1__PREFIX": "", "MUSACACHE_TIERS__1__TIMEOUT": "2",
+           "MUSACACHE_TIERS__1__WRITE_THROUGH": "true",
+           "MUSACACHE_TIERS__1__ENDPOINT_URL": "http://127.0.0.1:9000"}
+    tier = CacheConfig.from_env(env).tiers[1]
+    assert isinstance(tier, S3Tier)
+    assert (tier.bucket, tier.prefix, tier.timeout, tier.write_through, tier.endpoint_url) == (
+        "20240101", "", 2.0, True, "http://127.0.0.1:9000")

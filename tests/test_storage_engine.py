@@ -208,3 +208,21 @@ async def test_refresh_on_miss_finds_chunks_written_by_another_node(spec):
             await writer.flush()
         assert await reader.lookup(a) == 64
         assert torch.equal((await reader.get(a)).kv, prefix_kv(spec, a))
+
+
+async def test_close_persists_memory_only_chunks_parents_first(spec):
+    objects: dict[bytes, bytes] = {}
+    a = seq(0, 70)
+    async with mc.Cache(cfg(spec, mc.HostTier(spec.nbytes(CH) * 8), MemStore(objects))) as c:
+        await c.put(a, prefix_kv(spec, a))
+        assert objects == {}  # nothing was evicted, nothing written yet
+    assert len(objects) == 5
+    async with mc.Cache(cfg(spec, mc.HostTier(spec.nbytes(CH) * 8), MemStore(objects))) as c2:
+        assert await c2.lookup(a) == 70
+        assert torch.equal((await c2.get(a)).kv, prefix_kv(spec, a))
+    # Opting out leaves the store as it was.
+    fresh: dict[bytes, bytes] = {}
+    async with mc.Cache(cfg(spec, mc.HostTier(spec.nbytes(CH) * 8), MemStore(fresh),
+                            persist_on_close=False)) as c3:
+        await c3.put(a, prefix_kv(spec, a))
+    assert fresh == {}

@@ -34,6 +34,8 @@ from ._spec import KVSpec
 from ._version import __version__
 from .client import Client, connect
 from .tiers.base import ChunkMeta, StorageTier, TierContext
+from .tiers.disk import DiskTier
+from .tiers.s3 import S3Tier
 
 __all__ = (
     "Cache",
@@ -48,6 +50,7 @@ __all__ = (
     "DTypeError",
     "DeviceError",
     "DeviceTier",
+    "DiskTier",
     "FingerprintMismatchError",
     "Hit",
     "HostTier",
@@ -61,6 +64,7 @@ __all__ = (
     "PermissionDeniedError",
     "ProtocolError",
     "ReadyTimeoutError",
+    "S3Tier",
     "ShapeError",
     "SlotRangeError",
     "StorageTier",

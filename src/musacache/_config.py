@@ -133,6 +133,9 @@ class CacheConfig:
     write_queue_bytes: int | str = 512 * 1024**2
     #: Minimum seconds between directory refreshes of shared storage tiers on a miss.
     refresh_interval: float = 2.0
+    #: On ``aclose()``, write chunks held only in memory down to the first storage tier, so a
+    #: restarted cache on the same disk or bucket finds them (costs encode + write time).
+    persist_on_close: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.spec, KVSpec):
@@ -157,6 +160,9 @@ class CacheConfig:
                            parse_size(self.write_queue_bytes, what="write_queue_bytes"))
         if self.refresh_interval < 0:
             raise ConfigError("refresh_interval must not be negative")
+        if not isinstance(self.persist_on_close, bool):
+            raise ConfigError(
+                f"persist_on_close must be true or false, got {self.persist_on_close!r}")
 
     # -- loaders --------------------------------------------------------------------------
 

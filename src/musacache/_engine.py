@@ -150,6 +150,7 @@ class _Flight:
     def __init__(self) -> None:
         self.done = anyio.Event()
         self.tensor: torch.Tensor | None = None  # the promoted (or at least readable) data
+        self.source = ""  # the tier the data came from
         self.error: BaseException | None = None
 
 
@@ -240,6 +241,8 @@ class Cache:
         self._state = "closing"
         with anyio.CancelScope(shield=True):
             try:
+                if self.config.persist_on_close:
+                    await self._persist()
                 await self._drain()
             finally:
                 for t in list(self._bg):
@@ -257,6 +260,39 @@ class Cache:
                 self._dir.entries.clear()
                 self._dir.children.clear()
                 self._state = "closed"
+
+    async def _persist(self) -> None:
+        """Write chunks held only in memory down to the first storage tier, parents first,
+        so the chain a restarted cache rebuilds is whole."""
+        if not self._stores:
+            return
+        first = self._stores[0]
+        depth: dict[bytes, int] = {}
+
+        def depth_of(e: Entry) -> int:
+            chain: list[Entry] = []
+            cur: Entry | None = e
+            while cur is not None and cur.key not in depth:
+                chain.append(cur)
+                cur = self._dir.get(cur.parent)
+            base = depth[cur.key] if cur is not None else 0
+            for i, x in enumerate(reversed(chain)):
+                depth[x.key] = base + i + 1
+            return depth[e.key]
+
+        todo = [e for e in self._dir.entries.values()
+                if e.blocks and not any(self._holds(t, e) for t in self._stores)]
+        for e in sorted(todo, key=depth_of):
+            mt = self._hottest_mem(e)
+            if mt is None or e.dead:
+                continue
+            self._pin(e)
+            try:
+                await self._demote(e, first.idx, self._entry_view(mt, e))
+            except Exception as exc:  # closing must go on; the chunk is simply not persisted
+                self._errlog.warn(first.name, "persist on close", repr(exc))
+            finally:
+                self._unpin(e)
 
     def _check_open(self) -> None:
         if self._state != "open":
@@ -849,15 +885,12 @@ class Cache:
 
     async def _fetch(self, e: Entry) -> tuple[torch.Tensor | None, str]:
         """Data of ``e`` from below the top tier, promoting it on the way (single-flight)."""
-        hottest = self._hottest_mem(e)
         flight = self._promotion(e)
-        if flight is not None:
-            await flight.done.wait()
-            if flight.error is not None:
-                raise flight.error
-            if flight.tensor is not None:
-                return flight.tensor, (self._tiers[0].name if self._in_top(e)
-                                       else (hottest.name if hottest else "storage"))
+        await flight.done.wait()
+        if flight.error is not None:
+            raise flight.error
+        if flight.tensor is not None:
+            return flight.tensor, flight.source
         return None, ""
 
     def _promotion(self, e: Entry) -> _Flight:
@@ -865,6 +898,7 @@ class Cache:
         if self._in_top(e) and isinstance(self._tiers[0], _MemTier):
             f = _Flight()
             f.tensor = self._entry_view(self._tiers[0], e)
+            f.source = self._tiers[0].name
             f.done.set()
             return f
         joined = self._flights.get(e.key)
@@ -902,6 +936,7 @@ class Cache:
                         f.tensor = view
             if src_tier is not None:
                 src_tier.c["hits"] += 1
+                f.source = src_tier.name
         except FingerprintMismatchError as exc:
             f.error = exc
         except Exception as exc:  # a fault below the top tier is a miss, never a crash

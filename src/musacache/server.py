@@ -465,10 +465,10 @@ class Server:
         if peer.staged is None or peer.staged.numel() != total:
             peer.staged = torch.empty(total, dtype=torch.uint8)
         staged = peer.staged
-        src = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else None
-        if src is not None:
+        if data:
+            src = np.frombuffer(data, dtype=np.uint8)
             await anyio.to_thread.run_sync(
-                lambda: staged[offset:offset + len(data)].copy_(src))
+                lambda: np.copyto(staged[offset:offset + len(data)].numpy(), src))
         self.counters["bytes_received"] += len(data)
         self.counters["bytes_copied"] += len(data)
         return len(data)

@@ -311,7 +311,9 @@ class FrameDecoder:
         if available < HEADER_SIZE + length:
             return None
         fds = self._claim_fds(frame_start, nfds)
-        body = bytes(buf[pos + HEADER_SIZE:pos + HEADER_SIZE + length])
+        # One copy out of the receive buffer (slicing the bytearray first would make two).
+        with memoryview(buf) as view:
+            body = bytes(view[pos + HEADER_SIZE:pos + HEADER_SIZE + length])
         self._pos = pos + HEADER_SIZE + length
         try:
             return self._parse_body(body, fds)

@@ -1,0 +1,1 @@
+"""Test and benchmark helpers (not part of the public API)."""

@@ -1,0 +1,520 @@
+"""The self-describing chunk object: a checksummed header, a block table, and the payload.
+
+Every chunk that leaves memory (disk file, S3 object) is one of these objects, so any reader can
+tell what it holds, and whether it is intact, without outside metadata::
+
+    +---------------------------+  HEADER_SIZE (256) bytes, little-endian, see _HEADER
+    | magic "MKVC", version,    |  the header checksum covers every header byte but itself,
+    | header crc32, codec,      |  so a flipped length is caught before any length is trusted
+    | fingerprint (namespace,   |
+    | spec, chunk size, digest),|
+    | key, parent, tokens,      |
+    | raw / payload lengths,    |
+    | block table crc32         |
+    +---------------------------+
+    | block table               |  num_blocks x (stored_len u32, crc32 u32)
+    +---------------------------+
+    | payload                   |  the blocks, back to back
+    +---------------------------+
+
+**Blocks.** The (shuffled) raw bytes are cut into independent blocks of ``block_size`` bytes
+(1 MiB by default). Each is lz4-compressed on its own, or kept as it is when lz4 does not make
+it smaller (``stored_len == raw block length`` means "stored raw"). Independent blocks let
+``threads > 1`` compress and verify in parallel, and 1 MiB decompresses faster than larger
+blocks here because its output stays in L2 (2.4 vs 1.8 GB/s at 4 MiB).
+
+**Codecs.** ``"lz4"``: the native byte-shuffle (one plane per byte of an element, as blosc
+does) then lz4 block compression. On Gaussian bf16 plain lz4 gains nothing (1.00x); shuffled,
+the exponent plane compresses 1.5x and the mantissa plane not at all, 1.2x overall. Mantissa
+blocks are stored raw, so decoding them is a copy. ``"raw"``: no shuffle, every block stored
+raw; still checksummed.
+
+**Checksum.** zlib.crc32 per stored block. Measured on 32 MiB here: crc32 3.6 GB/s,
+blake2b 0.8 GB/s, md5 0.7 GB/s. This guards against torn writes and bit rot, not against an
+attacker (who could also rewrite the header), so the fast one is the right one.
+
+``encode_chunk``/``decode_chunk`` are synchronous and CPU-bound (lz4, crc32 and the native
+shuffle release the GIL): the engine calls them in worker threads.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import zlib
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import lz4.block
+import numpy as np
+import torch
+
+from ._errors import (
+    CorruptChunkError,
+    DeviceError,
+    FingerprintMismatchError,
+    InvalidInputError,
+    ShapeError,
+)
+from ._keys import FORMAT_VERSION, KEY_BYTES, Fingerprint
+from ._spec import dtype_name
+from .tiers.base import ChunkMeta
+
+__all__ = [
+    "CODECS",
+    "DEFAULT_BLOCK_SIZE",
+    "HEADER_MAX_BYTES",
+    "HEADER_SIZE",
+    "MAGIC",
+    "ChunkHeader",
+    "decode_chunk",
+    "encode_chunk",
+    "read_header",
+]
+
+CODECS: tuple[str, ...] = ("lz4", "raw")
+MAGIC = b"MKVC"
+DEFAULT_BLOCK_SIZE = 1 << 20
+
+_CODEC_IDS = {"raw": 0, "lz4": 1}
+_CODEC_NAMES = {v: k for k, v in _CODEC_IDS.items()}
+_FLAG_MLA = 1
+
+# magic, format_version, header_size, header_crc | codec, flags, itemsize, reserved |
+# num_layers, num_kv_heads, head_dim, chunk_size, num_tokens, block_size, num_blocks, table_crc |
+# raw_len, payload_len | fingerprint digest, key, parent, dtype name | namespace length, namespace
+_HEADER = struct.Struct("<4sHHI4B8I2Q16s32s32s16sH94s")
+HEADER_SIZE = _HEADER.size
+#: The most bytes a tier must read to call :func:`read_header` (the header is fixed-size).
+HEADER_MAX_BYTES = HEADER_SIZE
+_CRC_OFFSET = 8  # the header crc covers [0:8] + [12:HEADER_SIZE]
+_NAMESPACE_FIELD = 94
+_BLOCK_ENTRY = struct.Struct("<II")
+_U32_MAX = 2**32 - 1
+
+if HEADER_SIZE != 256:  # a layout change must bump FORMAT_VERSION; this catches edits early
+    raise ImportError(f"musacache.codec header layout is {HEADER_SIZE} bytes, expected 256")
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    """The verified header of a chunk object (:func:`read_header`)."""
+
+    format_version: int
+    codec: str
+    namespace: str
+    #: The namespace was longer than the header's field; ``namespace`` is its first bytes.
+    namespace_truncated: bool
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    mla: bool
+    itemsize: int
+    chunk_size: int
+    fingerprint_digest: bytes
+    key: bytes
+    parent: bytes
+    num_tokens: int
+    block_size: int
+    num_blocks: int
+    table_crc: int
+    raw_len: int
+    payload_len: int
+
+    @property
+    def table_len(self) -> int:
+        return self.num_blocks * _BLOCK_ENTRY.size
+
+    @property
+    def object_len(self) -> int:
+        """The exact size of the whole object; any other size means truncation or garbage."""
+        return HEADER_SIZE + self.table_len + self.payload_len
+
+    def describe_fingerprint(self) -> str:
+        """The writer's fingerprint, in the words of :meth:`Fingerprint.describe`."""
+        kind = "mla" if self.mla else "mha"
+        ns = repr(self.namespace) + ("..." if self.namespace_truncated else "")
+        return (f"namespace={ns} spec=({kind} L={self.num_layers} H={self.num_kv_heads} "
+                f"D={self.head_dim} {self.dtype}) chunk_size={self.chunk_size} "
+                f"format=v{self.format_version}")
+
+    def matches(self, fp: Fingerprint) -> bool:
+        spec = fp.spec
+        return (self.fingerprint_digest == fp.digest()
+                and self.format_version == fp.format_version
+                and (self.num_layers, self.num_kv_heads, self.head_dim, self.mla)
+                == (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.mla)
+                and self.dtype == dtype_name(spec.dtype)
+                and self.chunk_size == fp.chunk_size)
+
+    def meta(self, *, stored_bytes: int | None = None, last_used: float = 0.0) -> ChunkMeta:
+        return ChunkMeta(key=self.key, parent=self.parent, num_tokens=self.num_tokens,
+                         raw_bytes=self.raw_len,
+                         stored_bytes=self.object_len if stored_bytes is None else stored_bytes,
+                         last_used=last_used)
+
+
+# -- header ------------------------------------------------------------------------------------
+
+
+def _header_crc(head: bytes | bytearray | memoryview) -> int:
+    return zlib.crc32(head[_CRC_OFFSET + 4 : HEADER_SIZE], zlib.crc32(head[:_CRC_OFFSET]))
+
+
+def _pack_header(fp: Fingerprint, meta: ChunkMeta, *, codec: str, itemsize: int, block_size: int,
+                 num_blocks: int, table_crc: int, raw_len: int, payload_len: int) -> bytes:
+    spec = fp.spec
+    ns_full = fp.namespace.encode("utf-8")
+    # Cut at a character boundary so the stored prefix still decodes; the digest, not this
+    # text, decides a match: the text only names the writer in error messages.
+    ns = ns_full[:_NAMESPACE_FIELD].decode("utf-8", "ignore").encode("utf-8")
+    fields = (MAGIC, fp.format_version, HEADER_SIZE, 0,
+              _CODEC_IDS[codec], _FLAG_MLA if spec.mla else 0, itemsize, 0,
+              spec.num_layers, spec.num_kv_heads, spec.head_dim, fp.chunk_size, meta.num_tokens,
+              block_size, num_blocks, table_crc, raw_len, payload_len,
+              fp.digest(), meta.key, meta.parent, dtype_name(spec.dtype).encode("ascii"),
+              min(len(ns_full), 0xFFFF), ns)
+    head = bytearray(_HEADER.pack(*fields))
+    struct.pack_into("<I", head, _CRC_OFFSET, _header_crc(head))
+    return bytes(head)
+
+
+def read_header(obj: bytes | bytearray | memoryview) -> ChunkHeader:
+    """Parse and verify the header of a chunk object (only its first :data:`HEADER_SIZE` bytes
+    are needed, so a tier may pass a ranged read).
+
+    Raises :class:`CorruptChunkError` for a short buffer, bad magic or a header checksum
+    mismatch, and :class:`FingerprintMismatchError` for an intact header of another format
+    version. It does not check the payload: :func:`decode_chunk` does.
+    """
+    view = memoryview(obj).cast("B") if isinstance(obj, memoryview) else memoryview(obj)
+    if len(view) < HEADER_SIZE:
+        raise CorruptChunkError(
+            f"chunk object truncated: {len(view)} bytes, the header alone is {HEADER_SIZE}")
+    head = view[:HEADER_SIZE]
+    (magic, version, header_size, crc, codec_id, flags, itemsize, _reserved,
+     num_layers, num_kv_heads, head_dim, chunk_size, num_tokens, block_size, num_blocks,
+     table_crc, raw_len, payload_len, digest, key, parent, dtype_raw, ns_len,
+     ns_raw) = _HEADER.unpack(head)
+    if magic != MAGIC:
+        raise CorruptChunkError(f"not a musacache chunk object: magic {bytes(magic)!r}, "
+                                f"expected {MAGIC!r}")
+    if crc != _header_crc(head):
+        raise CorruptChunkError("chunk header checksum mismatch (the header is damaged)")
+    if version != FORMAT_VERSION:
+        raise FingerprintMismatchError(
+            f"chunk object is format v{version}, this musacache reads format v{FORMAT_VERSION}")
+    if header_size != HEADER_SIZE or codec_id not in _CODEC_NAMES:
+        raise CorruptChunkError(
+            f"chunk header is inconsistent (header_size={header_size}, codec id={codec_id})")
+    namespace = bytes(ns_raw).rstrip(b"\0").decode("utf-8", "replace")
+    return ChunkHeader(
+        format_version=version, codec=_CODEC_NAMES[codec_id], namespace=namespace,
+        namespace_truncated=ns_len > len(namespace.encode("utf-8")),
+        num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        dtype=bytes(dtype_raw).rstrip(b"\0").decode("ascii", "replace"),
+        mla=bool(flags & _FLAG_MLA), itemsize=itemsize, chunk_size=chunk_size,
+        fingerprint_digest=bytes(digest), key=bytes(key), parent=bytes(parent),
+        num_tokens=num_tokens, block_size=block_size, num_blocks=num_blocks,
+        table_crc=table_crc, raw_len=raw_len, payload_len=payload_len)
+
+
+# -- native shuffle ------------------------------------------------------------------------------
+
+
+def _native() -> Any:
+    # Imported on first use so that reading headers (tier start-up scans) never needs the
+    # compiled module.
+    from . import _native
+
+    return _native
+
+
+def _shuffle(src: np.ndarray, itemsize: int, out: np.ndarray) -> None:
+    _native().shuffle(src, itemsize, out=out)
+
+
+def _unshuffle(src: np.ndarray, itemsize: int, out: np.ndarray) -> None:
+    _native().unshuffle(src, itemsize, out=out)
+
+
+# -- scratch buffers -----------------------------------------------------------------------------
+
+# A fresh 32 MiB buffer costs more in page faults than the shuffle that fills it (measured
+# here: 5.6 ms fresh vs 2.9 ms reused), so the shuffle scratch is recycled. At most
+# _SCRATCH_KEEP idle buffers are kept, which bounds the memory this holds.
+_SCRATCH_KEEP = 4
+_scratch: list[np.ndarray] = []
+_scratch_lock = threading.Lock()
+
+
+def _take_scratch(nbytes: int) -> np.ndarray:
+    with _scratch_lock:
+        for i, buf in enumerate(_scratch):
+            if buf.size >= nbytes:
+                return _scratch.pop(i)[:nbytes]
+    return np.empty(nbytes, dtype=np.uint8)
+
+
+def _give_scratch(buf: np.ndarray) -> None:
+    base = buf.base if isinstance(buf.base, np.ndarray) else buf
+    with _scratch_lock:
+        if len(_scratch) < _SCRATCH_KEEP:
+            _scratch.append(base)
+        else:
+            # Keep the largest buffers: a small one would never serve a full chunk.
+            smallest = min(range(len(_scratch)), key=lambda i: _scratch[i].size)
+            if _scratch[smallest].size < base.size:
+                _scratch[smallest] = base
+
+
+# -- block fan-out -------------------------------------------------------------------------------
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _get_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 2,
+                                       thread_name_prefix="musacache-codec")
+        return _pool
+
+
+def _run_blocks(fn: Callable[[int], Any], num_blocks: int, threads: int) -> list[Any]:
+    """``[fn(i) for i in range(num_blocks)]``, split into up to ``threads`` contiguous groups.
+
+    The calling thread runs the first group itself, so ``threads=2`` costs one pool thread.
+    """
+    groups = max(1, min(threads, num_blocks))
+    if groups == 1:
+        return [fn(i) for i in range(num_blocks)]
+    bounds = [num_blocks * g // groups for g in range(groups + 1)]
+
+    def run(g: int) -> list[Any]:
+        return [fn(i) for i in range(bounds[g], bounds[g + 1])]
+
+    pool = _get_pool()
+    futures: list[Future[list[Any]]] = [pool.submit(run, g) for g in range(1, groups)]
+    results = run(0)
+    # Wait for every group even if one failed, so no worker still touches our buffers.
+    errors: list[BaseException] = []
+    for fut in futures:
+        try:
+            results.extend(fut.result())
+        except BaseException as e:
+            errors.append(e)
+    if errors:
+        raise errors[0]
+    return results
+
+
+# -- encode --------------------------------------------------------------------------------------
+
+
+def _check_meta(fp: Fingerprint, meta: ChunkMeta) -> None:
+    if fp.format_version != FORMAT_VERSION:
+        raise InvalidInputError(f"this musacache writes chunk format v{FORMAT_VERSION}, the "
+                                f"fingerprint says v{fp.format_version}")
+    for name in ("key", "parent"):
+        value = getattr(meta, name)
+        if not isinstance(value, bytes) or len(value) != KEY_BYTES:
+            raise InvalidInputError(f"ChunkMeta.{name} must be {KEY_BYTES} bytes, got {value!r}")
+    if not 0 < meta.num_tokens <= min(fp.chunk_size, _U32_MAX):
+        raise InvalidInputError(f"ChunkMeta.num_tokens must be in 1..{fp.chunk_size}, got "
+                                f"{meta.num_tokens}")
+
+
+def _as_bytes(t: torch.Tensor) -> np.ndarray:
+    """A flat uint8 numpy view of a contiguous CPU tensor's memory (no copy)."""
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+def encode_chunk(fp: Fingerprint, meta: ChunkMeta, data: torch.Tensor, codec: str = "lz4", *,
+                 threads: int = 1, block_size: int = DEFAULT_BLOCK_SIZE) -> bytes:
+    """Encode one chunk's dense KV as a self-describing object.
+
+    ``data`` is a CPU tensor of ``fp.spec.shape(meta.num_tokens)`` and ``fp.spec.dtype``
+    (a non-contiguous one is copied first). ``threads`` > 1 compresses blocks in parallel.
+    Raises :class:`InvalidInputError` (or a subclass) for bad arguments; never touches ``data``.
+    """
+    if codec not in CODECS:
+        raise InvalidInputError(f"unknown codec {codec!r}; use one of {CODECS}")
+    if not 0 < block_size <= _U32_MAX:
+        raise InvalidInputError(f"block_size must be in 1..{_U32_MAX}, got {block_size}")
+    _check_meta(fp, meta)
+    spec = fp.spec
+    if isinstance(data, torch.Tensor) and data.device.type != "cpu":
+        raise DeviceError(f"encode_chunk needs a CPU tensor, got one on {data.device}")
+    if spec.check_dense(data, what="chunk data") != meta.num_tokens:
+        raise ShapeError(f"chunk data holds {data.shape[spec.token_dim]} tokens, the ChunkMeta "
+                         f"says {meta.num_tokens}")
+    raw_len = spec.nbytes(meta.num_tokens)
+    if meta.raw_bytes != raw_len:
+        raise InvalidInputError(f"ChunkMeta.raw_bytes is {meta.raw_bytes}, {meta.num_tokens} "
+                                f"tokens of this spec are {raw_len} bytes")
+    raw = _as_bytes(data.contiguous())
+    itemsize = spec.itemsize
+    scratch: np.ndarray | None = None
+    if codec == "lz4" and itemsize > 1:
+        scratch = _take_scratch(raw_len)
+        _shuffle(raw, itemsize, out=scratch)
+        raw = scratch
+    try:
+        return _encode_blocks(fp, meta, memoryview(raw.data), codec=codec, itemsize=itemsize,
+                              block_size=block_size, threads=threads)
+    finally:
+        if scratch is not None:
+            _give_scratch(scratch)
+
+
+def _encode_blocks(fp: Fingerprint, meta: ChunkMeta, view: memoryview, *, codec: str,
+                   itemsize: int, block_size: int, threads: int) -> bytes:
+    raw_len = len(view)
+    num_blocks = -(-raw_len // block_size)
+    compress = codec == "lz4"
+
+    def encode_block(i: int) -> tuple[bytes | memoryview, int]:
+        block = view[i * block_size : (i + 1) * block_size]
+        stored: bytes | memoryview = block
+        if compress:
+            packed = lz4.block.compress(block, store_size=False)
+            # Strictly smaller, so that stored_len == raw length can mean "stored raw".
+            if len(packed) < len(block):
+                stored = packed
+        return stored, zlib.crc32(stored)
+
+    blocks = _run_blocks(encode_block, num_blocks, threads)
+    table = b"".join(_BLOCK_ENTRY.pack(len(stored), crc) for stored, crc in blocks)
+    payload_len = sum(len(stored) for stored, _ in blocks)
+    header = _pack_header(fp, meta, codec=codec, itemsize=itemsize, block_size=block_size,
+                          num_blocks=num_blocks, table_crc=zlib.crc32(table), raw_len=raw_len,
+                          payload_len=payload_len)
+    return b"".join([header, table, *(stored for stored, _ in blocks)])
+
+
+# -- decode --------------------------------------------------------------------------------------
+
+
+def _check_out(out: torch.Tensor, fp: Fingerprint, num_tokens: int) -> None:
+    spec = fp.spec
+    if not isinstance(out, torch.Tensor):
+        raise ShapeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if out.device.type != "cpu":
+        raise DeviceError(f"decode_chunk writes CPU tensors only, out is on {out.device}")
+    spec.check_dense(out, what="out")
+    if tuple(out.shape) != spec.shape(num_tokens):
+        raise ShapeError(f"out has shape {tuple(out.shape)}, the chunk holds "
+                         f"{spec.shape(num_tokens)}")
+    if not out.is_contiguous():
+        raise ShapeError("out must be contiguous")
+
+
+def decode_chunk(fp: Fingerprint, obj: bytes | bytearray | memoryview, *,
+                 expect: ChunkMeta | None = None, out: torch.Tensor | None = None,
+                 threads: int = 1) -> tuple[ChunkMeta, torch.Tensor]:
+    """Verify and decode a chunk object written by :func:`encode_chunk`.
+
+    Returns the chunk's :class:`ChunkMeta` (``stored_bytes`` = ``len(obj)``) and its dense KV,
+    written into ``out`` when given (a contiguous CPU tensor of the chunk's shape and dtype).
+
+    Raises :class:`FingerprintMismatchError` (naming both sides) when the object was written
+    for another namespace, spec, chunk size or format version, and :class:`CorruptChunkError`
+    for bad magic, a damaged header or block table, truncation or trailing bytes, a payload
+    checksum mismatch, or a key/parent/token count that differs from ``expect``. On any error
+    ``out`` is left untouched.
+    """
+    view = memoryview(obj).cast("B") if isinstance(obj, memoryview) else memoryview(obj)
+    hdr = read_header(view)
+    if not hdr.matches(fp):
+        raise FingerprintMismatchError(
+            f"chunk written for {hdr.describe_fingerprint()}, this cache is {fp.describe()}")
+    if expect is not None:
+        checks: tuple[tuple[str, object, object], ...] = (
+            ("key", expect.key.hex(), hdr.key.hex()),
+            ("parent", expect.parent.hex(), hdr.parent.hex()),
+            ("num_tokens", expect.num_tokens, hdr.num_tokens))
+        for name, want, got in checks:
+            if want != got:
+                raise CorruptChunkError(f"chunk object holds {name} {got}, expected {want} "
+                                        f"(misplaced or overwritten object)")
+    spec = fp.spec
+    if (not 0 < hdr.num_tokens <= hdr.chunk_size or hdr.raw_len != spec.nbytes(hdr.num_tokens)
+            or hdr.itemsize != spec.itemsize or hdr.block_size == 0
+            or hdr.num_blocks != -(-hdr.raw_len // hdr.block_size)):
+        raise CorruptChunkError("chunk header lengths are inconsistent with its spec")
+    if len(view) != hdr.object_len:
+        what = "truncated" if len(view) < hdr.object_len else "trailing bytes"
+        raise CorruptChunkError(f"chunk object is {len(view)} bytes, its header says "
+                                f"{hdr.object_len} ({what})")
+    table = view[HEADER_SIZE : HEADER_SIZE + hdr.table_len]
+    if zlib.crc32(table) != hdr.table_crc:
+        raise CorruptChunkError("chunk block table checksum mismatch")
+    entries: Sequence[tuple[int, int]] = list(_BLOCK_ENTRY.iter_unpack(table))
+    offsets = [HEADER_SIZE + hdr.table_len]
+    for i, (stored_len, _crc) in enumerate(entries):
+        raw_block = min(hdr.block_size, hdr.raw_len - i * hdr.block_size)
+        if stored_len > raw_block or (hdr.codec == "raw" and stored_len != raw_block):
+            raise CorruptChunkError(f"chunk block {i} is {stored_len} bytes stored for "
+                                    f"{raw_block} raw bytes ({hdr.codec})")
+        offsets.append(offsets[-1] + stored_len)
+    if offsets[-1] != len(view):
+        raise CorruptChunkError("chunk block lengths do not add up to the payload length")
+
+    if out is not None:
+        _check_out(out, fp, hdr.num_tokens)
+        dst = out
+    else:
+        dst = torch.empty(spec.shape(hdr.num_tokens), dtype=spec.dtype)
+    dst_bytes = _as_bytes(dst)
+    shuffled = hdr.codec == "lz4" and hdr.itemsize > 1
+    # A shuffled payload is rebuilt in scratch and only unshuffled into dst once every block
+    # verified; otherwise blocks land in dst directly, so a caller's out is verified first.
+    target = _take_scratch(hdr.raw_len) if shuffled else dst_bytes
+    verify_first = out is not None and not shuffled
+    try:
+        _decode_blocks(view, hdr, offsets, entries, target, verify_first=verify_first,
+                       threads=threads)
+        if shuffled:
+            _unshuffle(target, hdr.itemsize, out=dst_bytes)
+    finally:
+        if shuffled:
+            _give_scratch(target)
+    return hdr.meta(stored_bytes=len(view)), dst
+
+
+def _decode_blocks(view: memoryview, hdr: ChunkHeader, offsets: list[int],
+                   entries: Sequence[tuple[int, int]], target: np.ndarray, *,
+                   verify_first: bool, threads: int) -> None:
+
+    def check_block(i: int) -> memoryview:
+        stored = view[offsets[i] : offsets[i + 1]]
+        if zlib.crc32(stored) != entries[i][1]:
+            raise CorruptChunkError(f"chunk payload checksum mismatch in block {i}")
+        return stored
+
+    def decode_block(i: int) -> None:
+        stored = view[offsets[i] : offsets[i + 1]] if verify_first else check_block(i)
+        start = i * hdr.block_size
+        raw_block = min(hdr.block_size, hdr.raw_len - start)
+        if len(stored) == raw_block:
+            target[start : start + raw_block] = np.frombuffer(stored, dtype=np.uint8)
+            return
+        try:
+            plain = lz4.block.decompress(stored, uncompressed_size=raw_block)
+        except lz4.block.LZ4BlockError as e:
+            raise CorruptChunkError(f"chunk block {i} does not decompress: {e}") from e
+        if len(plain) != raw_block:
+            raise CorruptChunkError(f"chunk block {i} decompressed to {len(plain)} bytes, "
+                                    f"expected {raw_block}")
+        target[start : start + raw_block] = np.frombuffer(plain, dtype=np.uint8)
+
+    if verify_first:
+        _run_blocks(check_block, hdr.num_blocks, threads)
+    _run_blocks(decode_block, hdr.num_blocks, threads)

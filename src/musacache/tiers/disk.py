@@ -1,0 +1,398 @@
+"""The local-disk storage tier: one file per chunk object, in the codec format.
+
+Layout under ``path``::
+
+    <path>/<fingerprint digest hex>/          one folder per namespace/spec/chunk size
+        .lock                                 flock'ed while a cache uses the folder
+        <kk>/                                 fan-out: the first byte of the key, 256 folders
+            <key hex>.<parent hex>.<tokens>.kvc
+            .<final name>.<random>.tmp        a write in progress (or a crashed one)
+
+A file's name alone rebuilds its directory entry (key, parent, token count); the start-up scan
+still reads each header (256 bytes) and checks the file size against it, and removes what
+fails: leftover temp files, bad headers, wrong sizes, names that disagree with the header.
+
+**Atomic writes, and the fsync policy.** A chunk is written to a temp file in its final folder
+and renamed over the final name with ``os.replace``, so a reader never sees half a file under a
+chunk's name. By default nothing is fsync'ed: this is a cache, and losing the newest chunks in
+a power cut only costs misses. A file torn by a crash (on file systems that can leave a renamed
+file short or empty) fails the start-up size check or the read-time checksum, and is removed or
+counted as a miss; it never becomes wrong data. ``fsync=True`` adds an fsync of the file before
+the rename and of its folder after it, for deployments that want the chunks to survive a crash.
+
+Reads touch the file's mtime, which is what ``last_used`` reports after a restart (access times
+are unreliable under ``noatime``/``relatime``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import re
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+import anyio.to_thread
+
+from .._config import parse_size
+from .._errors import (
+    ConfigError,
+    CorruptChunkError,
+    FingerprintMismatchError,
+    TierError,
+)
+from .._keys import KEY_BYTES, Fingerprint
+from ..codec import CODECS, HEADER_SIZE, read_header
+from .base import ChunkMeta, StorageTier, TierContext
+
+__all__ = ["DiskStore", "DiskTier"]
+
+_SUFFIX = ".kvc"
+_NAME_RE = re.compile(r"^([0-9a-f]{64})\.([0-9a-f]{64})\.([1-9][0-9]{0,9})\.kvc$")
+_HEX2_RE = re.compile(r"^[0-9a-f]{2}$")
+
+
+def _check_positive(value: Any, what: str, *, integer: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{what} must be a number, got {value!r}")
+    if integer and not float(value).is_integer():
+        raise ConfigError(f"{what} must be an integer, got {value!r}")
+    if value <= 0:
+        raise ConfigError(f"{what} must be positive, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class DiskTier:
+    """A local folder of chunk files. ``capacity_bytes`` bounds the encoded bytes stored there
+    (the cache evicts least-recently-used leaves to stay under it).
+
+    Every field is a plain value so a TOML table or ``MUSACACHE_TIERS__N__*`` variables can
+    build it. ``path`` is created if missing; one cache at a time may use a path for a given
+    namespace/spec (a second one fails at start with :class:`TierError`).
+    """
+
+    path: str
+    capacity_bytes: int | str
+    codec: str = "lz4"
+    write_through: bool = False
+    #: Longest wait in seconds for one read before it counts as a miss.
+    timeout: float = 10.0
+    #: File reads and writes running at once (worker threads).
+    max_concurrency: int = 4
+    #: fsync each file before its rename, and its folder after (see the module docstring).
+    fsync: bool = False
+    name: str = "disk"
+    kind: Literal["disk"] = field(default="disk", init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, (str, os.PathLike)) or not os.fspath(self.path):
+            raise ConfigError(f"{self.name}.path must be a non-empty folder path, "
+                              f"got {self.path!r}")
+        object.__setattr__(self, "path", os.fspath(self.path))
+        object.__setattr__(self, "capacity_bytes",
+                           parse_size(self.capacity_bytes, what=f"{self.name}.capacity_bytes"))
+        if self.codec not in CODECS:
+            raise ConfigError(f"{self.name}.codec must be one of {CODECS}, got {self.codec!r}")
+        for flag in ("write_through", "fsync"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f"{self.name}.{flag} must be true or false, "
+                                  f"got {getattr(self, flag)!r}")
+        object.__setattr__(self, "timeout",
+                           float(_check_positive(self.timeout, f"{self.name}.timeout")))
+        object.__setattr__(self, "max_concurrency", int(_check_positive(
+            self.max_concurrency, f"{self.name}.max_concurrency", integer=True)))
+
+    def build(self) -> DiskStore:
+        return DiskStore(self)
+
+
+def file_name(key: bytes, parent: bytes, num_tokens: int) -> str:
+    """The file name of a chunk: everything its directory entry needs."""
+    return f"{key.hex()}.{parent.hex()}.{num_tokens}{_SUFFIX}"
+
+
+class DiskStore(StorageTier):
+    """The running disk tier built by :meth:`DiskTier.build`. All file I/O runs in worker
+    threads bounded by ``max_concurrency``."""
+
+    shared = False
+
+    def __init__(self, config: DiskTier) -> None:
+        self.config = config
+        self.name = config.name
+        self.capacity_bytes = int(config.capacity_bytes)
+        self.write_through = config.write_through
+        self.codec = config.codec
+        self.timeout = config.timeout
+        self.max_concurrency = config.max_concurrency
+        self._limiter = anyio.CapacityLimiter(config.max_concurrency)
+        self._root: Path | None = None
+        self._fp: Fingerprint | None = None
+        self._lock_fd: int | None = None
+        # key -> file name, so delete(key) needs no folder listing.
+        self._names: dict[bytes, str] = {}
+        self._c: dict[str, Any] = dict.fromkeys(
+            ("reads", "read_misses", "read_faults", "writes", "writes_skipped",
+             "write_failures", "deletes", "bytes_in", "bytes_out", "removed_temp",
+             "removed_corrupt", "ignored_files"), 0)
+        self._c["last_error"] = None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    @property
+    def root(self) -> Path:
+        if self._root is None:
+            raise TierError(f"disk tier {self.name!r} is not started")
+        return self._root
+
+    async def start(self, ctx: TierContext) -> list[ChunkMeta]:
+        self._fp = ctx.fingerprint
+        root = Path(self.config.path) / ctx.fingerprint.digest().hex()
+        try:
+            await anyio.to_thread.run_sync(self._open_root, root, limiter=self._limiter)
+        except OSError as e:
+            raise TierError(f"disk tier {self.name!r}: cannot use {root}: {e}") from e
+        self._root = root
+        try:
+            subdirs = await anyio.to_thread.run_sync(self._list_subdirs, root,
+                                                     limiter=self._limiter)
+            metas: list[ChunkMeta] = []
+
+            async def scan(sub: Path) -> None:
+                found, counts = await anyio.to_thread.run_sync(self._scan_dir, sub,
+                                                               limiter=self._limiter)
+                metas.extend(found)
+                for k, v in counts.items():
+                    if k == "last_error":
+                        self._c[k] = v
+                    else:
+                        self._c[k] += v
+
+            async with anyio.create_task_group() as tg:
+                for sub in subdirs:
+                    tg.start_soon(scan, sub)
+        except BaseException:
+            self._release_lock()
+            self._root = None
+            raise
+        for m in metas:
+            self._names[m.key] = file_name(m.key, m.parent, m.num_tokens)
+        return metas
+
+    def _open_root(self, root: Path) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise TierError(f"disk tier {self.name!r}: {root} is in use by another cache "
+                                f"(one cache per folder and fingerprint)") from e
+            raise
+        self._lock_fd = fd
+
+    def _release_lock(self) -> None:
+        if self._lock_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._lock_fd)  # closing drops the flock
+            self._lock_fd = None
+
+    async def aclose(self) -> None:
+        self._release_lock()
+        self._root = None
+
+    # -- start-up scan ------------------------------------------------------------------------
+
+    @staticmethod
+    def _list_subdirs(root: Path) -> list[Path]:
+        with os.scandir(root) as it:
+            return [Path(e.path) for e in it if _HEX2_RE.match(e.name) and e.is_dir()]
+
+    def _scan_dir(self, sub: Path) -> tuple[list[ChunkMeta], dict[str, Any]]:
+        """Check every file of one fan-out folder (in a worker thread). Counters are returned,
+        not bumped here, so that concurrent scans never race on them."""
+        metas: list[ChunkMeta] = []
+        counts: dict[str, Any] = {}
+        with os.scandir(sub) as it:
+            entries = list(it)
+        for entry in entries:
+            if entry.name.startswith(".") and entry.name.endswith(".tmp"):
+                # A write that never reached its rename (we hold the folder lock, so no
+                # live writer owns it).
+                self._remove(entry.path, "removed_temp", counts)
+                continue
+            m = _NAME_RE.match(entry.name)
+            if m is None or not entry.is_file(follow_symlinks=False):
+                counts["ignored_files"] = counts.get("ignored_files", 0) + 1
+                continue
+            meta = self._check_file(entry.path, bytes.fromhex(m[1]), bytes.fromhex(m[2]),
+                                    int(m[3]), sub.name, counts)
+            if meta is None:
+                self._remove(entry.path, "removed_corrupt", counts)
+            else:
+                metas.append(meta)
+        return metas, counts
+
+    def _check_file(self, path: str, key: bytes, parent: bytes, tokens: int,
+                    fan_out: str, counts: dict[str, Any]) -> ChunkMeta | None:
+        """The file's ChunkMeta if its header, size and name agree, else None."""
+        fp = self._fp
+        if fp is None or key[:1].hex() != fan_out:
+            return None
+        try:
+            with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
+                head = f.read(HEADER_SIZE)
+            hdr = read_header(head)
+        except (CorruptChunkError, FingerprintMismatchError):
+            return None
+        except OSError as e:
+            counts["last_error"] = f"scan {path}: {e}"
+            return None
+        if (hdr.key, hdr.parent, hdr.num_tokens) != (key, parent, tokens) \
+                or not hdr.matches(fp) or st.st_size != hdr.object_len:
+            return None
+        return hdr.meta(stored_bytes=st.st_size, last_used=st.st_mtime)
+
+    @staticmethod
+    def _remove(path: str, counter: str, counts: dict[str, Any]) -> None:
+        try:
+            os.unlink(path)
+            counts[counter] = counts.get(counter, 0) + 1
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            counts["last_error"] = f"remove {path}: {e}"
+
+    # -- chunk I/O ----------------------------------------------------------------------------
+
+    def _path(self, key: bytes, parent: bytes, num_tokens: int) -> Path:
+        if len(key) != KEY_BYTES or len(parent) != KEY_BYTES:
+            raise TierError(f"chunk keys are {KEY_BYTES} bytes, got {len(key)} and "
+                            f"{len(parent)}")
+        return self.root / key[:1].hex() / file_name(key, parent, num_tokens)
+
+    async def write(self, meta: ChunkMeta, obj: bytes) -> None:
+        path = self._path(meta.key, meta.parent, meta.num_tokens)
+        try:
+            wrote = await anyio.to_thread.run_sync(self._write_file, path, obj,
+                                                   limiter=self._limiter)
+        except OSError as e:
+            self._c["write_failures"] += 1
+            self._c["last_error"] = f"write {path.name}: {e}"
+            raise TierError(f"disk tier {self.name!r}: cannot write {path}: {e}") from e
+        self._names[meta.key] = path.name
+        if wrote:
+            self._c["writes"] += 1
+            self._c["bytes_in"] += len(obj)
+        else:
+            self._c["writes_skipped"] += 1
+
+    def _write_file(self, path: Path, obj: bytes) -> bool:
+        """Write ``obj`` atomically at ``path``; False if an equal-sized file is there already
+        (a key names its content, so it is the same chunk)."""
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(path).st_size == len(obj):
+                return False
+        folder = path.parent
+        folder.mkdir(exist_ok=True)
+        tmp = folder / f".{path.name}.{secrets.token_hex(4)}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            try:
+                view = memoryview(obj)
+                while view:  # os.write may write less than asked
+                    view = view[os.write(fd, view):]
+                if self.config.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        if self.config.fsync:
+            dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        return True
+
+    async def read(self, meta: ChunkMeta) -> bytes | None:
+        path = self._path(meta.key, meta.parent, meta.num_tokens)
+        try:
+            with anyio.fail_after(self.timeout):
+                # abandon_on_cancel: a hung disk (NFS) must not hold the caller past timeout.
+                obj = await anyio.to_thread.run_sync(self._read_file, path,
+                                                     limiter=self._limiter,
+                                                     abandon_on_cancel=True)
+        except TimeoutError as e:
+            self._c["read_faults"] += 1
+            self._c["last_error"] = f"read {path.name}: timed out"
+            raise TierError(f"disk tier {self.name!r}: read of {path} took over "
+                            f"{self.timeout} s") from e
+        except OSError as e:
+            self._c["read_faults"] += 1
+            self._c["last_error"] = f"read {path.name}: {e}"
+            raise TierError(f"disk tier {self.name!r}: cannot read {path}: {e}") from e
+        if obj is None:
+            self._c["read_misses"] += 1
+            self._names.pop(meta.key, None)
+            return None
+        self._c["reads"] += 1
+        self._c["bytes_out"] += len(obj)
+        return obj
+
+    @staticmethod
+    def _read_file(path: Path) -> bytes | None:
+        try:
+            with open(path, "rb") as f:
+                obj = f.read()
+        except FileNotFoundError:
+            return None
+        # Recency for the LRU order rebuilt after a restart; losing it is harmless.
+        with contextlib.suppress(OSError):
+            os.utime(path)
+        return obj
+
+    async def delete(self, key: bytes) -> None:
+        name = self._names.pop(key, None)
+        folder = self.root / key[:1].hex()
+        try:
+            await anyio.to_thread.run_sync(self._delete_files, folder, key, name,
+                                           limiter=self._limiter)
+        except OSError as e:
+            self._c["last_error"] = f"delete {key.hex()}: {e}"
+            raise TierError(f"disk tier {self.name!r}: cannot delete {key.hex()}: {e}") from e
+        self._c["deletes"] += 1
+
+    @staticmethod
+    def _delete_files(folder: Path, key: bytes, name: str | None) -> None:
+        if name is not None:
+            names = [name]
+        else:  # not written or scanned by us: find it by its key prefix
+            prefix = key.hex() + "."
+            try:
+                names = [n for n in os.listdir(folder) if n.startswith(prefix)]
+            except FileNotFoundError:
+                return
+        for n in names:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(folder / n)
+
+    def stats(self) -> dict[str, Any]:
+        return {**self._c, "files": len(self._names), "path": str(self._root or "")}
+
+    def __repr__(self) -> str:
+        return (f"DiskStore(name={self.name!r}, path={self.config.path!r}, "
+                f"codec={self.codec!r}, capacity_bytes={self.capacity_bytes})")
+

@@ -1,0 +1,301 @@
+"""The chunk object format: round trips, ratio, and every kind of damage is caught."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from musacache._errors import (
+    CorruptChunkError,
+    DTypeError,
+    FingerprintMismatchError,
+    InvalidInputError,
+    ShapeError,
+)
+from musacache._keys import FORMAT_VERSION, Fingerprint
+from musacache._spec import KVSpec
+from musacache.codec import (
+    CODECS,
+    HEADER_MAX_BYTES,
+    HEADER_SIZE,
+    decode_chunk,
+    encode_chunk,
+    read_header,
+)
+from musacache.tiers.base import ChunkMeta
+
+SMALL_BLOCK = 4096  # several blocks even for small test chunks
+
+
+def _key(tag: str) -> bytes:
+    return hashlib.blake2b(tag.encode(), digest_size=32).digest()
+
+
+def _meta(spec: KVSpec, tokens: int, tag: str = "k") -> ChunkMeta:
+    return ChunkMeta(key=_key(tag), parent=_key(tag + "-parent"), num_tokens=tokens,
+                     raw_bytes=spec.nbytes(tokens))
+
+
+def _data(spec: KVSpec, tokens: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(spec.shape(tokens), generator=g, dtype=torch.float32)
+    if spec.dtype in (torch.uint8, torch.int8):
+        return (x * 40).to(spec.dtype)
+    return x.to(spec.dtype)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN-safe, works for fp8)."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+SPECS = [
+    KVSpec(2, 2, 64, torch.bfloat16),
+    KVSpec(3, 1, 32, torch.float16),
+    KVSpec(2, 2, 16, torch.float32),
+    KVSpec(2, 4, 32, torch.float8_e4m3fn),
+    KVSpec(2, 1, 96, torch.bfloat16, mla=True),
+]
+
+
+@pytest.fixture
+def fp() -> Fingerprint:
+    return Fingerprint("model-a", KVSpec(2, 2, 64, torch.bfloat16), 32)
+
+
+@pytest.fixture
+def encoded(fp: Fingerprint) -> tuple[ChunkMeta, torch.Tensor, bytes]:
+    meta = _meta(fp.spec, 32)
+    data = _data(fp.spec, 32)
+    return meta, data, encode_chunk(fp, meta, data, "lz4", block_size=SMALL_BLOCK)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.describe().replace(" ", "_"))
+@pytest.mark.parametrize("tokens", [32, 7, 1])
+def test_round_trip(spec: KVSpec, codec: str, tokens: int) -> None:
+    fp = Fingerprint("ns", spec, 32)
+    meta = _meta(spec, tokens)
+    data = _data(spec, tokens)
+    obj = encode_chunk(fp, meta, data, codec, block_size=SMALL_BLOCK)
+    got_meta, got = decode_chunk(fp, obj, expect=meta)
+    assert _same(got, data)
+    assert got_meta.key == meta.key and got_meta.parent == meta.parent
+    assert got_meta.num_tokens == tokens
+    assert got_meta.raw_bytes == spec.nbytes(tokens)
+    assert got_meta.stored_bytes == len(obj)
+    hdr = read_header(obj)
+    assert hdr.codec == codec and hdr.object_len == len(obj)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_round_trip_into_out_with_threads(fp: Fingerprint, codec: str) -> None:
+    meta, data = _meta(fp.spec, 32), _data(fp.spec, 32, seed=3)
+    obj = encode_chunk(fp, meta, data, codec, threads=3, block_size=SMALL_BLOCK)
+    assert obj == encode_chunk(fp, meta, data, codec, threads=1, block_size=SMALL_BLOCK)
+    out = torch.zeros_like(data)
+    _, got = decode_chunk(fp, obj, out=out, threads=3)
+    assert got.data_ptr() == out.data_ptr()
+    assert _same(out, data)
+
+
+def test_non_contiguous_input_is_accepted(fp: Fingerprint) -> None:
+    spec = fp.spec
+    # A (L, T, 2, H, D) buffer permuted to (L, 2, T, H, D), as a HuggingFace cache view is.
+    base = _data(KVSpec(2, 2, 64, torch.bfloat16), 32).permute(0, 2, 1, 3, 4).contiguous()
+    view = base.permute(0, 2, 1, 3, 4)
+    assert not view.is_contiguous()
+    obj = encode_chunk(fp, _meta(spec, 32), view)
+    assert _same(decode_chunk(fp, obj)[1], view.contiguous())
+
+
+def test_shuffle_lz4_ratio_on_gaussian_bf16() -> None:
+    # The format's promise: shuffled lz4 makes Gaussian bf16 at least 15% smaller, where
+    # plain lz4 gains nothing. (The raw codec bounds the plain case: it never grows by more
+    # than the header and table.)
+    spec = KVSpec(4, 8, 128, torch.bfloat16)
+    fp = Fingerprint("ratio", spec, 256)
+    meta, data = _meta(spec, 256), _data(spec, 256, seed=7)
+    lz4_obj = encode_chunk(fp, meta, data, "lz4")
+    raw_obj = encode_chunk(fp, meta, data, "raw")
+    assert spec.nbytes(256) / len(lz4_obj) >= 1.15
+    assert len(raw_obj) - spec.nbytes(256) < HEADER_SIZE + 64
+
+
+def test_incompressible_blocks_are_stored_raw(fp: Fingerprint) -> None:
+    meta = _meta(fp.spec, 32)
+    noise = torch.randint(0, 256, (fp.spec.nbytes(32),), dtype=torch.uint8)
+    data = noise.view(torch.bfloat16).reshape(fp.spec.shape(32))
+    obj = encode_chunk(fp, meta, data, "lz4", block_size=SMALL_BLOCK)
+    hdr = read_header(obj)
+    assert hdr.payload_len == hdr.raw_len  # no block grew, none shrank
+    assert _same(decode_chunk(fp, obj)[1], data)
+
+
+def test_read_header_needs_only_the_header(encoded: tuple[ChunkMeta, torch.Tensor, bytes],
+                                          fp: Fingerprint) -> None:
+    meta, _, obj = encoded
+    assert HEADER_MAX_BYTES == HEADER_SIZE
+    hdr = read_header(obj[:HEADER_MAX_BYTES])
+    assert (hdr.key, hdr.parent, hdr.num_tokens) == (meta.key, meta.parent, 32)
+    assert hdr.format_version == FORMAT_VERSION
+    assert hdr.fingerprint_digest == fp.digest()
+    assert hdr.namespace == "model-a" and not hdr.namespace_truncated
+    assert (hdr.num_layers, hdr.num_kv_heads, hdr.head_dim, hdr.dtype, hdr.mla) == (
+        2, 2, 64, "bfloat16", False)
+    assert hdr.matches(fp)
+    assert hdr.meta(last_used=5.0) == ChunkMeta(meta.key, meta.parent, 32, meta.raw_bytes,
+                                                stored_bytes=len(obj), last_used=5.0)
+
+
+# -- damage ------------------------------------------------------------------------------------
+
+
+def _flip(obj: bytes, offset: int) -> bytes:
+    b = bytearray(obj)
+    b[offset] ^= 0x5A
+    return bytes(b)
+
+
+def test_every_header_byte_is_checked(encoded: tuple[ChunkMeta, torch.Tensor, bytes],
+                                      fp: Fingerprint) -> None:
+    _, _, obj = encoded
+    for offset in range(HEADER_SIZE):
+        damaged = _flip(obj, offset)
+        with pytest.raises(CorruptChunkError):
+            read_header(damaged)
+        with pytest.raises(CorruptChunkError):
+            decode_chunk(fp, damaged)
+
+
+def test_flipped_block_table_byte(encoded: tuple[ChunkMeta, torch.Tensor, bytes],
+                                  fp: Fingerprint) -> None:
+    _, _, obj = encoded
+    hdr = read_header(obj)
+    assert hdr.num_blocks > 1
+    for offset in range(HEADER_SIZE, HEADER_SIZE + hdr.table_len):
+        with pytest.raises(CorruptChunkError):
+            decode_chunk(fp, _flip(obj, offset))
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_flipped_payload_byte(fp: Fingerprint, codec: str) -> None:
+    meta, data = _meta(fp.spec, 32), _data(fp.spec, 32)
+    obj = encode_chunk(fp, meta, data, codec, block_size=SMALL_BLOCK)
+    start = HEADER_SIZE + read_header(obj).table_len
+    for offset in range(start, len(obj), max(1, (len(obj) - start) // 97)):
+        out = torch.zeros_like(data)
+        with pytest.raises(CorruptChunkError, match="checksum"):
+            decode_chunk(fp, _flip(obj, offset), out=out)
+        # A damaged object never leaves half a chunk in the caller's buffer.
+        assert not out.view(torch.uint8).any()
+    with pytest.raises(CorruptChunkError):
+        decode_chunk(fp, _flip(obj, len(obj) - 1))
+
+
+def test_truncation_at_many_offsets(encoded: tuple[ChunkMeta, torch.Tensor, bytes],
+                                    fp: Fingerprint) -> None:
+    _, _, obj = encoded
+    hdr = read_header(obj)
+    cuts = {0, 1, 4, 12, HEADER_SIZE - 1, HEADER_SIZE, HEADER_SIZE + 1,
+            HEADER_SIZE + hdr.table_len, len(obj) - 1, len(obj) // 2}
+    cuts |= set(range(HEADER_SIZE, len(obj), 211))
+    for cut in sorted(cuts):
+        with pytest.raises(CorruptChunkError):
+            decode_chunk(fp, obj[:cut])
+    with pytest.raises(CorruptChunkError, match="trailing"):
+        decode_chunk(fp, obj + b"\0")
+
+
+def test_wrong_key_parent_or_tokens(encoded: tuple[ChunkMeta, torch.Tensor, bytes],
+                                    fp: Fingerprint) -> None:
+    meta, _, obj = encoded
+    for other in (ChunkMeta(_key("other"), meta.parent, 32, meta.raw_bytes),
+                  ChunkMeta(meta.key, _key("other"), 32, meta.raw_bytes),
+                  ChunkMeta(meta.key, meta.parent, 31, fp.spec.nbytes(31))):
+        with pytest.raises(CorruptChunkError, match="expected"):
+            decode_chunk(fp, obj, expect=other)
+    assert decode_chunk(fp, obj, expect=meta)[0].key == meta.key
+
+
+@given(st.data())
+@settings(max_examples=150, deadline=None)
+def test_any_single_byte_change_is_caught(data: st.DataObject) -> None:
+    fp = Fingerprint("prop", KVSpec(2, 2, 16, torch.bfloat16), 16)
+    tokens = data.draw(st.integers(1, 16))
+    codec = data.draw(st.sampled_from(CODECS))
+    meta, kv = _meta(fp.spec, tokens), _data(fp.spec, tokens, seed=tokens)
+    obj = bytearray(encode_chunk(fp, meta, kv, codec, block_size=512))
+    offset = data.draw(st.integers(0, len(obj) - 1))
+    obj[offset] ^= data.draw(st.integers(1, 255))
+    with pytest.raises(CorruptChunkError):
+        decode_chunk(fp, bytes(obj), expect=meta)
+
+
+# -- fingerprint mismatch ------------------------------------------------------------------------
+
+
+def test_other_namespace_names_both_sides(encoded: tuple[ChunkMeta, torch.Tensor, bytes],
+                                          fp: Fingerprint) -> None:
+    _, _, obj = encoded
+    other = Fingerprint("model-b", fp.spec, fp.chunk_size)
+    with pytest.raises(FingerprintMismatchError) as info:
+        decode_chunk(other, obj)
+    msg = str(info.value)
+    assert "namespace='model-a'" in msg and "namespace='model-b'" in msg
+    assert msg.index("model-a") < msg.index("model-b")  # "written for A, this cache is B"
+
+
+@pytest.mark.parametrize("other", [
+    Fingerprint("model-a", KVSpec(3, 2, 64, torch.bfloat16), 32),
+    Fingerprint("model-a", KVSpec(2, 2, 64, torch.float16), 32),
+    Fingerprint("model-a", KVSpec(2, 2, 64, torch.bfloat16), 64),
+])
+def test_other_layout_or_chunk_size(encoded: tuple[ChunkMeta, torch.Tensor, bytes],
+                                    other: Fingerprint) -> None:
+    _, _, obj = encoded
+    with pytest.raises(FingerprintMismatchError) as info:
+        decode_chunk(other, obj)
+    msg = str(info.value)
+    assert "L=2 H=2 D=64 bfloat16) chunk_size=32" in msg
+    assert other.describe() in msg
+
+
+def test_long_namespace_is_shown_truncated() -> None:
+    spec = KVSpec(1, 1, 8, torch.bfloat16)
+    long_ns = "org/" + "x" * 200
+    fp = Fingerprint(long_ns, spec, 4)
+    obj = encode_chunk(fp, _meta(spec, 4), _data(spec, 4))
+    hdr = read_header(obj)
+    assert hdr.namespace_truncated and long_ns.startswith(hdr.namespace)
+    assert decode_chunk(fp, obj)[0].num_tokens == 4
+    with pytest.raises(FingerprintMismatchError, match=r"xxx'\.\.\. spec"):
+        decode_chunk(Fingerprint("short", spec, 4), obj)
+
+
+# -- bad arguments -------------------------------------------------------------------------------
+
+
+def test_bad_arguments(fp: Fingerprint) -> None:
+    meta, data = _meta(fp.spec, 32), _data(fp.spec, 32)
+    with pytest.raises(InvalidInputError, match="codec"):
+        encode_chunk(fp, meta, data, "zstd")
+    with pytest.raises(DTypeError):
+        encode_chunk(fp, meta, data.float(), "lz4")
+    with pytest.raises(ShapeError):
+        encode_chunk(fp, meta, data[:, :, :16], "lz4")  # 16 tokens, meta says 32
+    with pytest.raises(InvalidInputError, match="key"):
+        encode_chunk(fp, ChunkMeta(b"short", meta.parent, 32, meta.raw_bytes), data)
+    with pytest.raises(InvalidInputError, match="num_tokens"):
+        encode_chunk(fp, ChunkMeta(meta.key, meta.parent, 33, fp.spec.nbytes(33)),
+                     _data(fp.spec, 33))
+    obj = encode_chunk(fp, meta, data)
+    with pytest.raises(ShapeError):
+        decode_chunk(fp, obj, out=torch.empty(fp.spec.shape(31), dtype=torch.bfloat16))
+    with pytest.raises(DTypeError):
+        decode_chunk(fp, obj, out=torch.empty(fp.spec.shape(32), dtype=torch.float16))
