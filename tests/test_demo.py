@@ -6,6 +6,7 @@ proves the logits check fails when the restored KV is wrong.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import itertools
@@ -19,7 +20,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
-from musacache.demo import _model, _runner, main
+from musacache.demo import _model, _runner, _sizes, _workloads, main
 
 # Tiny model, token counts / 16, chunks of 16 tokens: the structure of the default run
 # (documents span whole chunks, turns end mid-chunk) in a few seconds. One thread, because
@@ -127,7 +128,7 @@ def test_logits_check_fails_when_restored_kv_is_wrong(
 
 
 def test_hf_cache_round_trip_is_exact() -> None:
-    model = _model.build_model(_model.SIZES["tiny"], seed=0)
+    model = _model.build_model(_sizes.SIZES["tiny"], seed=0)
     spec = _model.kv_spec_of(model)
     kv = torch.randn(spec.shape(5), dtype=spec.dtype)
     back = _model.dense_from_hf(_model.hf_from_dense(kv, model))
@@ -138,3 +139,25 @@ def test_hf_cache_round_trip_is_exact() -> None:
 def test_bad_usage_returns_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--workloads", "rag,nope"]) == 2
     assert "nope" in capsys.readouterr().err
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token() -> None:
+    import musacache as mc
+
+    model = _model.build_model(_sizes.SIZES["tiny"], seed=0)
+    spec = _model.kv_spec_of(model)
+    prompt = torch.randint(0, model.config.vocab_size, (40,), generator=torch.Generator()
+                           .manual_seed(1))
+    request = _workloads.Request(prompt, "same prompt twice")
+
+    async def twice() -> list[_runner.RequestResult]:
+        config = mc.CacheConfig(spec=spec, namespace="test-demo-full-hit", chunk_size=16,
+                                tiers=(mc.HostTier(capacity_bytes=1 << 20),))
+        async with mc.Cache(config) as cache:
+            return [await _runner._timed_request(cache, model, request, piece_tokens=16)
+                    for _ in range(2)]
+
+    first, second = asyncio.run(twice())
+    assert first.cached_tokens == 0
+    assert second.cached_tokens == len(prompt) - 1
+    assert second.logits_close, second.max_abs_diff

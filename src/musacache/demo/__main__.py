@@ -1,0 +1,5 @@
+"""``python -m musacache.demo``: the same as ``musacache demo``."""
+
+from . import main
+
+raise SystemExit(main())
