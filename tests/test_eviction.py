@@ -93,19 +93,22 @@ async def test_evicted_chunks_are_demoted_and_promoted_back(spec):
         assert hit.tiers == {"host": 32}  # says which tier served the tokens
 
 
+async def push_top_tier_down(c):
+    """Demote every chunk of the top tier by hand and drop it there, as eviction would."""
+    mt = c._mem[0]
+    for e in list(mt.lru.values()):
+        await c._demote(e, 1, c._entry_view(mt, e))
+        mt.pool.release(e.blocks.pop(mt.idx).index)
+        mt.lru.pop(e.key)
+
+
 async def test_concurrent_gets_join_one_promotion(spec):
     top = mc.DeviceTier(spec.nbytes(CH) * 8, device="cpu", name="dev")
     low = mc.HostTier(spec.nbytes(CH) * 8)
     async with mc.Cache(cfg(spec, top, low)) as c:
         a = seq(0, 32)
         await c.put(a, prefix_kv(spec, a))
-        # Move both chunks below by hand: demote, then drop them from the top tier.
-        for mt in c._mem[:1]:
-            for e in list(mt.lru.values()):
-                await c._demote(e, 1, c._entry_view(mt, e))
-                slot = e.blocks.pop(mt.idx)
-                mt.lru.pop(e.key)
-                mt.pool.release(slot.index)
+        await push_top_tier_down(c)
         assert c.stats()["tiers"]["dev"]["chunks"] == 0
         results = []
 
@@ -125,11 +128,7 @@ async def test_prefetch_promotes_and_reports(spec):
     async with mc.Cache(cfg(spec, top, low)) as c:
         a = seq(0, 40)
         await c.put(a, prefix_kv(spec, a))
-        mt = c._mem[0]
-        for e in list(mt.lru.values()):
-            await c._demote(e, 1, c._entry_view(mt, e))
-            mt.pool.release(e.blocks.pop(mt.idx).index)
-            mt.lru.pop(e.key)
+        await push_top_tier_down(c)
         assert await c.prefetch(a) == 40  # scheduled, returns at once
         await c.flush()
         assert c.stats()["tiers"]["dev"]["chunks"] == 3

@@ -194,11 +194,16 @@ def test_bad_frames_get_errors_and_others_keep_being_served(server):
     asyncio.run(run())
 
 
+def inproc_config(tmp_path, spec):
+    """A server run inside the test's own process (for tests that patch its module)."""
+    return ServerConfig(str(tmp_path / "r" / "s.sock"),
+                        mc.CacheConfig(spec, "srv", tiers=(mc.HostTier(spec.nbytes(CH) * 8),),
+                                       chunk_size=CH))
+
+
 async def test_spec_mismatch_fails_at_connect(tmp_path):
     spec = small_spec()
-    cfg = ServerConfig(str(tmp_path / "r" / "s.sock"),
-                       mc.CacheConfig(spec, "srv", tiers=(mc.HostTier(spec.nbytes(CH) * 8),),
-                                      chunk_size=CH))
+    cfg = inproc_config(tmp_path, spec)
     async with Server(cfg) as srv:
         task = asyncio.create_task(srv.serve_forever())
         with pytest.raises(mc.FingerprintMismatchError, match="other"):
@@ -214,9 +219,7 @@ async def test_spec_mismatch_fails_at_connect(tmp_path):
 
 async def test_foreign_uid_is_refused(tmp_path, monkeypatch):
     spec = small_spec()
-    cfg = ServerConfig(str(tmp_path / "r" / "s.sock"),
-                       mc.CacheConfig(spec, "srv", tiers=(mc.HostTier(spec.nbytes(CH) * 8),),
-                                      chunk_size=CH))
+    cfg = inproc_config(tmp_path, spec)
     async with Server(cfg) as srv:
         task = asyncio.create_task(srv.serve_forever())
         import musacache.server as server_mod

@@ -88,6 +88,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE.png", default=None,
                    help="save a plot of TTFT per request, with and without the cache")
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    p.add_argument("--rag-followups", type=_positive_int, default=3, metavar="N",
+                   help="RAG questions asked over one retrieval result: the first and its "
+                        "follow-ups (default 3; 1 makes every question a new retrieval)")
     return p
 
 
@@ -113,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         scale=args.scale, chunk_size=args.chunk_size,
         host_bytes=int(args.host_mib * 1024**2), disk_bytes=int(args.disk_mib * 1024**2),
         disk_dir=args.disk_dir, workloads=args.workloads, progress=not args.no_progress,
+        rag_questions_per_retrieval=args.rag_followups,
     )
     result = asyncio.run(run_demo(opts))
     if args.plot:

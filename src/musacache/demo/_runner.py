@@ -8,6 +8,7 @@ would, so later requests can hit it; that time is measured apart from TTFT.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import sys
 import tempfile
@@ -58,6 +59,8 @@ class DemoOptions:
     disk_dir: str | None = None
     workloads: tuple[str, ...] = WORKLOAD_NAMES
     progress: bool = True
+    #: RAG questions per retrieval (1 = every question retrieves anew).
+    rag_questions_per_retrieval: int = 3
 
 
 @dataclass(frozen=True)
@@ -248,7 +251,9 @@ async def _run_demo(opts: DemoOptions) -> DemoResult:
     started = time.perf_counter()
     model = build_model(opts.size, seed=opts.seed)
     await _warm_up(model, opts.chunk_size)
-    workloads = make_workloads(WorkloadShape().scaled(opts.scale), vocab=opts.size.vocab_size,
+    shape = dataclasses.replace(WorkloadShape(),
+                                rag_questions_per_retrieval=opts.rag_questions_per_retrieval)
+    workloads = make_workloads(shape.scaled(opts.scale), vocab=opts.size.vocab_size,
                                seed=opts.seed, names=opts.workloads)
     disk_dir = opts.disk_dir or tempfile.mkdtemp(prefix="musacache-demo-")
     try:

@@ -48,6 +48,8 @@ class WorkloadShape:
     rag_questions: int = 24
     rag_max_documents_per_question: int = 3
     rag_question_tokens: tuple[int, int] = (24, 64)
+    #: Questions asked over one retrieval result (the first one and its follow-ups).
+    rag_questions_per_retrieval: int = 3
     turns: int = 10
     turn_tokens: tuple[int, int] = (200, 400)
     system_prompt_tokens: int = 4096
@@ -67,6 +69,7 @@ class WorkloadShape:
             rag_questions=self.rag_questions,
             rag_max_documents_per_question=self.rag_max_documents_per_question,
             rag_question_tokens=span(self.rag_question_tokens),
+            rag_questions_per_retrieval=self.rag_questions_per_retrieval,
             turns=self.turns,
             turn_tokens=span(self.turn_tokens),
             system_prompt_tokens=tokens(self.system_prompt_tokens),
@@ -87,33 +90,41 @@ def _length(gen: torch.Generator, lo_hi: tuple[int, int]) -> int:
 def rag(shape: WorkloadShape, *, vocab: int, seed: int) -> Workload:
     """Documents ingested once, then questions over 1 to N of them.
 
-    Retrieval draws the number of documents uniformly and the documents uniformly without
-    replacement, then sorts them by id (the canonical order) so that the same set always
-    forms the same prefix. Keys chain the whole prefix, so a question over [A][B] reuses the
-    ingested KV of A (A is first, at the same positions), and reuses [A][B] only if an earlier
-    prompt started with [A][B]; B's ingested KV is worthless after A (other positions, other
-    attention context).
+    Questions come in threads, as in a RAG chat: one retrieval picks the documents, and
+    ``rag_questions_per_retrieval`` questions (the first and its follow-ups) are asked over
+    them. Retrieval draws the number of documents uniformly and the documents uniformly without
+    replacement, then sorts them by id (the canonical order) so that the same set always forms
+    the same prefix. Keys chain the whole prefix, so the first question over [A][B] reuses the
+    ingested KV of A (A is first, at the same positions) and computes B; its follow-ups reuse
+    [A][B] whole. B's ingested KV is worthless after A (other positions, other attention
+    context). With ``rag_questions_per_retrieval=1`` every question is a new retrieval.
     """
     gen = torch.Generator().manual_seed(seed)
     docs = [_ids(gen, shape.rag_document_tokens, vocab) for _ in range(shape.rag_documents)]
     requests = []
+    per = max(1, shape.rag_questions_per_retrieval)
+    chosen: list[int] = []
+    k = 0
     for q in range(shape.rag_questions):
-        k = int(torch.randint(1, shape.rag_max_documents_per_question + 1, (1,),
-                              generator=gen).item())
-        chosen = sorted(torch.randperm(shape.rag_documents, generator=gen)[:k].tolist())
+        if q % per == 0:
+            k = int(torch.randint(1, shape.rag_max_documents_per_question + 1, (1,),
+                                  generator=gen).item())
+            chosen = sorted(torch.randperm(shape.rag_documents, generator=gen)[:k].tolist())
         question = _ids(gen, _length(gen, shape.rag_question_tokens), vocab)
         tokens = torch.cat([*(docs[d] for d in chosen), question])
         group = f"{k} doc" + ("s" if k > 1 else "")
-        requests.append(Request(tokens, f"q{q + 1} docs={chosen}", group))
+        kind = "first" if q % per == 0 else "follow-up"
+        requests.append(Request(tokens, f"q{q + 1} docs={chosen} ({kind})", group))
     groups = tuple(f"{k} doc" + ("s" if k > 1 else "")
                    for k in range(1, shape.rag_max_documents_per_question + 1))
     return Workload(
         "rag",
         f"RAG: {shape.rag_documents} documents x {shape.rag_document_tokens} tokens, "
-        f"{shape.rag_questions} questions over 1-{shape.rag_max_documents_per_question} of them",
+        f"{shape.rag_questions} questions over 1-{shape.rag_max_documents_per_question} of "
+        f"them, {per} per retrieval",
         tuple(docs), tuple(requests),
-        reuse="the first document's ingested KV, or a longer document prefix an earlier "
-              "question started with",
+        reuse="the first document's ingested KV on a retrieval's first question; the whole "
+              "document set on its follow-ups",
         groups=groups,
         unit="question",
     )
