@@ -18,7 +18,14 @@ def need_service(available: bool, what: str) -> None:
         return
     if IN_CI:
         pytest.fail(f"{what} is required in CI but is not available")
-    pytest.skip(f"{what} is not available")
+    pytest.skip(f"{what} is not available", allow_module_level=True)
+
+
+def need_module(name: str) -> None:
+    """Skip locally, fail in CI, when an optional dependency a test needs is missing."""
+    import importlib.util
+
+    need_service(importlib.util.find_spec(name) is not None, f"the {name} package")
 
 
 def small_spec(mla: bool = False, dtype: torch.dtype = torch.float32) -> mc.KVSpec:

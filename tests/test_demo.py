@@ -17,10 +17,12 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-pytest.importorskip("matplotlib")
+from helpers import need_module
 
-from musacache.demo import _model, _runner, _sizes, _workloads, main
+need_module("transformers")
+need_module("matplotlib")
+
+from musacache.demo import _model, _runner, _sizes, _workloads, main  # noqa: E402
 
 # Tiny model, token counts / 16, chunks of 16 tokens: the structure of the default run
 # (documents span whole chunks, turns end mid-chunk) in a few seconds. One thread, because

@@ -1,0 +1,142 @@
+"""The cache, the paged transfer and the node server on a real CUDA device.
+
+Deselected by default; on a GPU machine: ``pytest -m gpu tests/gpu``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+import musacache as mc
+from musacache import devices, ipc, transfer
+
+pytestmark = pytest.mark.gpu
+
+CH = 16
+
+
+def spec_() -> mc.KVSpec:
+    return mc.KVSpec(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
+
+
+def kv_for(spec: mc.KVSpec, n: int, device: str) -> torch.Tensor:
+    g = torch.Generator(device="cpu").manual_seed(n)
+    return torch.randn(spec.shape(n), generator=g).to(spec.dtype).to(device)
+
+
+def test_device_tier_is_cuda_and_capabilities_probe():
+    assert devices.resolve("auto").type == "cuda"
+    caps = devices.capabilities("cuda")
+    assert caps.available and caps.pinned_memory and caps.memory_ipc
+
+
+async def test_put_get_on_a_cuda_device_tier_with_host_below():
+    spec = spec_()
+    tiers = (mc.DeviceTier(capacity_bytes=spec.nbytes(CH) * 4, device="cuda"),
+             mc.HostTier(capacity_bytes=spec.nbytes(CH) * 64))
+    async with mc.Cache(mc.CacheConfig(spec, "gpu", tiers=tiers, chunk_size=CH)) as c:
+        assert c.device.type == "cuda"
+        assert c.stats()["tiers"]["host"]["pinned"] is True
+        toks = list(range(150))
+        kv = kv_for(spec, 150, "cuda")
+        assert await c.put(toks, kv) == 150
+        hit = await c.get(toks)
+        assert hit.kv.device.type == "cuda" and torch.equal(hit.kv, kv)
+        # From a CPU tensor too, and into a strided cuda out.
+        other = list(range(1000, 1040))
+        kv2 = kv_for(spec, 40, "cpu")
+        assert await c.put(other, kv2) == 40
+        backing = torch.zeros(4, 2, 2, 40, 64, dtype=spec.dtype, device="cuda")
+        out = backing.permute(0, 1, 3, 2, 4)
+        hit = await c.get(other, out=out)
+        assert hit.num_tokens == 40 and torch.equal(out.cpu(), kv2)
+        st = c.stats()["tiers"]
+        assert st["device"]["evictions"] > 0 and st["host"]["demotions"] > 0
+
+
+@pytest.mark.parametrize("layout", ["vllm", "vllm-mla", "sglang", "sglang-mla"])
+def test_paged_transfer_on_cuda_matches_cpu(layout):
+    rng = random.Random(0)
+    mla = layout.endswith("mla")
+    L, H, D, NB, BS = 3, 1 if mla else 2, 32, 16, 8
+    slots = rng.sample(range(NB * BS), 50)
+    slots[7] = -1
+
+    def caches(device):
+        if layout == "vllm":
+            return [torch.randn(2, NB, BS, H, D, device=device) for _ in range(L)]
+        if layout == "vllm-mla":
+            return [torch.randn(NB, BS, D, device=device) for _ in range(L)]
+        if layout == "sglang":
+            return ([torch.randn(NB * BS, H, D, device=device) for _ in range(L)],
+                    [torch.randn(NB * BS, H, D, device=device) for _ in range(L)])
+        return [torch.randn(NB * BS, 1, D, device=device) for _ in range(L)]
+
+    cpu = caches("cpu")
+    gpu = [t.cuda() for t in cpu] if not isinstance(cpu, tuple) else \
+        ([t.cuda() for t in cpu[0]], [t.cuda() for t in cpu[1]])
+    shape = (L, 50, D) if mla else (L, 2, 50, H, D)
+    out_cpu, out_gpu = torch.zeros(shape), torch.zeros(shape, device="cuda")
+    transfer.gather(cpu, torch.tensor(slots), out_cpu, layout)
+    transfer.gather(gpu, torch.tensor(slots, device="cuda"), out_gpu, layout)
+    assert transfer.backend_for(out_gpu) in ("torch", "musa_aiter")
+    assert torch.equal(out_cpu, out_gpu.cpu())
+    src = torch.randn(shape)
+    transfer.scatter(src, cpu, torch.tensor(slots), layout)
+    transfer.scatter(src.cuda(), gpu, torch.tensor(slots, device="cuda"), layout)
+    flat_c = cpu if not isinstance(cpu, tuple) else cpu[0] + cpu[1]
+    flat_g = gpu if not isinstance(gpu, tuple) else gpu[0] + gpu[1]
+    assert all(torch.equal(a, b.cpu()) for a, b in zip(flat_c, flat_g))
+
+
+async def test_store_retrieve_cuda_pages_with_a_device_ready_event():
+    spec = spec_()
+    NB, BS = 64, 16
+    pages = [torch.zeros(2, NB, BS, 2, 64, dtype=spec.dtype, device="cuda") for _ in range(4)]
+    toks = list(range(100))
+    dense = kv_for(spec, 100, "cuda")
+    slots = torch.randperm(NB * BS, device="cuda")[:100]
+    transfer.scatter(dense, pages, slots, "vllm")
+    ready = devices.DeviceEvent("cuda")
+    ready.record()
+    tiers = (mc.HostTier(capacity_bytes=spec.nbytes(CH) * 32),)
+    async with mc.Cache(mc.CacheConfig(spec, "gpu-paged", tiers=tiers, chunk_size=CH)) as c:
+        assert await c.store(toks, pages, slots, layout="vllm", ready=ready) == 100
+        other = [torch.zeros_like(p) for p in pages]
+        slots2 = torch.randperm(NB * BS, device="cuda")[:100]
+        assert await c.retrieve(toks, other, slots2, layout="vllm") == 100
+        back = torch.empty_like(dense)
+        transfer.gather(other, slots2, back, "vllm")
+        assert torch.equal(back, dense)
+
+
+def test_node_server_registers_cuda_pages(tmp_path):
+    """A client registers cuda pages; the server (in this process's loop) maps them by IPC."""
+    from musacache.server import Server, ServerConfig
+
+    spec = spec_()
+    cfg = ServerConfig(str(tmp_path / "r" / "s.sock"),
+                       mc.CacheConfig(spec, "gpu-srv",
+                                      tiers=(mc.HostTier(spec.nbytes(CH) * 32),), chunk_size=CH))
+
+    async def run():
+        async with Server(cfg) as srv:
+            task = asyncio.create_task(srv.serve_forever())
+            async with mc.connect(cfg.socket_path, spec=spec, namespace="gpu-srv") as cl:
+                pages = [torch.zeros(2, 16, 16, 2, 64, dtype=spec.dtype, device="cuda")
+                         for _ in range(4)]
+                await cl.register_kv_caches(pages, "vllm")
+                toks = list(range(60))
+                await cl.put(toks, kv_for(spec, 60, "cpu"))
+                assert await cl.retrieve(toks, list(range(60))) == 60
+                ev = ipc.IpcEvent.create("cuda")
+                await ev.record()
+                assert await cl.store(list(range(500, 560)), list(range(60)), ready=ev) == 60
+            srv.stop()
+            await task
+
+    asyncio.run(run())
