@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import hashlib
+import zlib
 
+import lz4.block
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from musacache import _native
+from musacache import codec as codec_mod
 from musacache._errors import (
     CorruptChunkError,
     DTypeError,
@@ -19,6 +23,7 @@ from musacache._errors import (
 from musacache._keys import FORMAT_VERSION, Fingerprint
 from musacache._spec import KVSpec
 from musacache.codec import (
+    _BLOCK_ENTRY,
     CODECS,
     HEADER_MAX_BYTES,
     HEADER_SIZE,
@@ -133,7 +138,8 @@ def test_incompressible_blocks_are_stored_raw(fp: Fingerprint) -> None:
     data = noise.view(torch.bfloat16).reshape(fp.spec.shape(32))
     obj = encode_chunk(fp, meta, data, "lz4", block_size=SMALL_BLOCK)
     hdr = read_header(obj)
-    assert hdr.payload_len == hdr.raw_len  # no block grew, none shrank
+    # No block shrank and none grew by more than its one-byte method tag.
+    assert hdr.payload_len == hdr.raw_len + hdr.num_blocks
     assert _same(decode_chunk(fp, obj)[1], data)
 
 
@@ -299,3 +305,204 @@ def test_bad_arguments(fp: Fingerprint) -> None:
         decode_chunk(fp, obj, out=torch.empty(fp.spec.shape(31), dtype=torch.bfloat16))
     with pytest.raises(DTypeError):
         decode_chunk(fp, obj, out=torch.empty(fp.spec.shape(32), dtype=torch.float16))
+
+
+# -- tagged blocks (codec id 2) ------------------------------------------------------------------
+
+
+def _blocks(obj: bytes) -> list[bytes]:
+    """The stored blocks of an object, each starting with its method tag."""
+    hdr = read_header(obj)
+    table = obj[HEADER_SIZE : HEADER_SIZE + hdr.table_len]
+    pos, blocks = HEADER_SIZE + hdr.table_len, []
+    for (stored_len, _crc) in _BLOCK_ENTRY.iter_unpack(table):
+        blocks.append(obj[pos : pos + stored_len])
+        pos += stored_len
+    return blocks
+
+
+def _mixed(spec: KVSpec, tokens: int) -> torch.Tensor:
+    """bf16 whose shuffled planes give every block method: the exponent plane nibble-codes,
+    the mantissa plane is noise in its first half (raw) and a repeating ramp of 64 values in
+    its second half (lz4)."""
+    data = _data(spec, tokens).contiguous()
+    u8 = data.view(torch.uint8).reshape(-1, 2)
+    n = u8.shape[0]
+    g = torch.Generator().manual_seed(5)
+    u8[: n // 2, 0] = torch.randint(0, 256, (n // 2,), generator=g, dtype=torch.uint8)
+    u8[n // 2 :, 0] = (torch.arange(n - n // 2) % 64).to(torch.uint8)
+    return data
+
+
+def _rewrite_block(obj: bytes, index: int, stored: bytes) -> bytes:
+    """Replace one stored block and fix every checksum, as a buggy writer would."""
+    hdr = read_header(obj)
+    blocks = _blocks(obj)
+    blocks[index] = stored
+    table = b"".join(_BLOCK_ENTRY.pack(len(b), _native.crc32c(b)) for b in blocks)
+    head = bytearray(obj[:HEADER_SIZE])
+    fields = list(codec_mod._HEADER.unpack(bytes(head)))
+    fields[15] = zlib.crc32(table)  # table_crc
+    fields[17] = sum(map(len, blocks))  # payload_len
+    head = bytearray(codec_mod._HEADER.pack(*fields))
+    head[8:12] = codec_mod._header_crc(head).to_bytes(4, "little")
+    assert read_header(bytes(head)).num_blocks == hdr.num_blocks
+    return bytes(head) + table + b"".join(blocks)
+
+
+@pytest.fixture
+def mixed(fp: Fingerprint) -> tuple[ChunkMeta, torch.Tensor, bytes]:
+    meta, data = _meta(fp.spec, 32), _mixed(fp.spec, 32)
+    return meta, data, encode_chunk(fp, meta, data, "lz4", block_size=SMALL_BLOCK)
+
+
+def test_lz4_writes_codec_id_2_with_every_block_method(
+        mixed: tuple[ChunkMeta, torch.Tensor, bytes], fp: Fingerprint) -> None:
+    _, data, obj = mixed
+    hdr = read_header(obj)
+    assert hdr.codec == "lz4" and hdr.codec_id == 2
+    tags = [b[0] for b in _blocks(obj)]
+    assert {0, 1, 2} <= set(tags), tags
+    assert tags[hdr.num_blocks // 2 :] == [2] * (hdr.num_blocks - hdr.num_blocks // 2)
+    assert _same(decode_chunk(fp, obj)[1], data)
+
+
+def test_flipped_byte_in_every_block_method(mixed: tuple[ChunkMeta, torch.Tensor, bytes],
+                                            fp: Fingerprint) -> None:
+    _, data, obj = mixed
+    hdr = read_header(obj)
+    pos = HEADER_SIZE + hdr.table_len
+    for block in _blocks(obj):
+        for offset in {pos, pos + 1, pos + len(block) // 2, pos + len(block) - 1}:
+            out = torch.zeros_like(data)
+            with pytest.raises(CorruptChunkError, match="checksum"):
+                decode_chunk(fp, _flip(obj, offset), out=out)
+            assert not out.view(torch.uint8).any()
+        pos += len(block)
+
+
+def test_truncation_of_tagged_blocks(mixed: tuple[ChunkMeta, torch.Tensor, bytes],
+                                     fp: Fingerprint) -> None:
+    _, _, obj = mixed
+    for cut in range(HEADER_SIZE, len(obj), 97):
+        with pytest.raises(CorruptChunkError):
+            decode_chunk(fp, obj[:cut])
+
+
+def test_bad_blocks_with_good_checksums_are_rejected(
+        mixed: tuple[ChunkMeta, torch.Tensor, bytes], fp: Fingerprint) -> None:
+    # The checksums match, but the blocks are not valid codings: still a miss, never garbage.
+    _, data, obj = mixed
+    blocks = _blocks(obj)
+    nib = next(i for i, b in enumerate(blocks) if b[0] == 2)
+    lz = next(i for i, b in enumerate(blocks) if b[0] == 1)
+    raw = next(i for i, b in enumerate(blocks) if b[0] == 0)
+    assert _same(decode_chunk(fp, _rewrite_block(obj, nib, blocks[nib]))[1], data)
+    bad = {
+        "unknown method": b"\x07" + blocks[raw][1:],
+        "raw block one byte short": blocks[raw][:-1],
+        "empty block": b"",
+        "nibble block truncated": blocks[nib][:-1],
+        "nibble escape count": blocks[nib][:17] + bytes([blocks[nib][17] ^ 1]) + blocks[nib][18:],
+        "nibble marked raw": b"\x00" + blocks[nib][1:],
+        "lz4 marked nibble": b"\x02" + blocks[lz][1:],
+        "lz4 truncated": blocks[lz][:-3],
+    }
+    for name, stored in bad.items():
+        index = raw if name in ("unknown method", "raw block one byte short", "empty block") \
+            else nib if name.startswith("nibble") else lz
+        out = torch.zeros_like(data)
+        with pytest.raises(CorruptChunkError):
+            decode_chunk(fp, _rewrite_block(obj, index, stored), out=out)
+        assert not out.view(torch.uint8).any(), name
+
+
+def test_bad_fp8_block_with_a_good_checksum_leaves_out_untouched() -> None:
+    # fp8 is not shuffled; a block that passes its checksum but does not decode must still
+    # never reach the caller's out.
+    spec = KVSpec(2, 4, 32, torch.float8_e4m3fn)
+    fp = Fingerprint("ns", spec, 32)
+    meta = _meta(spec, 32)
+    u8 = (torch.arange(spec.nbytes(32)) % 15).to(torch.uint8)  # every block nibble-codes
+    u8[-1] = 200  # a 16th value: an escape
+    data = u8.view(spec.dtype).reshape(spec.shape(32))
+    obj = encode_chunk(fp, meta, data, "lz4", block_size=SMALL_BLOCK)
+    blocks = _blocks(obj)
+    assert all(b[0] == 2 for b in blocks)
+    last = len(blocks) - 1
+    bad = bytearray(blocks[last])
+    bad[-1] ^= 1  # the escaped byte is fine, but move its position past the end:
+    bad[-5:-1] = (SMALL_BLOCK + 1).to_bytes(4, "little")
+    out = torch.zeros_like(data)
+    with pytest.raises(CorruptChunkError):
+        decode_chunk(fp, _rewrite_block(obj, last, bytes(bad)), out=out)
+    assert not out.view(torch.uint8).any()
+    decode_chunk(fp, obj, out=out)
+    assert _same(out, data)
+
+
+def _encode_v1(fp: Fingerprint, meta: ChunkMeta, data: torch.Tensor) -> bytes:
+    """An object of the first lz4 format (codec id 1: shuffle, lz4 or raw blocks, zlib.crc32),
+    built by hand as the old writer did."""
+    raw = bytes(_native.shuffle(data.contiguous(), data.element_size()))
+    blocks = []
+    for i in range(0, len(raw), SMALL_BLOCK):
+        block = raw[i : i + SMALL_BLOCK]
+        packed = lz4.block.compress(block, store_size=False)
+        blocks.append(packed if len(packed) < len(block) else block)
+    table = b"".join(_BLOCK_ENTRY.pack(len(b), zlib.crc32(b)) for b in blocks)
+    head = encode_chunk(fp, meta, data, "raw", block_size=SMALL_BLOCK)[:HEADER_SIZE]
+    fields = list(codec_mod._HEADER.unpack(head))
+    fields[4] = 1  # codec id
+    fields[15] = zlib.crc32(table)
+    fields[17] = sum(map(len, blocks))
+    new_head = bytearray(codec_mod._HEADER.pack(*fields))
+    new_head[8:12] = codec_mod._header_crc(new_head).to_bytes(4, "little")
+    return bytes(new_head) + table + b"".join(blocks)
+
+
+@pytest.mark.parametrize("spec", SPECS[:4], ids=lambda s: s.describe().replace(" ", "_"))
+def test_objects_of_the_first_lz4_format_still_decode(spec: KVSpec) -> None:
+    fp = Fingerprint("ns", spec, 32)
+    meta, data = _meta(spec, 32), _data(spec, 32)
+    old = _encode_v1(fp, meta, data)
+    hdr = read_header(old)
+    assert hdr.codec == "lz4" and hdr.codec_id == 1
+    assert _same(decode_chunk(fp, old, expect=meta)[1], data)
+    start = HEADER_SIZE + hdr.table_len
+    with pytest.raises(CorruptChunkError, match="checksum"):
+        decode_chunk(fp, _flip(old, start + 5))
+
+
+def test_unknown_codec_id_is_a_miss(encoded: tuple[ChunkMeta, torch.Tensor, bytes],
+                                    fp: Fingerprint) -> None:
+    _, _, obj = encoded
+    head = bytearray(obj[:HEADER_SIZE])
+    head[12] = 3
+    head[8:12] = codec_mod._header_crc(head).to_bytes(4, "little")
+    with pytest.raises(CorruptChunkError, match="codec id=3"):
+        decode_chunk(fp, bytes(head) + obj[HEADER_SIZE:])
+
+
+@pytest.mark.parametrize("spec", SPECS[:4], ids=lambda s: s.describe().replace(" ", "_"))
+@pytest.mark.parametrize("pattern", ["bits", "specials", "few"])
+def test_arbitrary_bit_patterns_round_trip(spec: KVSpec, pattern: str) -> None:
+    fp = Fingerprint("ns", spec, 32)
+    meta = _meta(spec, 32)
+    nbytes = spec.nbytes(32)
+    g = torch.Generator().manual_seed(11)
+    u8 = torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8)
+    if pattern == "specials":  # NaN, +-inf, -0 and denormals among normal values
+        specials = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0, 1e-40, 0.0])
+        values = _data(spec, 32).reshape(-1).clone()
+        values[::7] = specials[torch.arange(values[::7].numel()) % 6].to(spec.dtype)
+        u8 = values.view(torch.uint8).reshape(-1)
+    elif pattern == "few":  # few distinct bytes: every plane nibble-codes, with escapes
+        u8 = (u8 % 13).to(torch.uint8)
+        u8[::1000] = 0xFF
+    data = u8.view(spec.dtype).reshape(spec.shape(32))
+    obj = encode_chunk(fp, meta, data, "lz4", block_size=SMALL_BLOCK)
+    assert _same(decode_chunk(fp, obj)[1], data)
+    out = torch.empty_like(data)
+    decode_chunk(fp, obj, out=out, threads=2)
+    assert _same(out, data)

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from musacache import _native, _version
 from musacache._errors import (
     ConfigError,
+    CorruptChunkError,
     InvalidInputError,
     MusaCacheError,
     NativeBuildError,
@@ -429,3 +430,310 @@ def test_shuffle_refuses_to_work_in_place() -> None:
     with pytest.raises(InvalidInputError, match="overlaps"):
         _native.shuffle(view[:6], 2, view[2:])
     assert buf == bytearray(b"abcdefgh")
+
+
+# -- crc32c ---------------------------------------------------------------------------------
+
+
+def _crc32c_reference(data: bytes, value: int = 0) -> int:
+    crc = value ^ 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+@pytest.mark.parametrize("simd", SIMD_LEVELS)
+def test_crc32c_matches_the_standard_and_chains(simd: str) -> None:
+    _native.set_simd_level(simd)
+    assert _native.crc32c(b"123456789") == 0xE3069283  # the published check value
+    assert _native.crc32c(b"") == 0
+    data = np.random.default_rng(1).integers(0, 256, 3000, dtype=np.uint8).tobytes()
+    for length in (1, 7, 8, 9, 63, 64, 1000, 3000):
+        assert _native.crc32c(data[:length]) == _crc32c_reference(data[:length])
+    assert _native.crc32c(data[1000:], _native.crc32c(data[:1000])) == _native.crc32c(data)
+    assert _native.crc32c(data[:5], 12345) == _crc32c_reference(data[:5], 12345)
+
+
+def test_crc32c_catches_every_single_bit_flip() -> None:
+    data = bytearray(np.random.default_rng(2).integers(0, 256, 256, dtype=np.uint8).tobytes())
+    good = _native.crc32c(data)
+    for bit in range(len(data) * 8):
+        data[bit // 8] ^= 1 << (bit % 8)
+        assert _native.crc32c(data) != good
+        data[bit // 8] ^= 1 << (bit % 8)
+
+
+@pytest.mark.parametrize("value", [-1, 2**32, True, 1.0])
+def test_crc32c_rejects_a_bad_start_value(value: object) -> None:
+    with pytest.raises(InvalidInputError, match="value"):
+        _native.crc32c(b"abc", value)  # type: ignore[arg-type]
+
+
+# -- nibble coder ---------------------------------------------------------------------------
+
+
+def _nib_reference_decode(coded: bytes, n: int) -> bytes:
+    """The documented layout, decoded in numpy (independent of the C decoder)."""
+    book = list(coded[:15]) + [0]
+    escapes = int.from_bytes(coded[16:20], "little")
+    codes = np.frombuffer(coded[20 : 20 + (n + 1) // 2], dtype=np.uint8)
+    nibbles = np.stack([codes & 15, codes >> 4], axis=1).reshape(-1)[:n]
+    out = np.array(book, dtype=np.uint8)[nibbles]
+    rec = coded[20 + (n + 1) // 2 :]
+    assert len(rec) == 5 * escapes
+    for e in range(escapes):
+        pos = int.from_bytes(rec[5 * e : 5 * e + 4], "little")
+        assert nibbles[pos] == 15
+        out[pos] = rec[5 * e + 4]
+    assert int((nibbles == 15).sum()) == escapes
+    return out.tobytes()
+
+
+def _nib_round_trip(data: bytes) -> int | None:
+    out = bytearray(len(data))
+    size = _native.nib_encode(data, out)
+    if size is None:
+        return None
+    assert 0 < size < len(data)
+    coded = bytes(out[:size])
+    assert _nib_reference_decode(coded, len(data)) == data
+    back = bytearray(b"\xaa" * len(data))
+    _native.nib_decode(coded, back)
+    assert bytes(back) == data
+    return size
+
+
+def _gaussian_bf16_high_bytes(n: int, seed: int = 0) -> bytes:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g).to(torch.bfloat16)
+    return x.view(torch.uint8).numpy()[1::2].tobytes()
+
+
+@pytest.mark.parametrize("simd", SIMD_LEVELS)
+@pytest.mark.parametrize("n", [1 << 20, 65_537, 4096, 1001])
+def test_nib_round_trip_on_gaussian_bf16_exponents(simd: str, n: int) -> None:
+    _native.set_simd_level(simd)
+    data = _gaussian_bf16_high_bytes(n, seed=n)
+    assert n < 65_536 or len(set(data)) > 15  # the large ones exercise escapes
+    size = _nib_round_trip(data)
+    assert size is not None and size < 20 + 0.52 * n  # about half
+
+
+@pytest.mark.parametrize("simd", SIMD_LEVELS)
+@pytest.mark.parametrize("n", [0, 1, 2, 20, 41, 42, 43, 44, 100, 4095, 4096, 1 << 18])
+def test_nib_all_equal_bytes(n: int, simd: str) -> None:
+    _native.set_simd_level(simd)
+    data = b"\x3f" * n
+    size = _nib_round_trip(data)
+    # 20 fixed bytes plus half a byte per byte: it pays from 42 bytes on.
+    assert size == (20 + (n + 1) // 2 if 20 + (n + 1) // 2 < n else None)
+
+
+@pytest.mark.parametrize("distinct", [2, 15, 16, 17, 64, 256])
+@pytest.mark.parametrize("n", [4097, 200_000])
+@pytest.mark.parametrize("simd", SIMD_LEVELS)
+def test_nib_round_trip_with_few_or_many_distinct_values(distinct: int, n: int,
+                                                         simd: str) -> None:
+    _native.set_simd_level(simd)
+    rng = np.random.default_rng(distinct * n)
+    # Skewed, so the 15 most frequent values are well defined and the rest are escapes.
+    probs = 0.5 ** np.arange(distinct, dtype=np.float64) + 1e-3
+    values = rng.choice(256, distinct, replace=False).astype(np.uint8)
+    data = values[rng.choice(distinct, n, p=probs / probs.sum())].tobytes()
+    size = _nib_round_trip(data)
+    if distinct <= 15:
+        assert size == 20 + (n + 1) // 2
+    elif distinct <= 17:
+        assert size is not None
+    else:
+        assert size is None or size < n
+
+
+def test_nib_output_is_the_same_at_every_simd_level() -> None:
+    # The format does not depend on the CPU: every level writes the same bytes, and each
+    # decodes what the others wrote.
+    data = bytearray(_gaussian_bf16_high_bytes(100_003, seed=4))
+    data[64:70] = bytes(range(200, 206))  # escapes inside and around a SIMD stride
+    coded = {}
+    for simd in SIMD_LEVELS:
+        _native.set_simd_level(simd)
+        out = bytearray(len(data))
+        size = _native.nib_encode(bytes(data), out)
+        assert size is not None
+        coded[simd] = bytes(out[:size])
+    assert len(set(coded.values())) == 1
+    for simd in SIMD_LEVELS:
+        _native.set_simd_level(simd)
+        back = bytearray(len(data))
+        _native.nib_decode(coded[SIMD_LEVELS[0]], back)
+        assert back == data
+
+
+def test_nib_uniform_random_bytes_are_not_coded() -> None:
+    data = np.random.default_rng(3).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
+    assert _native.nib_encode(data, bytearray(len(data))) is None
+    assert _native.nib_encode(data[:5000], bytearray(5000)) is None
+
+
+@pytest.mark.parametrize("n", [4096, 4097, 300_001])
+@pytest.mark.parametrize("simd", SIMD_LEVELS)
+def test_nib_escapes_at_the_edges(n: int, simd: str) -> None:
+    _native.set_simd_level(simd)
+    # 15 common values fill the book; 0xEE, the rarest, is an escape at the block's edges.
+    data = bytearray((np.arange(n) % 15 + 0x10).astype(np.uint8).tobytes())
+    edges = (0, 1, n // 2, n - 2, n - 1)
+    for pos in edges:
+        data[pos] = 0xEE
+    out = bytearray(n)
+    size = _native.nib_encode(bytes(data), out)
+    assert size == 20 + (n + 1) // 2 + 5 * len(edges)
+    rec = 20 + (n + 1) // 2
+    positions = [int.from_bytes(out[rec + 5 * e : rec + 5 * e + 4], "little")
+                 for e in range(len(edges))]
+    assert positions == list(edges)
+    assert _nib_round_trip(bytes(data)) == size
+
+
+def test_nib_sampled_book_misses_values_only_as_escapes() -> None:
+    # The book comes from a sample; bytes the sample never saw must still round-trip.
+    n = 1 << 20
+    data = bytearray(_gaussian_bf16_high_bytes(n, seed=9))
+    data[5000:5200] = bytes(range(200))  # between the sample slices
+    _nib_round_trip(bytes(data))
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.binary(max_size=5000), alphabet=st.integers(1, 40),
+       simd=st.sampled_from(SIMD_LEVELS))
+def test_nib_property(data: bytes, alphabet: int, simd: str) -> None:
+    _native.set_simd_level(simd)
+    squeezed = bytes(b % alphabet for b in data)
+    _nib_round_trip(squeezed)
+
+
+def _coded(n: int = 1000) -> tuple[bytes, bytes]:
+    data = bytearray(b"\x05\x06" * (n // 2))
+    data[10] = 0x99
+    for k in range(15):
+        data[100 + k] = 0x40 + k
+    out = bytearray(n)
+    size = _native.nib_encode(bytes(data), out)
+    assert size is not None
+    return bytes(data), bytes(out[:size])
+
+
+def _corrupt_nib_blocks() -> list[tuple[str, bytes]]:
+    data, coded = _coded()
+    n_codes = (len(data) + 1) // 2
+    rec = 20 + n_codes
+    cases = [("short", coded[:19]), ("truncated", coded[:-1]), ("long", coded + b"\0")]
+    b = bytearray(coded)
+    b[15] = 1
+    cases.append(("padding byte", bytes(b)))
+    b = bytearray(coded)
+    b[16] += 1  # one escape more than the records hold
+    cases.append(("escape count", bytes(b)))
+    b = bytearray(coded)
+    b[20] = 0x55  # codes that are not escapes where an escape record points
+    b[20 + 5] = 0xFF  # and escapes without a record
+    cases.append(("codes", bytes(b)))
+    first = int.from_bytes(coded[rec : rec + 4], "little")
+    b = bytearray(coded)
+    b[rec : rec + 4] = (len(data) + 3).to_bytes(4, "little")
+    cases.append(("position past the end", bytes(b)))
+    b = bytearray(coded)
+    b[rec + 5 : rec + 9] = first.to_bytes(4, "little")
+    cases.append(("positions not increasing", bytes(b)))
+    return cases
+
+
+@pytest.mark.parametrize("case", _corrupt_nib_blocks(), ids=lambda c: c[0])
+def test_nib_decode_rejects_inconsistent_blocks(case: tuple[str, bytes]) -> None:
+    data, _ = _coded()
+    with pytest.raises(CorruptChunkError):
+        _native.nib_decode(case[1], bytearray(len(data)))
+
+
+def test_nib_decode_rejects_a_set_padding_nibble() -> None:
+    data = b"\x07" * 101
+    out = bytearray(101)
+    size = _native.nib_encode(data, out)
+    assert size is not None
+    coded = bytearray(out[:size])
+    coded[20 + 50] |= 0x10
+    with pytest.raises(CorruptChunkError):
+        _native.nib_decode(bytes(coded), bytearray(101))
+    # The C side checks the same on its own.
+    lib, ffi = _native.lib, _native.ffi
+    dst = bytearray(101)
+    assert lib.mc_nib_decode(ffi.from_buffer(coded), size, ffi.from_buffer(dst),
+                             101) == lib.MC_ERR_CORRUPT
+
+
+def test_nib_c_rejects_bad_arguments() -> None:
+    lib, ffi = _native.lib, _native.ffi
+    size = ffi.new("int64_t *")
+    src = bytearray(b"\x01" * 100)
+    dst = bytearray(100)
+    s, d = ffi.from_buffer(src), ffi.from_buffer(dst)
+    assert lib.mc_nib_encode(s, 100, d, 99, size) == lib.MC_ERR_ARGUMENT  # cap < n
+    assert lib.mc_nib_encode(s, 100, s, 100, size) == lib.MC_ERR_ARGUMENT  # in place
+    assert lib.mc_nib_encode(s, 100, ffi.NULL, 100, size) == lib.MC_ERR_ARGUMENT
+    assert lib.mc_nib_encode(s, 100, d, 100, ffi.NULL) == lib.MC_ERR_ARGUMENT
+    assert lib.mc_nib_encode(s, -1, d, 100, size) == lib.MC_ERR_ARGUMENT
+    assert lib.mc_nib_decode(s, -1, d, 100) == lib.MC_ERR_ARGUMENT
+    assert lib.mc_nib_decode(s, 100, s, 100) == lib.MC_ERR_ARGUMENT
+    assert lib.mc_crc32c(ffi.NULL, 4, 0, ffi.new("uint32_t *")) == lib.MC_ERR_ARGUMENT
+    assert not any(dst)
+
+
+@pytest.mark.parametrize(
+    ("fn", "args", "message"),
+    [
+        ("nib_encode", (b"\x01" * 100, bytearray(99)), "needs 100"),
+        ("nib_encode", (b"\x01" * 100, b"\0" * 100), "writable"),
+        ("nib_encode", (12345, bytearray(10)), "bytes-like"),
+        ("nib_encode", (np.zeros(8, np.uint16)[::2], bytearray(10)), "C-contiguous"),
+        ("nib_decode", (b"\0" * 40, b"\0" * 100), "writable"),
+        ("nib_decode", (b"\0" * 40, np.zeros(8, np.uint16)[::2]), "C-contiguous"),
+        ("crc32c", (12345,), "bytes-like"),
+    ],
+)
+def test_bad_coder_calls_raise_before_c(fn: str, args: tuple[object, ...], message: str) -> None:
+    with pytest.raises(InvalidInputError, match=message):
+        getattr(_native, fn)(*args)
+
+
+def test_nib_takes_tensors() -> None:
+    data = torch.tensor(list(_gaussian_bf16_high_bytes(5000)), dtype=torch.uint8)
+    out = torch.zeros(5000, dtype=torch.uint8)
+    size = _native.nib_encode(data, out)
+    assert size is not None
+    back = torch.zeros(5000, dtype=torch.uint8)
+    _native.nib_decode(out[:size].clone(), back)
+    assert torch.equal(back, data)
+
+
+def test_nib_refuses_overlapping_buffers() -> None:
+    buf = bytearray(b"\x01" * 200)
+    view = memoryview(buf)
+    with pytest.raises(InvalidInputError, match="overlaps"):
+        _native.nib_encode(view[:100], view[50:150])
+    data, coded = _coded()
+    both = bytearray(coded + bytes(len(data)))
+    view = memoryview(both)
+    with pytest.raises(InvalidInputError, match="overlaps"):
+        _native.nib_decode(view[: len(coded)], view[len(coded) - 1 : len(coded) - 1 + len(data)])
+
+
+def test_nib_decode_checks_the_length_before_c(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_c(*args: object) -> int:
+        raise AssertionError("C was called with a block of the wrong length")
+
+    data, coded = _coded()
+    monkeypatch.setattr(_native, "lib", type("L", (), {"mc_nib_decode": no_c}))
+    for bad in (coded[:10], coded[:-1], coded + b"\0"):
+        with pytest.raises(CorruptChunkError):
+            _native.nib_decode(bad, bytearray(len(data)))

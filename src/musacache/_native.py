@@ -18,7 +18,14 @@ from typing import Any, TypeVar, overload
 import numpy as np
 
 from . import _version
-from ._errors import ConfigError, InvalidInputError, NativeBuildError, NativeError, SlotRangeError
+from ._errors import (
+    ConfigError,
+    CorruptChunkError,
+    InvalidInputError,
+    NativeBuildError,
+    NativeError,
+    SlotRangeError,
+)
 
 __all__ = [
     "MAX_THREADS",
@@ -26,6 +33,7 @@ __all__ = [
     "built_version",
     "check_build_version",
     "check_slots",
+    "crc32c",
     "gather_rows",
     "get_num_threads",
     "get_simd_level",
@@ -33,6 +41,9 @@ __all__ = [
     "get_thread_min_bytes",
     "has_streaming_stores",
     "max_simd_level",
+    "nib_decode",
+    "nib_encode",
+    "nib_size",
     "scatter_rows",
     "set_num_threads",
     "set_simd_level",
@@ -63,6 +74,8 @@ _STATUS_NAMES = {
     lib.MC_ERR_ARGUMENT: "invalid argument",
     lib.MC_ERR_SLOT_RANGE: "slot out of range",
     lib.MC_ERR_NO_MEMORY: "out of memory",
+    lib.MC_ERR_NO_GAIN: "no gain",
+    lib.MC_ERR_CORRUPT: "corrupt input",
 }
 
 
@@ -495,3 +508,82 @@ def unshuffle(src: object, itemsize: int, out: BufferT) -> BufferT: ...
 def unshuffle(src: object, itemsize: int, out: Any = None) -> Any:
     """The inverse of :func:`shuffle` for the same ``itemsize``."""
     return _shuffle_common(lib.mc_unshuffle, "unshuffle", src, itemsize, out)
+
+
+# -- checksum and nibble coder ----------------------------------------------------------------
+
+#: Fixed bytes of a nibble-coded block (book, padding, escape count); see :func:`nib_encode`.
+NIB_OVERHEAD = 20
+#: The largest plane :func:`nib_encode` codes (escape positions are 32-bit).
+NIB_MAX_BYTES = 2**31 - 1
+_U32_MAX = 2**32 - 1
+
+
+def _overlaps(a_addr: int, a_len: int, b_addr: int, b_len: int) -> bool:
+    return a_len > 0 and b_len > 0 and a_addr < b_addr + b_len and b_addr < a_addr + a_len
+
+
+def crc32c(data: object, value: int = 0) -> int:
+    """CRC-32C (Castagnoli) of ``data``, continuing from ``value`` as ``zlib.crc32`` does:
+    ``crc32c(b, crc32c(a)) == crc32c(a + b)``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _U32_MAX:
+        raise InvalidInputError(f"value must be an int in [0, 2**32), got {value!r}")
+    ptr, nbytes, _ = _buffer(data, writable=False, what="data")
+    out = ffi.new("uint32_t *")
+    _check_status(lib.mc_crc32c(ptr, nbytes, value, out), "crc32c")
+    return int(out[0])
+
+
+def nib_size(coded: object, nbytes: int) -> int:
+    """The exact size a nibble-coded block of ``nbytes`` bytes must have, from its escape
+    count; raises :class:`CorruptChunkError` when ``coded`` is too short to hold one."""
+    ptr, length, _ = _buffer(coded, writable=False, what="coded")
+    if length < NIB_OVERHEAD:
+        raise CorruptChunkError(f"nibble-coded block is {length} bytes, the fixed part "
+                                f"alone is {NIB_OVERHEAD}")
+    escapes = int.from_bytes(bytes(ffi.buffer(ptr + 16, 4)), "little")
+    return NIB_OVERHEAD + (nbytes + 1) // 2 + 5 * escapes
+
+
+def nib_encode(src: object, out: object) -> int | None:
+    """Nibble-code the bytes of ``src`` into the start of ``out`` (a writable buffer not
+    overlapping ``src``) and return the coded size, or None when coding would not make the
+    block smaller (``out`` is then unused). The coded size is always below ``len(src)``, so an
+    ``out`` as long as ``src`` always fits. ``src`` holds at most :data:`NIB_MAX_BYTES`.
+    """
+    src_ptr, nbytes, src_addr = _buffer(src, writable=False, what="src")
+    out_ptr, cap, out_addr = _buffer(out, writable=True, what="out")
+    if nbytes > NIB_MAX_BYTES:
+        raise InvalidInputError(f"src holds {nbytes} bytes, the coder takes at most "
+                                f"{NIB_MAX_BYTES}")
+    if cap < nbytes:
+        raise InvalidInputError(f"out holds {cap} bytes, it needs {nbytes} (as many as src)")
+    if _overlaps(src_addr, nbytes, out_addr, cap):
+        raise InvalidInputError("out overlaps src")
+    size = ffi.new("int64_t *")
+    status = lib.mc_nib_encode(src_ptr, nbytes, out_ptr, cap, size)
+    if status == lib.MC_ERR_NO_GAIN:
+        return None
+    _check_status(status, "nib_encode")
+    return int(size[0])
+
+
+def nib_decode(coded: object, out: object) -> None:
+    """Decode a block written by :func:`nib_encode` into all of ``out`` (a writable buffer as
+    long as the original block). Raises :class:`CorruptChunkError` when ``coded`` is not the
+    exact coding of ``len(out)`` bytes (``out`` may then hold garbage)."""
+    src_ptr, length, src_addr = _buffer(coded, writable=False, what="coded")
+    out_ptr, nbytes, out_addr = _buffer(out, writable=True, what="out")
+    if nbytes > NIB_MAX_BYTES:
+        raise InvalidInputError(f"out holds {nbytes} bytes, the coder takes at most "
+                                f"{NIB_MAX_BYTES}")
+    if _overlaps(src_addr, length, out_addr, nbytes):
+        raise InvalidInputError("out overlaps coded")
+    want = nib_size(coded, nbytes)
+    if length != want:
+        raise CorruptChunkError(f"nibble-coded block is {length} bytes, its escape count "
+                                f"says {want} for {nbytes} bytes")
+    status = lib.mc_nib_decode(src_ptr, length, out_ptr, nbytes)
+    if status == lib.MC_ERR_CORRUPT:
+        raise CorruptChunkError("nibble-coded block is inconsistent (escapes or padding)")
+    _check_status(status, "nib_decode")

@@ -17,7 +17,9 @@ typedef enum mc_status {
     MC_OK = 0,
     MC_ERR_ARGUMENT = 1,   /* a null pointer, a negative size or stride, a zero block size */
     MC_ERR_SLOT_RANGE = 2, /* a slot < -1 or >= num_slots; nothing was written */
-    MC_ERR_NO_MEMORY = 3   /* the run table could not be allocated; nothing was written */
+    MC_ERR_NO_MEMORY = 3,  /* the run table could not be allocated; nothing was written */
+    MC_ERR_NO_GAIN = 4,    /* mc_nib_encode: the coded block would not be smaller; dst unused */
+    MC_ERR_CORRUPT = 5     /* mc_nib_decode: the coded block is inconsistent; dst is garbage */
 } mc_status;
 
 /* SIMD levels for mc_set_simd_level(); a level above what the CPU has is clamped down. */
@@ -64,6 +66,29 @@ int mc_scatter_rows(const mc_row_copy *copy, int num_threads);
  * overlap. */
 int mc_shuffle(const uint8_t *src, uint8_t *dst, int64_t nbytes, int64_t itemsize);
 int mc_unshuffle(const uint8_t *src, uint8_t *dst, int64_t nbytes, int64_t itemsize);
+
+/* CRC-32C (Castagnoli), chained like zlib.crc32: crc32c(b, crc32c(a, 0)) == crc32c(a + b, 0).
+ * Uses the SSE4.2 crc32 instruction when the SIMD level is SSE2 or above and the CPU has it,
+ * else a slicing-by-8 table. */
+int mc_crc32c(const uint8_t *src, int64_t nbytes, uint32_t seed, uint32_t *out);
+
+/* Nibble table coder for one plane of bytes (the exponent plane of bf16/fp16 KV).
+ * Layout of a coded block of n bytes (all integers little-endian):
+ *   book[15]          the 15 most frequent bytes (unused entries 0); code k < 15 = book[k]
+ *   pad u8 = 0
+ *   ne u32            number of escapes (bytes not in the book, code 15)
+ *   codes[(n+1)/2]    byte i is the low nibble of codes[i/2] when i is even, else the high one;
+ *                     for odd n the last high nibble is 0
+ *   ne x (pos u32, val u8)  the escaped bytes and their positions, positions increasing
+ * MC_NIB_OVERHEAD is the fixed part (20 bytes). */
+#define MC_NIB_OVERHEAD 20
+/* Encodes src[0:n] into dst (cap >= n bytes; src and dst must not overlap). The book comes
+ * from a sample histogram. MC_ERR_NO_GAIN when the coded size would be >= n (dst then holds
+ * garbage); MC_ERR_ARGUMENT for cap < n or n > 2^31 - 1. *out_len is the coded size (< n). */
+int mc_nib_encode(const uint8_t *src, int64_t n, uint8_t *dst, int64_t cap, int64_t *out_len);
+/* Decodes a coded block of len bytes into dst[0:n]. MC_ERR_CORRUPT when the block is not the
+ * exact, self-consistent coding of n bytes (length, escape count, positions, padding). */
+int mc_nib_decode(const uint8_t *src, int64_t len, uint8_t *dst, int64_t n);
 
 /* *out = 1 when non-temporal stores are compiled in and the CPU has them, else 0. */
 int mc_has_streaming_stores(int *out);

@@ -4,7 +4,8 @@ Three ways to store a chunk, each timed on one thread (compress, decompress, and
 
 - ``raw``: the chunk format without compression (header, per-block crc32, a copy);
 - ``plain-lz4``: lz4 on the unshuffled bytes, in the same 1 MiB blocks (no format around it);
-- ``shuffle-lz4``: the ``lz4`` codec (native byte-shuffle, lz4 blocks, crc32, header).
+- ``shuffle-lz4``: the ``lz4`` codec (native byte-shuffle, then per block the native nibble
+  table coder, lz4 or raw, crc32c, header).
 
 Goals for ``shuffle-lz4`` on one thread: ratio >= 1.15 and >= 0.8 GB/s for compress plus
 decompress together. Decompression writes into a preallocated tensor (as into a host-tier slot);

@@ -52,6 +52,8 @@ class WorkloadShape:
     rag_questions_per_retrieval: int = 3
     turns: int = 10
     turn_tokens: tuple[int, int] = (200, 400)
+    #: The agent's system prompt and tool definitions, before the first turn.
+    agent_preamble_tokens: int = 1024
     system_prompt_tokens: int = 4096
     users: int = 20
     user_question_tokens: tuple[int, int] = (16, 64)
@@ -72,6 +74,7 @@ class WorkloadShape:
             rag_questions_per_retrieval=self.rag_questions_per_retrieval,
             turns=self.turns,
             turn_tokens=span(self.turn_tokens),
+            agent_preamble_tokens=tokens(self.agent_preamble_tokens),
             system_prompt_tokens=tokens(self.system_prompt_tokens),
             users=self.users,
             user_question_tokens=span(self.user_question_tokens),
@@ -131,16 +134,18 @@ def rag(shape: WorkloadShape, *, vocab: int, seed: int) -> Workload:
 
 
 def multi_turn(shape: WorkloadShape, *, vocab: int, seed: int) -> Workload:
-    """One agent conversation: each turn's prompt is the previous prompt plus new tokens."""
+    """One agent conversation: a system prompt with tool definitions, then turns, each turn's
+    prompt the previous prompt plus new tokens (tool output and the model's reply)."""
     gen = torch.Generator().manual_seed(seed)
-    history = torch.empty(0, dtype=torch.int64)
+    history = _ids(gen, shape.agent_preamble_tokens, vocab)
     requests = []
     for turn in range(shape.turns):
         history = torch.cat([history, _ids(gen, _length(gen, shape.turn_tokens), vocab)])
         requests.append(Request(history, f"turn {turn + 1}"))
     return Workload(
         "multi_turn",
-        f"Multi-turn: {shape.turns} turns, each adding "
+        f"Multi-turn: an agent with a {shape.agent_preamble_tokens}-token system prompt and "
+        f"tools, then {shape.turns} turns, each adding "
         f"{shape.turn_tokens[0]}-{shape.turn_tokens[1]} tokens",
         (), tuple(requests),
         reuse="the whole previous turn, including its partial last chunk",
