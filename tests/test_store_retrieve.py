@@ -215,3 +215,32 @@ async def test_ready_event_is_awaited_before_reading_pages():
         assert await c.lookup(toks) == 0
         ev.set()
         assert await c.store(toks, pages, slots, layout="vllm", ready=ev) == 16
+
+
+async def test_store_after_a_hit_that_ends_inside_a_chunk_extends_it():
+    """The vLLM-connector pattern: retrieve n tokens (ending mid-chunk, a partial tail), then
+    store the longer prompt with skip_prefix=n. The chunk that holds token n is new; its head
+    comes from the cache (the pages there must not be read), its rest from the pages."""
+    spec = small_spec()
+    rng = random.Random(12)
+    t = [rng.randrange(1000) for _ in range(40)]
+    dense = prefix_kv(spec, t)
+    cfg = mc.CacheConfig(spec, "extend", tiers=(mc.HostTier(spec.nbytes(CH) * 16),),
+                         chunk_size=CH)
+    async with mc.Cache(cfg) as c:
+        pages = make_pages(spec, "vllm", 32)
+        slots = random_slots(40, 32, rng)
+        write_dense(spec, "vllm", pages, slots[:20], dense[:, :, :20])
+        assert await c.store(t[:20], pages, slots[:20], layout="vllm") == 20
+        # Next turn: a fresh set of pages; the engine retrieves what the cache holds ...
+        pages2 = make_pages(spec, "vllm", 32)
+        slots2 = random_slots(30, 32, rng)
+        n = await c.retrieve(t[:29], pages2, slots2[:29], layout="vllm")
+        assert n == 20
+        # ... computes tokens 20..29 itself, and pokes garbage where it must not be read.
+        write_dense(spec, "vllm", pages2, slots2[20:30], dense[:, :, 20:30])
+        write_dense(spec, "vllm", pages2, slots2[16:20],
+                    torch.full(spec.shape(4), 999.0, dtype=spec.dtype))
+        assert await c.store(t[:30], pages2, slots2, layout="vllm", skip_prefix=n) == 30
+        assert await c.lookup(t) == 30
+        assert torch.equal((await c.get(t[:30])).kv, dense[:, :, :30])

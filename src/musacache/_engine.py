@@ -144,6 +144,10 @@ class _StoreTier:
 _Tier = _MemTier | _StoreTier
 
 
+class _HeadUnavailable(Exception):
+    """Internal: the cached head of a chunk that store() extends could not be read."""
+
+
 class _Flight:
     """A promotion in flight; gets and prefetches of the same chunk join it."""
 
@@ -407,18 +411,50 @@ class Cache:
         slots, paged = self._check_paged(toks, kv_caches, slot_mapping, layout, skip_prefix)
         self._ops["puts"] += 1
         self._inflight["puts"] += 1
+        head: Match | None = None
         try:
             await devices.wait_ready(ready, ready_timeout)
             valid = self._first_skip(slots, skip_prefix)
+            td = self.spec.token_dim
+            if skip_prefix % self.config.chunk_size:
+                # The skipped prefix ends inside a chunk. The pages must not be read there, but
+                # the cache itself holds those tokens (the engine retrieved them from us, for
+                # example a partial tail of the last turn): the new, longer chunk is built from
+                # the cached head plus the pages after skip_prefix.
+                matches = await self._match(toks[:skip_prefix])
+                if matches and sum(m.num_tokens for m in matches) == skip_prefix:
+                    head = matches[-1]
+                    self._pin(head.entry)
 
             async def fill(dst: torch.Tensor, start: int, n: int) -> None:
+                if head is not None and start == head.start and start < skip_prefix:
+                    k = skip_prefix - start
+                    src, _tier = await self._read_entry(head.entry)
+                    if src is None:
+                        raise _HeadUnavailable
+                    await self._copy(dst.narrow(td, 0, k), src.narrow(td, 0, k))
+                    if n > k:
+                        await self._gather_into(kv_caches, slots[skip_prefix:start + n],
+                                                dst.narrow(td, k, n - k), layout,
+                                                paged.device)
+                    return
                 await self._gather_into(kv_caches, slots[start:start + n], dst, layout,
                                         paged.device)
 
             return await self._put(toks[:valid], lambda s, n: torch.empty(0), fill,
-                                   skip_prefix=skip_prefix)
+                                   skip_prefix=skip_prefix,
+                                   head_start=head.start if head is not None else None)
         finally:
+            if head is not None:
+                self._unpin(head.entry)
             self._inflight["puts"] -= 1
+
+    async def _read_entry(self, e: Entry) -> tuple[torch.Tensor | None, str]:
+        """The data of ``e`` from wherever it lives (promoting it if it is below the top)."""
+        t = self._hottest_mem(e)
+        if t is not None and t.idx == 0:
+            return self._entry_view(t, e), t.name
+        return await self._fetch(e)
 
     async def retrieve(self, tokens: Any, kv_caches: Any, slot_mapping: Any, *,
                        layout: str = "vllm", skip_prefix: int = 0, ready: Any = None,
@@ -570,7 +606,7 @@ class Cache:
     async def _put(self, toks: np.ndarray,
                    source: Callable[[int, int], torch.Tensor],
                    fill: Callable[[torch.Tensor, int, int], Awaitable[None]] | None = None,
-                   skip_prefix: int = 0) -> int:
+                   skip_prefix: int = 0, head_start: int | None = None) -> int:
         """Place each chunk of ``toks`` not yet cached; return the cached prefix length.
 
         ``source(start, n)`` gives the dense KV of tokens ``[start, start+n)``; ``fill``, when
@@ -590,7 +626,7 @@ class Cache:
                     await self._put_flights[key].wait()
                     e = self._dir.get(key)
                 if e is None:
-                    if start < skip_prefix:
+                    if start < skip_prefix and start != head_start:
                         # The caller said not to read these tokens, and we do not hold them:
                         # nothing after them can be chained.
                         break
@@ -598,6 +634,8 @@ class Cache:
                     self._put_flights[key] = flight
                     try:
                         e = await self._place(key, parent, toks[start:end], start, source, fill)
+                    except _HeadUnavailable:
+                        e = None  # the cached head vanished (a cold fault): store stops here
                     finally:
                         del self._put_flights[key]
                         flight.set()
