@@ -840,8 +840,8 @@ class Cache:
 
     def _victim(self, t: _Tier) -> Entry | None:
         for key, e in t.lru.items():
-            if e.pins or key in t_pending(t):
-                continue
+            if e.pins or (isinstance(t, _StoreTier) and key in t.pending):
+                continue  # pinned by a reader, or its write to this tier is still queued
             if any(self._holds(t, c) for c in self._dir.child_entries(key)):
                 continue  # leaves first: a suffix is worthless without its prefix
             return e
@@ -1380,6 +1380,3 @@ class Cache:
         if dev.type not in ("cpu", *devices.ACCELERATORS):
             raise DeviceError(f"{what} is on device {dev}; use cpu, cuda or musa tensors")
 
-
-def t_pending(t: _Tier) -> dict[bytes, bytes]:
-    return t.pending if isinstance(t, _StoreTier) else {}
