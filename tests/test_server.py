@@ -270,3 +270,31 @@ async def test_client_api_matches_the_embedded_cache(tmp_path):
             await workload(client)
         srv.stop()
         await task
+
+
+def test_stats_cli_shows_the_servers_tiers(server):
+    import json
+    import subprocess
+    import sys
+
+    proc, spec = server
+
+    async def put_something():
+        async with mc.connect(proc.sock, spec=spec, namespace="srv") as c:
+            toks = list(range(50))
+            await c.put(toks, prefix_kv(spec, toks))
+            await c.get(toks)
+
+    asyncio.run(put_something())
+    run = [sys.executable, "-m", "musacache", "stats", "--socket", proc.sock]
+    table = subprocess.run(run + ["--once"], capture_output=True, text=True, timeout=60)
+    assert table.returncode == 0, table.stderr
+    assert "host" in table.stdout and "hits" in table.stdout and "srv" in table.stdout
+    raw = subprocess.run(run + ["--json"], capture_output=True, text=True, timeout=60)
+    st = json.loads(raw.stdout)
+    assert st["tiers"]["host"]["chunks"] == 4 and st["tiers"]["host"]["hits"] >= 4
+    assert st["server"]["connections"] >= 2
+    gone = subprocess.run([sys.executable, "-m", "musacache", "stats", "--socket",
+                           proc.sock + ".nope", "--once"], capture_output=True, text=True,
+                          timeout=60)
+    assert gone.returncode == 1 and "cannot reach" in gone.stderr
