@@ -13,7 +13,10 @@ def blocks(path: Path) -> list[str]:
     return FENCE.findall(path.read_text())
 
 
-@pytest.mark.parametrize("doc", ["docs/quickstart.md", "docs/concepts.md", "README.md"])
+DOCS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")) + ["README.md"]
+
+
+@pytest.mark.parametrize("doc", DOCS)
 def test_python_blocks_run_in_order(doc, capsys):
     found = blocks(ROOT / doc)
     if doc == "docs/quickstart.md":
