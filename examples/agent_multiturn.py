@@ -30,14 +30,14 @@ import numpy as np
 import torch
 
 import musacache
-from musacache.demo._model import (
+from musacache.demo.model import (
+    SIZES,
     build_model,
     dense_from_hf,
     first_token_logits,
     hf_from_dense,
     kv_spec_of,
 )
-from musacache.demo._sizes import SIZES
 
 # float32 KV restored bit for bit, then the same kernels: only rounding separates the logits.
 LOGITS_TOLERANCE = 1e-4

@@ -117,8 +117,7 @@ async def load_model(args: argparse.Namespace) -> Any:
 
     import torch
 
-    from musacache.demo._model import build_model
-    from musacache.demo._sizes import SIZES
+    from musacache.demo.model import SIZES, build_model
 
     if args.threads:
         torch.set_num_threads(args.threads)  # on the loop's thread: the setting is global
@@ -131,7 +130,7 @@ async def ingest(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     import musacache
-    from musacache.demo._model import dense_from_hf, first_token_logits, kv_spec_of
+    from musacache.demo.model import dense_from_hf, first_token_logits, kv_spec_of
 
     def prefill_kv(model: Any, tokens: torch.Tensor) -> torch.Tensor:
         _, hf_cache = first_token_logits(model, tokens)
@@ -164,7 +163,7 @@ async def query(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     import musacache
-    from musacache.demo._model import (
+    from musacache.demo.model import (
         dense_from_hf,
         first_token_logits,
         hf_from_dense,
