@@ -457,10 +457,18 @@ class Cache:
 
     async def _read_entry(self, e: Entry) -> tuple[torch.Tensor | None, str]:
         """The data of ``e`` from wherever it lives (promoting it if it is below the top)."""
+        top = self._top_view(e)
+        return top if top is not None else await self._fetch(e)
+
+    def _top_view(self, e: Entry) -> tuple[torch.Tensor, str] | None:
+        """``e``'s block in the top tier, counted as a hit there; None (a miss there) if it
+        lives only lower down."""
         t = self._hottest_mem(e)
         if t is not None and t.idx == 0:
+            t.c["hits"] += 1
             return self._entry_view(t, e), t.name
-        return await self._fetch(e)
+        self._tiers[0].c["misses"] += 1
+        return None
 
     async def retrieve(self, tokens: Any, kv_caches: Any, slot_mapping: Any, *,
                        layout: str = "vllm", skip_prefix: int = 0, ready: Any = None,
@@ -491,24 +499,21 @@ class Cache:
                 self._pin(m.entry)
             try:
                 written = 0
+                served: list[Entry] = []
                 for m in matches:
                     lo = max(m.start, skip_prefix)
                     hi = m.start + m.num_tokens
                     if hi <= lo:
                         continue
-                    t = self._hottest_mem(m.entry)
-                    if t is not None and t.idx == 0:
-                        src: torch.Tensor | None = self._entry_view(t, m.entry)
-                        t.c["hits"] += 1
-                    else:
-                        src, _name = await self._fetch(m.entry)
+                    src, _name = await self._read_entry(m.entry)
                     if src is None:
                         break
                     part = src.narrow(td, lo - m.start, hi - lo)
                     await self._scatter_from(part, kv_caches, slots[lo:hi], layout,
                                              paged.device)
                     written += hi - lo
-                self._touch([m.entry for m in matches])
+                    served.append(m.entry)
+                self._touch(served)
                 return written
             finally:
                 for m in matches:
@@ -927,12 +932,10 @@ class Cache:
             sources: list[tuple[Match, torch.Tensor | None, str]] = []
             slow: list[tuple[int, Match]] = []
             for i, m in enumerate(matches):
-                t = self._hottest_mem(m.entry)
-                if t is not None and t.idx == 0:
-                    sources.append((m, self._entry_view(t, m.entry), t.name))
-                    t.c["hits"] += 1
+                top = self._top_view(m.entry)
+                if top is not None:
+                    sources.append((m, *top))
                 else:
-                    self._tiers[0].c["misses"] += 1
                     sources.append((m, None, ""))
                     slow.append((i, m))
             if slow:
