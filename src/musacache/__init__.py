@@ -10,7 +10,6 @@ from ._engine import Cache, Hit
 from ._errors import (
     CacheClosedError,
     CacheUnavailableError,
-    CapacityError,
     ConfigError,
     CorruptChunkError,
     DeviceError,
@@ -42,7 +41,6 @@ __all__ = (
     "CacheClosedError",
     "CacheConfig",
     "CacheUnavailableError",
-    "CapacityError",
     "ChunkMeta",
     "Client",
     "ConfigError",

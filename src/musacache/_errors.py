@@ -19,7 +19,6 @@ __all__ = [
     "SlotRangeError",
     "LayoutError",
     "CacheClosedError",
-    "CapacityError",
     "TierError",
     "CorruptChunkError",
     "FingerprintMismatchError",
@@ -81,11 +80,6 @@ class LayoutError(InvalidInputError):
 
 class CacheClosedError(MusaCacheError, RuntimeError):
     """The cache (or client) was used after ``aclose()`` or outside ``async with``."""
-
-
-class CapacityError(MusaCacheError):
-    """A request cannot fit in any tier even after eviction (for example a single chunk that is
-    larger than every tier). Raise the tier capacity or lower ``chunk_size``."""
 
 
 class TierError(MusaCacheError):
