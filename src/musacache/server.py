@@ -855,6 +855,14 @@ def _listen(path: str) -> socket.socket:
     return sock
 
 
+def _log_level(text: str) -> str:
+    level = text.upper()
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise argparse.ArgumentTypeError(
+            f"unknown log level {text!r}; use debug, info, warning, error or critical")
+    return level
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="musacache serve",
@@ -865,8 +873,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--config", required=True,
                    help="TOML file: [[tiers]], an optional [server] table and cache settings "
                         "(docs/deployment.md)")
-    p.add_argument("--log-level", default="INFO", type=str.upper,
-                   choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"))
+    p.add_argument("--log-level", default="INFO", type=_log_level,
+                   help="debug, info (default), warning, error or critical")
     args = p.parse_args(list(argv) if argv is not None else None)
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
