@@ -15,7 +15,6 @@ Protocol and transport:
 See ``docs/protocol.md`` for the wire format and the fd/lifetime rules.
 """
 
-from ._device import DeviceKind
 from ._events import EventCapability, IpcEvent, event_ipc_capability
 from ._fdpass import (
     Connection,
@@ -28,6 +27,7 @@ from ._fdpass import (
     wait_fd_writable,
 )
 from ._memory import (
+    DeviceKind,
     ExportTable,
     MappingKey,
     TensorHandle,

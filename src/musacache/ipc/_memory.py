@@ -25,14 +25,16 @@ import stat
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, cast
+from typing import Any, Final, Literal, cast
 
 import torch
 
 from .._errors import DeviceError, IPCError, ProtocolError, ShapeError
-from ._device import DEVICE_KINDS, DeviceKind, device_module, device_uuid, local_device_index
+from ..devices import device_uuid, ipc_module, local_device_index
 
 __all__ = [
+    "DEVICE_KINDS",
+    "DeviceKind",
     "ExportTable",
     "MappingKey",
     "TensorHandle",
@@ -46,6 +48,10 @@ __all__ = [
     "share",
     "to_shared",
 ]
+
+#: A device kind as IPC names it (a string: "musa" parses only where torch_musa is loaded).
+DeviceKind = Literal["cpu", "cuda", "musa"]
+DEVICE_KINDS: Final[tuple[DeviceKind, ...]] = ("cpu", "cuda", "musa")
 
 #: Identity of one mapped storage in the importing process (used to map it only once).
 MappingKey = tuple[Any, ...]
@@ -569,7 +575,7 @@ def _own_device_storage(key: MappingKey) -> torch.UntypedStorage:
 
 def _open_device(handle: TensorHandle) -> torch.UntypedStorage:
     kind = handle.device_kind
-    module = device_module(kind)
+    module = ipc_module(kind)
     local = local_device_index(kind, handle.device_index, handle.device_uuid)
     init = getattr(module, "init", None)
     if callable(init):
