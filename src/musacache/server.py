@@ -195,6 +195,11 @@ class ServerConfig:
         if unknown:
             raise ConfigError(
                 f"[server]: unknown setting(s) {sorted(unknown)}; known: {sorted(known)}")
+        if "max_caches" in server and (isinstance(server["max_caches"], bool)
+                                       or not isinstance(server["max_caches"], int)
+                                       or server["max_caches"] <= 0):
+            raise ConfigError(f"[server] max_caches must be a positive int, got "
+                              f"{server['max_caches']!r}")
         if "allow_uids" in server:
             uids = server["allow_uids"]
             if not isinstance(uids, list):
