@@ -110,7 +110,7 @@ class ServerConfig:
     #: Requests one connection may have in flight; more get ServerLimitError.
     max_requests_per_peer: int = 64
     #: fds one connection's in-flight requests may hold (ready/done events, handles).
-    max_fds_per_peer: int = 64
+    max_fds_per_peer: int = 256
     #: Largest staging buffer of the byte path (``stage_bytes``), per connection.
     max_stage_bytes: int = 1024**3
     #: Longest wait for a worker's ready event (seconds).
