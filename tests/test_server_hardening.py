@@ -475,7 +475,7 @@ async def test_puts_and_stores_count_bytes_without_asking_for_stats(tmp_path, mo
     calls = []
     real = mc.Cache.stats
 
-    def counting(self):  # noqa: ANN001, ANN202
+    def counting(self):
         calls.append(1)
         return real(self)
 
