@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,42 +20,14 @@ from typing import TYPE_CHECKING, Any, Literal, Union
 
 from ._errors import ConfigError
 from ._spec import KVSpec
+from ._validate import parse_size
 
 if TYPE_CHECKING:
     from .tiers.base import StorageTier
 
 __all__ = ["CacheConfig", "DeviceTier", "HostTier", "TierConfig", "parse_size"]
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1}
-for _i, _p in enumerate("kmgtp", start=1):
-    _UNITS[_p] = _UNITS[_p + "b"] = 1000**_i
-    _UNITS[_p + "i"] = _UNITS[_p + "ib"] = 1024**_i
-
 DEFAULT_SEGMENT_BYTES = 256 * 1024**2
-
-
-def parse_size(value: int | str, *, what: str = "size") -> int:
-    """``"8GiB"`` -> 8589934592. Negative sizes are a ConfigError."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{what} must be a byte count, got {value!r}")
-    if isinstance(value, int):
-        n = value
-    elif isinstance(value, float) and value.is_integer():
-        n = int(value)
-    elif isinstance(value, str):
-        stripped = value.strip()
-        if stripped.startswith("-"):
-            raise ConfigError(f"{what} must not be negative, got {value!r}")
-        m = _SIZE_RE.match(stripped)
-        if not m:
-            raise ConfigError(f"{what}: cannot read {value!r} as a size (e.g. 512MiB, 8GiB)")
-        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
-    else:
-        raise ConfigError(f"{what} must be a byte count, got {type(value).__name__}")
-    if n < 0:
-        raise ConfigError(f"{what} must not be negative, got {value!r}")
-    return n
 
 
 @dataclass(frozen=True)
