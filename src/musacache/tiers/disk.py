@@ -57,7 +57,6 @@ from typing import Any, Literal
 import anyio
 import anyio.to_thread
 
-from .._config import parse_size
 from .._errors import (
     ConfigError,
     CorruptChunkError,
@@ -65,6 +64,7 @@ from .._errors import (
     TierError,
 )
 from .._keys import KEY_BYTES, Fingerprint
+from .._validate import boolean, parse_size, positive_float, positive_int
 from ..codec import CODECS, HEADER_SIZE, read_header
 from ._ordering import KeyOrder
 from .base import ChunkMeta, StorageTier, TierContext
@@ -74,16 +74,6 @@ __all__ = ["DiskStore", "DiskTier"]
 _SUFFIX = ".kvc"
 _NAME_RE = re.compile(r"^([0-9a-f]{64})\.([0-9a-f]{64})\.([1-9][0-9]{0,9})\.kvc$")
 _HEX2_RE = re.compile(r"^[0-9a-f]{2}$")
-
-
-def _check_positive(value: Any, what: str, *, integer: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{what} must be a number, got {value!r}")
-    if integer and not float(value).is_integer():
-        raise ConfigError(f"{what} must be an integer, got {value!r}")
-    if value <= 0:
-        raise ConfigError(f"{what} must be positive, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -119,13 +109,11 @@ class DiskTier:
         if self.codec not in CODECS:
             raise ConfigError(f"{self.name}.codec must be one of {CODECS}, got {self.codec!r}")
         for flag in ("write_through", "fsync"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ConfigError(f"{self.name}.{flag} must be true or false, "
-                                  f"got {getattr(self, flag)!r}")
+            boolean(getattr(self, flag), f"{self.name}.{flag}")
         object.__setattr__(self, "timeout",
-                           float(_check_positive(self.timeout, f"{self.name}.timeout")))
-        object.__setattr__(self, "max_concurrency", int(_check_positive(
-            self.max_concurrency, f"{self.name}.max_concurrency", integer=True)))
+                           positive_float(self.timeout, f"{self.name}.timeout"))
+        object.__setattr__(self, "max_concurrency",
+                           positive_int(self.max_concurrency, f"{self.name}.max_concurrency"))
 
     def build(self) -> DiskStore:
         return DiskStore(self)
