@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 import threading
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 from musacache._errors import ConfigError, TierError
 from musacache._keys import Fingerprint
 from musacache._spec import KVSpec
+from musacache._testing.tier_model import check_tier_model
 from musacache.codec import HEADER_SIZE, decode_chunk, encode_chunk
 from musacache.tiers.base import ChunkMeta, StorageTier, TierContext
 from musacache.tiers.disk import DiskStore, DiskTier, file_name
@@ -510,3 +512,40 @@ fsync = true
     assert isinstance(tier, DiskTier)
     assert (tier.capacity_bytes, tier.codec, tier.fsync, tier.name) == (
         2 * 1024**3, "raw", True, "disk")
+
+
+# -- model check ---------------------------------------------------------------------------------
+
+
+def _slow_disk(store: StorageTier, rng: random.Random) -> None:
+    """Sleep at random in the worker thread before each file write and delete, so that the
+    writes and deletes of one key overlap."""
+    assert isinstance(store, DiskStore)
+    write, delete = store._write_file, store._delete_files
+
+    def write_slowly(path: Path, obj: bytes) -> None:
+        time.sleep(rng.uniform(0, 0.01))
+        write(path, obj)
+
+    def delete_slowly(folder: Path, key: bytes, name: str | None) -> None:
+        time.sleep(rng.uniform(0, 0.01))
+        delete(folder, key, name)
+
+    store._write_file = write_slowly  # type: ignore[method-assign]
+    store._delete_files = delete_slowly  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize(("seed", "tenant"), [(1, None), (2, None), (3, "t")])
+async def test_model_check_loses_and_resurrects_nothing(tmp_path: Path, seed: int,
+                                                        tenant: str | None) -> None:
+    # Issue 10 items 1 and 8: random writes, deletes and re-writes of a few keys over a slow
+    # disk, each round ended by a restart, against the model of the tier contract.
+    tier = DiskTier(path=str(tmp_path), capacity_bytes="64MiB")
+
+    async def make() -> StorageTier:
+        return tier.build()
+
+    report = await check_tier_model(make, _slow_disk, seed=seed, tenant=tenant)
+    assert report.ok, report
+    assert report.rounds == 3 and report.writes and report.deletes
+    assert report.max_overlap >= 3  # the operations of one key really overlapped

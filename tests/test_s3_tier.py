@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import random
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -20,6 +21,7 @@ import torch
 from musacache._errors import ConfigError, CorruptChunkError, TierError
 from musacache._keys import Fingerprint
 from musacache._spec import KVSpec
+from musacache._testing.tier_model import check_tier_model
 from musacache.codec import decode_chunk, encode_chunk
 from musacache.tiers.base import ChunkMeta, StorageTier, TierContext
 from musacache.tiers.s3 import S3Store, S3Tier
@@ -455,3 +457,40 @@ def test_config_from_the_cache_loader() -> None:
     assert isinstance(tier, S3Tier)
     assert (tier.bucket, tier.prefix, tier.timeout, tier.write_through, tier.endpoint_url) == (
         "20240101", "", 2.0, True, "http://127.0.0.1:9000")
+
+
+# -- model check ---------------------------------------------------------------------------------
+
+
+class _RandomDelay:
+    """Wraps one S3 client call with a random delay before it is sent."""
+
+    def __init__(self, call: Any, rng: random.Random) -> None:
+        self.call, self.rng = call, rng
+
+    async def __call__(self, **kwargs: Any) -> Any:
+        await anyio.sleep(self.rng.uniform(0, 0.02))
+        return await self.call(**kwargs)
+
+
+def _slow_s3(store: StorageTier, rng: random.Random) -> None:
+    assert isinstance(store, S3Store)
+    store.client.put_object = _RandomDelay(store.client.put_object, rng)
+    store.client.delete_object = _RandomDelay(store.client.delete_object, rng)
+
+
+@pytest.mark.parametrize(("seed", "tenant"), [(1, None), (2, "t")])
+async def test_model_check_loses_and_resurrects_nothing(moto_endpoint: str, seed: int,
+                                                        tenant: str | None) -> None:
+    # Issue 10 items 1 and 8: random writes, deletes and re-writes of a few keys with slow
+    # requests, each round ended by a restart (a new store over the bucket), against the model
+    # of the tier contract.
+    tier = S3Tier(bucket=unique_bucket(), endpoint_url=moto_endpoint, create_bucket=True)
+
+    async def make() -> StorageTier:
+        return tier.build()
+
+    report = await check_tier_model(make, _slow_s3, seed=seed, tenant=tenant)
+    assert report.ok, report
+    assert report.rounds == 3 and report.writes and report.deletes
+    assert report.max_overlap >= 3  # the operations of one key really overlapped
