@@ -391,9 +391,19 @@ class DiskStore(StorageTier):
             self._abandon(call, meta.key if expired else None)
             raise
         if isinstance(obj, _NotAFile):
+            # Removed under the key's lock, so that a write renaming a new file into place
+            # at this moment cannot be the one removed.
+            async with self._order.hold(meta.key):
+                removed = await anyio.to_thread.run_sync(self._remove_not_file, path,
+                                                         limiter=self._limiter)
+                if isinstance(removed, OSError):
+                    self._c["read_faults"] += 1
+                    self._c["last_error"] = f"read {path.name}: {removed}"
+                    raise TierError(f"disk tier {self.name!r}: {path} is not a chunk file and "
+                                    f"cannot be removed: {removed}") from removed
+                self._names.pop(meta.key, None)
             self._c["read_misses"] += 1
-            self._c["removed_not_files"] += 1
-            self._names.pop(meta.key, None)
+            self._c["removed_not_files"] += removed
             return None
         if isinstance(obj, OSError):
             self._c["read_faults"] += 1
@@ -453,12 +463,6 @@ class DiskStore(StorageTier):
             fd = -1  # a symlink
         try:
             if fd < 0 or not stat.S_ISREG(os.fstat(fd).st_mode):
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
-                except OSError as e:
-                    return e  # a folder, say: it stays a fault until someone removes it
                 return _NOT_A_FILE
             with os.fdopen(fd, "rb", closefd=False) as f:
                 obj = f.read()
@@ -471,6 +475,21 @@ class DiskStore(StorageTier):
         with contextlib.suppress(OSError):
             os.utime(path)
         return obj
+
+    @staticmethod
+    def _remove_not_file(path: Path) -> OSError | bool:
+        """Remove what is at ``path`` unless it is a regular file by now: whether something was
+        removed, or the error if it cannot be (a folder, say: it stays a fault until someone
+        removes it)."""
+        try:
+            if not stat.S_ISREG(os.lstat(path).st_mode):
+                os.unlink(path)
+                return True
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            return e
+        return False
 
     async def delete(self, key: bytes) -> None:
         folder = self.root / key[:1].hex()
