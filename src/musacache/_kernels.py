@@ -47,7 +47,7 @@ def available() -> bool:
 def _define(triton: Any, tl: Any) -> Any:
     # The kernel is defined inside a function so that importing this module never needs
     # Triton; the decorator only parses the source.
-    @triton.jit  # type: ignore[misc]
+    @triton.jit
     def paged_rows(slots, token_chunk, token_row, page_table, chunk_table,
                    num_planes, head_programs, row_len,
                    block_size, block_stride, slot_stride, page_head_stride,

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -625,7 +626,7 @@ def _prepare_chunks(kv_caches: object, layout: str, denses: object, what: str,
         if what == "dsts" and dense.numel():
             written.append((*_byte_span(dense), i))
     written.sort()
-    for (_, end, i), (start, _, j) in zip(written, written[1:]):
+    for (_, end, i), (start, _, j) in itertools.pairwise(written):
         if start < end:
             raise InvalidInputError(f"{what}[{i}] and {what}[{j}] overlap; each chunk needs "
                                     "its own memory")
@@ -694,7 +695,7 @@ def _fused_transfer(request: _Chunks, to_dense: bool) -> bool:
                                         + offsets[within] * itemsize)
     chunk_table = np.array([(x.data_ptr(), *st) for x, st in zip(request.denses, strides)],
                            dtype=np.int64).reshape(-1)
-    counts = np.diff(np.asarray(request.starts, dtype=np.int64))
+    counts: np.ndarray[Any, Any] = np.diff(np.asarray(request.starts, dtype=np.int64))
     first = np.repeat(np.asarray(request.starts[:-1], dtype=np.int64), counts)
     num_tokens = request.starts[-1]
     token_chunk = np.repeat(np.arange(len(request.denses), dtype=np.int64), counts)
@@ -703,7 +704,7 @@ def _fused_transfer(request: _Chunks, to_dense: bool) -> bool:
     parts = [request.slots.numpy(), token_chunk, token_row, page_table.reshape(-1), chunk_table]
     table = _to_device(np.concatenate(parts), info.device)
     bounds = np.cumsum([0, *(len(p) for p in parts)])
-    views = [table[int(a):int(b)] for a, b in zip(bounds, bounds[1:])]
+    views = [table[int(a):int(b)] for a, b in itertools.pairwise(bounds)]
     _kernels.launch(grid=(num_tokens, num_layers, num_planes * head_programs),
                     slots=views[0], token_chunk=views[1], token_row=views[2],
                     page_table=views[3], chunk_table=views[4], num_planes=num_planes,
