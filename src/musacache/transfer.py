@@ -41,6 +41,7 @@ import importlib
 import itertools
 import logging
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -657,8 +658,11 @@ def _device_chunks(request: _Chunks, to_dense: bool, stream: Any | None) -> None
     """
     if request.starts[-1] == 0:
         return
-    device = torch.device(_device_type(request.caches[0]), request.info.device.index)
-    with devices.stream_context(device, stream):
+    kind = _device_type(request.caches[0])
+    context: AbstractContextManager[None] = nullcontext()
+    if stream is not None and kind != "cpu":
+        context = devices.stream_context(torch.device(kind, request.info.device.index), stream)
+    with context:
         if _fused_transfer(request, to_dense):
             return
         _staged_transfer(request, to_dense)
