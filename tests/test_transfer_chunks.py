@@ -442,3 +442,26 @@ def test_fused_path_is_skipped_for_unpinned_host_chunks(
     expected = reference_gather(caches, "vllm", [0, 1, 2, 3],
                                 torch.zeros(2, 2, 4, H, D, dtype=torch.bfloat16))
     assert torch.equal(concat(dsts, "vllm"), expected)
+
+
+@pytest.mark.parametrize("skipped", [False, True], ids=["all slots", "a -1 slot"])
+def test_transfer_gather_into_a_device_tensor_needs_no_staging(
+        fake_cuda: types.SimpleNamespace, monkeypatch: pytest.MonkeyPatch,
+        skipped: bool) -> None:
+    monkeypatch.setattr(_kernels, "available", lambda: False)
+    layers = 4
+    caches = make_caches("vllm", layers)
+    slots = torch.randperm(NUM_SLOTS)[:10]
+    if skipped:
+        slots[3] = -1
+    out = torch.randn(layers, 2, 10, H, D).to(torch.bfloat16)
+    expected = reference_gather(caches, "vllm", slots.tolist(), out)
+    counter = OpCounter()
+    with counter:
+        transfer.gather(caches, slots, out, "vllm")
+    assert torch.equal(out, expected)
+    # Straight into out, one launch per layer (two when a skipped token needs index_copy_).
+    assert counter.ops["index_select"] == layers
+    assert counter.ops["index_copy_"] == (layers if skipped else 0)
+    # No staging buffer and no copy out of one: the one allocation is the slot index.
+    assert counter.ops["empty"] <= 1 and counter.ops["copy_"] == 0, counter.ops
