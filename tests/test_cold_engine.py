@@ -42,8 +42,8 @@ def _chunk_keys(spec: mc.KVSpec, toks: torch.Tensor) -> list[tuple[int, int, byt
     return KeyChain(Fingerprint("cold-engine", spec, CHUNK)).keys(as_tokens(toks))
 
 
-def _tier_stats(cache: mc.Cache, name: str) -> dict[str, Any]:
-    stats: dict[str, Any] = cache.stats()["tiers"][name]
+async def _tier_stats(cache: mc.Cache, name: str) -> dict[str, Any]:
+    stats: dict[str, Any] = (await cache.stats())["tiers"][name]
     return stats
 
 
@@ -60,14 +60,14 @@ async def test_disk_demotion_and_restart(tmp_path: Path) -> None:
         await cache.flush()
         hit = await cache.get(toks)
         assert hit.num_tokens == len(toks) and torch.equal(hit.kv, kv)
-        stats = _tier_stats(cache, "disk")
+        stats = await _tier_stats(cache, "disk")
         assert stats["store_writes"] == 9 and stats["write_drops"] == 0
     # A new cache on the same folder finds every chunk, and serves them all from disk.
     async with mc.Cache(_config(spec, disk)) as cache:
         assert await cache.lookup(toks) == len(toks)
         hit = await cache.get(toks)
         assert hit.num_tokens == len(toks) and torch.equal(hit.kv, kv)
-        assert _tier_stats(cache, "disk")["hits"] >= 9
+        assert (await _tier_stats(cache, "disk"))["hits"] >= 9
 
 
 async def test_disk_corrupt_file_is_a_counted_miss(tmp_path: Path) -> None:
@@ -78,7 +78,7 @@ async def test_disk_corrupt_file_is_a_counted_miss(tmp_path: Path) -> None:
     async with mc.Cache(_config(spec, disk)) as cache:
         await cache.put(toks, kv)
         await cache.flush()
-        root = Path(_tier_stats(cache, "disk")["store_path"])
+        root = Path((await _tier_stats(cache, "disk"))["store_path"])
     # Damage the 4th chunk's file while no cache holds the folder.
     _, _, parent, key = _chunk_keys(spec, toks)[3]
     path = root / key[:1].hex() / file_name(key, parent, CHUNK)
@@ -90,7 +90,7 @@ async def test_disk_corrupt_file_is_a_counted_miss(tmp_path: Path) -> None:
         hit = await cache.get(toks)
         assert hit.num_tokens == 3 * CHUNK  # the prefix before the damaged chunk, no further
         assert torch.equal(hit.kv, kv[:, :, : 3 * CHUNK])
-        assert _tier_stats(cache, "disk")["corrupt"] == 1
+        assert (await _tier_stats(cache, "disk"))["corrupt"] == 1
         # Recovery: the chunk is put again and the whole prompt is served.
         await cache.put(toks, kv)
         await cache.flush()
@@ -114,7 +114,7 @@ async def test_disk_fifo_under_a_chunk_name_is_a_counted_miss(tmp_path: Path) ->
     async with mc.Cache(_config(spec, disk, host_chunks=1)) as cache:
         await cache.put(toks, kv)
         await cache.flush()
-        root = Path(_tier_stats(cache, "disk")["store_path"])
+        root = Path((await _tier_stats(cache, "disk"))["store_path"])
         fifo = _disk_path(root, spec, toks, 2)
         fifo.unlink()
         os.mkfifo(fifo)
@@ -131,7 +131,7 @@ async def test_disk_fifo_under_a_chunk_name_is_a_counted_miss(tmp_path: Path) ->
         for hit in hits:
             assert hit.num_tokens == 2 * CHUNK  # the prefix before the FIFO, no further
             assert torch.equal(hit.kv, kv[:, :, : 2 * CHUNK])
-        stats = _tier_stats(cache, "disk")
+        stats = await _tier_stats(cache, "disk")
         assert stats["misses"] >= 1 and stats["store_removed_not_files"] == 1
         assert threading.active_count() <= baseline + disk.max_concurrency
         # Put again: the whole prompt is served once more.
@@ -156,14 +156,14 @@ async def test_disk_foreign_format_object_is_a_counted_miss(tmp_path: Path) -> N
     async with mc.Cache(_config(spec, disk, host_chunks=1)) as cache:
         await cache.put(toks, kv)
         await cache.flush()
-        path = _disk_path(Path(_tier_stats(cache, "disk")["store_path"]), spec, toks, 3)
+        path = _disk_path(Path((await _tier_stats(cache, "disk"))["store_path"]), spec, toks, 3)
         raw = bytearray(path.read_bytes())
         struct.pack_into("<H", raw, 4, 99)  # format v99, with an intact header checksum
         struct.pack_into("<I", raw, 8, zlib.crc32(raw[12:HEADER_SIZE], zlib.crc32(raw[:8])))
         path.write_bytes(raw)
         hit = await cache.get(toks)
         assert hit.num_tokens == 3 * CHUNK and torch.equal(hit.kv, kv[:, :, : 3 * CHUNK])
-        assert _tier_stats(cache, "disk")["corrupt"] == 1
+        assert (await _tier_stats(cache, "disk"))["corrupt"] == 1
 
 
 @pytest.mark.xfail(strict=True, reason="needs the engine to pass CacheConfig.tenant into "
@@ -184,7 +184,7 @@ async def test_tenants_on_one_disk_folder_keep_their_chunks(tmp_path: Path) -> N
         await cache_a.put(toks, kv)
         await cache_a.flush()
     async with mc.Cache(config("b")) as cache_b:
-        assert cache_b.stats()["chunks"] == 0  # A's chunks are not even listed
+        assert (await cache_b.stats())["chunks"] == 0  # A's chunks are not even listed
         await cache_b.clear()
     async with mc.Cache(config("a")) as cache_a:
         hit = await cache_a.get(toks)
@@ -200,7 +200,7 @@ async def _seed_bucket(endpoint: str, bucket: str, spec: mc.KVSpec, toks: torch.
     async with mc.Cache(_config(spec, s3)) as cache:
         assert await cache.put(toks, kv) == len(toks)
         await cache.flush()
-        assert _tier_stats(cache, "s3")["store_writes"] == -(-len(toks) // CHUNK)
+        assert (await _tier_stats(cache, "s3"))["store_writes"] == -(-len(toks) // CHUNK)
 
 
 async def test_s3_restart_and_prefetch(moto_endpoint: str) -> None:
@@ -247,20 +247,20 @@ async def test_s3_faults_are_counted_misses(moto_endpoint: str,
             assert torch.equal(hit.kv, kv[:, :, : hit.num_tokens])  # never wrong data
             return hit.num_tokens
 
-        def counted() -> int:
-            stats = _tier_stats(cache, "s3")
+        async def counted() -> int:
+            stats = await _tier_stats(cache, "s3")
             return int(stats["faults"]) + int(stats["timeouts"])
 
         fault_proxy.stop()  # server down: connections refused
         assert await get_checked() < len(toks)
-        down = counted()
+        down = await counted()
         assert down >= 1
         fault_proxy.start()
         assert await get_checked() == len(toks)
 
         fault_proxy.throttle = 1000  # throttled: 503 SlowDown
         assert await get_checked() < len(toks)
-        throttled = counted()
+        throttled = await counted()
         assert throttled > down
         fault_proxy.throttle = 0
         assert await get_checked() == len(toks)
@@ -272,10 +272,10 @@ async def test_s3_faults_are_counted_misses(moto_endpoint: str,
         finally:
             store.timeout = healthy
             fault_proxy.release()
-        assert counted() > throttled
+        assert await counted() > throttled
         assert await get_checked() == len(toks)
 
-        assert cache.stats()["state"] == "open"
+        assert (await cache.stats())["state"] == "open"
 
 
 async def test_s3_corrupt_object_is_a_counted_miss(moto_endpoint: str) -> None:
@@ -301,7 +301,7 @@ async def test_s3_corrupt_object_is_a_counted_miss(moto_endpoint: str) -> None:
     async with mc.Cache(_config(spec, s3, host_chunks=1)) as cache:
         hit = await cache.get(toks)
         assert hit.num_tokens == 2 * CHUNK and torch.equal(hit.kv, kv[:, :, : 2 * CHUNK])
-        assert _tier_stats(cache, "s3")["corrupt"] == 1
+        assert (await _tier_stats(cache, "s3"))["corrupt"] == 1
 
 
 # -- two nodes on Swift --------------------------------------------------------------------------
@@ -327,7 +327,7 @@ _NODE = textwrap.dedent("""
             if role == "writer":
                 stored = await cache.put(tokens, kv)
                 await cache.flush()
-                s = cache.stats()["tiers"]["s3"]
+                s = (await cache.stats())["tiers"]["s3"]
                 print(json.dumps({"stored": stored, "writes": s["store_writes"],
                                   "drops": s["write_drops"]}))
             else:

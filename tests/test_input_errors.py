@@ -45,7 +45,7 @@ async def test_meta_tokens_change_nothing_in_the_cache(spec):
             await cache.put(torch.arange(20, device="meta"), prefix_kv(spec, torch.arange(20)))
         with pytest.raises(mc.TokensError):
             await cache.lookup(torch.arange(20).to_sparse())
-        assert cache.stats()["chunks"] == 0
+        assert (await cache.stats())["chunks"] == 0
 
 
 # -- dense KV and out ----------------------------------------------------------------------------

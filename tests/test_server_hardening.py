@@ -475,9 +475,9 @@ async def test_puts_and_stores_count_bytes_without_asking_for_stats(tmp_path, mo
     calls = []
     real = mc.Cache.stats
 
-    def counting(self):
+    async def counting(self):
         calls.append(1)
-        return real(self)
+        return await real(self)
 
     monkeypatch.setattr(mc.Cache, "stats", counting)
     async with Server(cfg) as srv:

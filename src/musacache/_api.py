@@ -64,8 +64,12 @@ class KVCache(Protocol):
 
 
 if TYPE_CHECKING:
+    from ._engine import Cache
     from .client import Client
 
     def _client_is_a_kvcache(c: Client) -> KVCache:
+        return c
+
+    def _cache_is_a_kvcache(c: Cache) -> KVCache:
         return c
 

@@ -594,7 +594,7 @@ class Cache:
         self._check_open()
         await self._drain()
 
-    def stats(self) -> dict[str, Any]:
+    async def stats(self) -> dict[str, Any]:
         """Counters: per tier hits, misses, bytes in/out, evictions, bytes used, capacity;
         operations in flight; tokens hit and missed; pins held."""
         return {

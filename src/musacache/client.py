@@ -240,8 +240,8 @@ class Client:
         await self._call("flush", {})
 
     async def stats(self) -> dict[str, Any]:
-        """The server's ``Cache.stats()`` plus a ``server`` section (a coroutine here: it asks
-        the server)."""
+        """The server's ``Cache.stats()`` for this connection's cache, plus a ``server``
+        section (a coroutine, as on :class:`~musacache.Cache`)."""
         return dict(await self._call("stats", {}))
 
     async def put(self, tokens: TokensLike, kv: torch.Tensor) -> int:
