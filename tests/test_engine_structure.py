@@ -5,8 +5,8 @@ bytes stay in host memory, so every stream, event and synchronize call goes thro
 module and is counted, and the data is still checked byte for byte. Per request:
 
 * one move (one worker-thread hop) and one event wait, awaited on the loop by polling;
-* the copy stream waits on the caller's stream (no host block) and no ``synchronize`` is ever
-  called, on any thread: not per chunk, not per request;
+* the copy stream waits on the caller's stream through an event (no host block); no stream
+  or device is ever synchronized, and the one event wait is never made on the loop's thread;
 * ``store`` gathers every new chunk in one ``gather_chunks`` call and ``retrieve`` scatters in
   one ``scatter_chunks`` call, so the launches a device backend makes are a function of the
   layers, not of the chunks.
@@ -34,6 +34,7 @@ CUDA = torch.device("cuda", 0)
 class Calls:
     def __init__(self) -> None:
         self.synchronize: list[int] = []
+        self.event_syncs: list[int] = []  # threads that waited for an event
         self.wait_stream = 0
         self.records = 0
         self.gather_chunks: list[int] = []
@@ -48,7 +49,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Calls:
         def __init__(self, device: Any = None) -> None:
             self.device = device
 
-        def wait_stream(self, other: Any) -> None:
+        def wait_event(self, event: Any) -> None:
             calls.wait_stream += 1
 
         def synchronize(self) -> None:
@@ -66,7 +67,8 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Calls:
             return self.polls >= 2  # not done at the first look: the loop must poll
 
         def synchronize(self) -> None:
-            calls.synchronize.append(threading.get_ident())
+            calls.event_syncs.append(threading.get_ident())
+            self.polls = 2
 
     class Ctx:
         def __init__(self, s: Any) -> None:
@@ -84,6 +86,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Calls:
         current_stream=lambda device=None: compute, stream=Ctx,
         synchronize=lambda device=None: calls.synchronize.append(threading.get_ident()))
     monkeypatch.setitem(devices._module_overrides, "cuda", mod)
+    monkeypatch.setattr(devices, "_copy_streams", {})
     devices._reset_probes()
     as_cuda = lambda tensors: CUDA  # noqa: E731
     for module in (_core, _engine, _move):
@@ -143,10 +146,13 @@ async def test_store_and_retrieve_are_one_move_each(fake_cuda: Calls, chunks: in
         more = [t + 1 for t in toks]
         assert await c.put(more, prefix_kv(spec, more)) == n
         assert (mover.moves - moves, mover.event_waits - waits) == (2, 2)
-    # Ordered after the caller's stream once per move, an event recorded once per move, and
-    # never a synchronize: not per chunk, not per request, not on any thread.
-    assert fake_cuda.wait_stream == fake_cuda.records == 4
+    # The copy stream waits on the caller's stream once per move (an event recorded on
+    # each, plus one at the end of the move); no stream or device is ever synchronized; and
+    # the one event wait per move happens in a waiter thread, never on the loop's thread.
+    assert fake_cuda.wait_stream == 4 and fake_cuda.records == 8
     assert fake_cuda.synchronize == []
+    assert len(fake_cuda.event_syncs) <= 4
+    assert threading.get_ident() not in fake_cuda.event_syncs
 
 
 async def test_evictions_batch_their_copies(fake_cuda: Calls) -> None:
@@ -167,3 +173,20 @@ async def test_evictions_batch_their_copies(fake_cuda: Calls) -> None:
         hit = await c.get(a)
         assert torch.equal(hit.kv, prefix_kv(spec, a))
     assert fake_cuda.synchronize == []
+
+
+def test_no_class_is_over_500_lines() -> None:
+    """The engine's lines live in per-tier state, placement, the cold path and the data path,
+    not in one class (issue 9: ``Cache`` was 1,218 lines)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(mc.__file__).parent
+    big = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 500:
+                    big.append(f"{path.relative_to(root)}:{node.name} ({lines} lines)")
+    assert big == []
