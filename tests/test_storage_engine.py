@@ -233,3 +233,20 @@ async def test_close_persists_memory_only_chunks_parents_first(spec):
                             persist_on_close=False)) as c3:
         await c3.put(a, prefix_kv(spec, a))
     assert fresh == {}
+
+
+async def test_a_prompt_far_larger_than_memory_is_staged_a_batch_at_a_time(spec, monkeypatch):
+    from musacache import _core
+
+    monkeypatch.setattr(_core, "_STAGE_BYTES", spec.nbytes(CH) * 3)
+    store = MemStore()
+    async with mc.Cache(cfg(spec, mc.HostTier(spec.nbytes(CH) * 2), store)) as c:
+        moves = c._engine.mover.moves
+        a = seq(0, 16 * 10 + 5)
+        assert await c.put(a, prefix_kv(spec, a)) == len(a)
+        # 11 chunks: 2 in memory moved with the first 3 staged, then 3 and 3 more: 3 moves.
+        assert c._engine.mover.moves - moves == 3
+        await c.flush()
+        assert store.writes == 9
+        hit = await c.get(a)
+        assert hit.num_tokens == len(a) and torch.equal(hit.kv, prefix_kv(spec, a))

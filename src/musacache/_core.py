@@ -37,6 +37,8 @@ __all__ = ["ChunkSource", "DenseSource", "Engine", "PagedSource"]
 
 # Chunks encoded per batch when persisting on close (bounds the encoded bytes held at once).
 _PERSIST_BATCH = 16
+# Host bytes a put stages at once for chunks that go straight to a storage tier.
+_STAGE_BYTES = 256 * 1024 * 1024
 
 
 class ChunkSource(Protocol):
@@ -308,29 +310,42 @@ class Engine:
         for mt in self.put_mem:
             self.grow_ahead(mt)
         parts: list[tuple[int, int, torch.Tensor]] = []
-        staged: list[tuple[_New, torch.Tensor]] = []
+        overflow: list[_New] = []  # no memory tier has room: staged on the host for storage
         for it in items:
             n = it.end - it.start
             if it.tier is not None and it.index is not None:
                 it.slot = await it.tier.pool.materialize(it.index)
                 parts.append((it.start, n, self.block_view(it.slot, n)))
-            else:  # no memory tier has room: staged on the host, encoded for storage
-                host = torch.empty(self.spec.shape(n), dtype=self.spec.dtype)
-                staged.append((it, host))
-                parts.append((it.start, n, host))
-        await source.move(self.mover, parts)
-        committed: list[Entry] = []
-        for it in items:  # commit, in prompt order: only now can a new chunk be found
-            if it.tier is None or it.slot is None:
-                break
-            it.tier.commit(it.entry, it.slot)
-            self._commit_new(it, held)
-            committed.append(it.entry)
-        self.touch(committed)
-        if staged:
-            placed = await self._place_in_storage(staged, held)
-            if placed < len(staged):
-                return staged[placed][0].start
+            else:
+                overflow.append(it)
+        # Staging for storage is bounded: a prompt far larger than memory is moved, encoded and
+        # queued a batch at a time (the first batch rides in the memory chunks' move).
+        batches: list[list[_New]] = []
+        size = _STAGE_BYTES
+        for it in overflow:
+            if size >= _STAGE_BYTES:
+                batches.append([])
+                size = 0
+            batches[-1].append(it)
+            size += it.entry.raw_bytes
+        for b, batch in enumerate(batches or [[]]):
+            staged = [(it, torch.empty(self.spec.shape(it.end - it.start), dtype=self.spec.dtype))
+                      for it in batch]
+            await source.move(self.mover, (parts if b == 0 else [])
+                              + [(it.start, it.end - it.start, h) for it, h in staged])
+            if b == 0:
+                committed: list[Entry] = []
+                for it in items:  # commit, in prompt order: only now can a chunk be found
+                    if it.tier is None or it.slot is None:
+                        break
+                    it.tier.commit(it.entry, it.slot)
+                    self._commit_new(it, held)
+                    committed.append(it.entry)
+                self.touch(committed)
+            if staged:
+                placed = await self._place_in_storage(staged, held)
+                if placed < len(staged):
+                    return staged[placed][0].start
         return None
 
     def _commit_new(self, it: _New, held: list[Entry]) -> None:
