@@ -474,7 +474,9 @@ class Engine:
         """``e``'s block in the top tier, counted as a hit there; None (a miss there) if it
         lives only lower down."""
         t = self.tiers[0]
-        if isinstance(t, MemTier) and t.holds(e):
+        if not isinstance(t, MemTier):
+            return None  # a storage tier on top counts its own hits and misses as it reads
+        if t.holds(e):
             t.c["hits"] += 1
             return self.view(t, e), t.name
         t.c["misses"] += 1
