@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 import anyio
 import torch
 
+from . import _errors
 from ._directory import Entry
-from ._errors import FingerprintMismatchError, MusaCacheError
+from ._errors import MusaCacheError
 from ._log import RateLimitedLog
 from ._placement import victims
 from ._tierstate import StoreTier
@@ -26,6 +27,13 @@ if TYPE_CHECKING:
     from ._core import Engine
 
 __all__ = ["ColdPath"]
+
+# Objects that are intact but not for this cache: another model, layout or chunk size
+# (FingerprintMismatchError), or another format version (ForeignFormatError, from the codec's
+# typed errors where this build has them). Unreadable here, counted as "foreign", not deleted.
+_FOREIGN: tuple[type[BaseException], ...] = tuple(
+    getattr(_errors, name) for name in ("FingerprintMismatchError", "ForeignFormatError")
+    if hasattr(_errors, name))
 
 log = logging.getLogger("musacache")
 
@@ -68,7 +76,7 @@ class ColdPath:
         try:
             _, data = await eng.mover.in_thread(
                 lambda: decode_chunk(eng.fingerprint, obj, expect=meta))
-        except FingerprintMismatchError as exc:
+        except _FOREIGN as exc:
             # Another model's, layout's or format version's object under our key: a miss, and
             # the message names both sides. It is not ours to delete.
             self._count(t, "foreign", "misses")
