@@ -250,3 +250,26 @@ async def test_a_prompt_far_larger_than_memory_is_staged_a_batch_at_a_time(spec,
         assert store.writes == 9
         hit = await c.get(a)
         assert hit.num_tokens == len(a) and torch.equal(hit.kv, prefix_kv(spec, a))
+
+
+async def test_foreign_format_version_is_a_counted_miss_not_deleted(spec):
+    """An intact object of another format version (a newer node on the same bucket) is
+    unreadable here: a foreign miss, left in place, never an exception out of get."""
+    import struct
+
+    objects: dict[bytes, bytes] = {}
+    a = seq(0, 16)
+    async with mc.Cache(cfg(spec, MemStore(objects))) as c:
+        await c.put(a, prefix_kv(spec, a))
+        await c.flush()
+        (key, obj), = objects.items()
+        head = bytearray(obj)
+        struct.pack_into("<H", head, 4, codec.FORMAT_VERSION + 1)
+        struct.pack_into("<I", head, 8, codec._header_crc(head))
+        objects[key] = bytes(head)
+        hit = await c.get(a)
+        assert hit.num_tokens == 0
+        st = c.stats()["tiers"]["mem"]
+        assert st["foreign"] == 1 and st["corrupt"] == 0
+        await c.flush()
+        assert objects[key] == bytes(head)
