@@ -28,15 +28,13 @@ from ._config import CacheConfig
 from ._directory import Directory, Entry, Match
 from ._keys import Fingerprint, KeyChain
 from ._move import Mover, accelerator_of, gather_chunks
-from ._placement import delete_set, persist_order, victims
+from ._placement import delete_set, victims
 from ._tasks import TaskOwner
 from ._tierstate import MemTier, StoreTier, Tier, counters
 from .tiers.memory import Slot
 
 __all__ = ["ChunkSource", "DenseSource", "Engine", "PagedSource"]
 
-# Chunks encoded per batch when persisting on close (bounds the encoded bytes held at once).
-_PERSIST_BATCH = 16
 # Host bytes a put stages at once for chunks that go straight to a storage tier.
 _STAGE_BYTES = 256 * 1024 * 1024
 
@@ -201,13 +199,7 @@ class Engine:
         seg = t.pool.segment_to_grow()
         if seg is not None and seg not in t.growing:
             t.growing.add(seg)
-            self.tasks.spawn(self._grow, t, seg)
-
-    async def _grow(self, t: MemTier, seg: int) -> None:
-        try:
-            await t.pool.ensure_segment(seg)
-        finally:
-            t.growing.discard(seg)
+            self.tasks.spawn(t.grow, seg)
 
     # -- put: plan, move, commit ----------------------------------------------------------------
 
@@ -605,26 +597,3 @@ class Engine:
                     self.cold.schedule_delete(st, e.key)
             if e.pins == 0:
                 self._free_detached(e)
-
-    async def persist(self, progress: dict[str, int]) -> None:
-        """Write chunks held only in memory down to the first storage tier, parents first,
-        so the chain a restarted cache rebuilds is whole. ``progress`` counts as it goes."""
-        if not self.stores:
-            return
-        first = self.stores[0]
-        todo = persist_order([e for e in self.dir.entries.values()
-                              if e.blocks and not any(t.holds(e) for t in self.stores)],
-                             self.dir)
-        progress["to_persist"] += len(todo)
-        for i in range(0, len(todo), _PERSIST_BATCH):
-            batch = [(e, mt) for e in todo[i : i + _PERSIST_BATCH]
-                     if not e.dead and (mt := self.hottest_mem(e)) is not None]
-            for e, _ in batch:
-                self.pin(e)
-            try:
-                where = await self.relocate([(e, self.view(mt, e)) for e, mt in batch],
-                                            first.idx, first.idx + 1, counter="demotions")
-            finally:
-                for e, _ in batch:
-                    self.unpin(e)
-            progress["persisted"] += sum(w is not None for w in where)

@@ -64,6 +64,13 @@ class MemTier:
     def holds(self, e: Entry) -> bool:
         return self.idx in e.blocks
 
+    async def grow(self, seg: int) -> None:
+        """Allocate segment ``seg`` ahead of need (a background task)."""
+        try:
+            await self.pool.ensure_segment(seg)
+        finally:
+            self.growing.discard(seg)
+
     def commit(self, e: Entry, slot: Slot) -> None:
         """``e``'s bytes are in ``slot``: from now on this tier serves it."""
         e.blocks[self.idx] = slot
