@@ -166,8 +166,6 @@ async def test_disk_foreign_format_object_is_a_counted_miss(tmp_path: Path) -> N
         assert (await _tier_stats(cache, "disk"))["corrupt"] == 1
 
 
-@pytest.mark.xfail(strict=True, reason="needs the engine to pass CacheConfig.tenant into "
-                   "TierContext (engine branch); the tier side is tested in test_disk_tier")
 async def test_tenants_on_one_disk_folder_keep_their_chunks(tmp_path: Path) -> None:
     # Issue 10 item 3: tenant B's clear() deleted tenant A's chunks on a shared folder.
     spec = small_spec()
