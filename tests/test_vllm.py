@@ -36,12 +36,14 @@ def run_cases(env_var: str, script: str, cases: list[str], timeout: float) -> No
                     f"{r.stdout[-8000:]}\n{r.stderr[-4000:]}", pytrace=False)
 
 
+@pytest.mark.timeout(1200)
 def test_connector_cases_with_vllms_own_classes() -> None:
     run_cases("MUSACACHE_VLLM_PYTHON", ".ci/vllm-env.sh",
               ["tests/integrations/vllm_connector_cases.py"], timeout=900)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2700)
 def test_two_vllm_processes_share_one_node_server() -> None:
     run_cases("MUSACACHE_VLLM_PYTHON", ".ci/vllm-env.sh",
               ["tests/integrations/vllm_e2e.py"], timeout=2400)

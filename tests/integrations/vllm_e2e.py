@@ -78,6 +78,10 @@ capacity = "256MiB"
     return cfg
 
 
+# Each vLLM process takes one to three minutes on a loaded 2-core machine.
+pytestmark = pytest.mark.timeout(1800)
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     tmp = tmp_path_factory.mktemp("vllm")
