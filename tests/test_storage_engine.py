@@ -75,7 +75,7 @@ async def test_other_namespace_or_tenant_never_hits_a_shared_store(spec):
 
 async def test_read_faults_are_counted_misses(spec):
     store = MemStore(timeout=0.2)
-    async with mc.Cache(cfg(spec, mc.HostTier(0), store)) as c:
+    async with mc.Cache(cfg(spec, store)) as c:
         a = seq(0, 48)
         assert await c.put(a, prefix_kv(spec, a)) == 48
         await c.flush()
@@ -91,7 +91,7 @@ async def test_read_faults_are_counted_misses(spec):
 
 async def test_slow_reads_never_hang_past_the_timeout(spec):
     store = MemStore(timeout=0.1)
-    async with mc.Cache(cfg(spec, mc.HostTier(0), store)) as c:
+    async with mc.Cache(cfg(spec, store)) as c:
         a = seq(0, 32)
         await c.put(a, prefix_kv(spec, a))
         await c.flush()
@@ -104,7 +104,7 @@ async def test_slow_reads_never_hang_past_the_timeout(spec):
 
 async def test_corrupt_objects_are_misses_and_deleted(spec):
     store = MemStore()
-    async with mc.Cache(cfg(spec, mc.HostTier(0), store)) as c:
+    async with mc.Cache(cfg(spec, store)) as c:
         a = seq(0, 32)
         await c.put(a, prefix_kv(spec, a))
         await c.flush()
@@ -125,7 +125,7 @@ async def test_corrupt_objects_are_misses_and_deleted(spec):
 async def test_fingerprint_mismatch_fails_fast_naming_both_sides(spec):
     objects: dict[bytes, bytes] = {}
     a = seq(0, 16)
-    async with mc.Cache(cfg(spec, mc.HostTier(0), MemStore(objects))) as c:
+    async with mc.Cache(cfg(spec, MemStore(objects))) as c:
         await c.put(a, prefix_kv(spec, a))
         await c.flush()
         (key, obj), = objects.items()
@@ -180,11 +180,11 @@ async def test_backpressure_bounds_queued_bytes(spec):
 
 async def test_bounded_storage_tier_evicts_leaves_first_and_never_exceeds(spec):
     objsize = len(codec.encode_chunk(
-        mc.Cache(cfg(spec, mc.HostTier(0)))._chain.fingerprint,
+        mc.Cache(cfg(spec, mc.HostTier("1MiB")))._chain.fingerprint,
         mc.ChunkMeta(b"k" * 32, b"p" * 32, CH, spec.nbytes(CH)),
         prefix_kv(spec, seq(0, CH)), "raw"))
     store = MemStore(capacity_bytes=objsize * 3, codec="raw")
-    async with mc.Cache(cfg(spec, mc.HostTier(0), store)) as c:
+    async with mc.Cache(cfg(spec, store)) as c:
         a = seq(0, 48)
         await c.put(a, prefix_kv(spec, a))
         await c.flush()
