@@ -62,6 +62,9 @@ class HostTier:
     pinned: bool | Literal["auto"] = "auto"
     segment_bytes: int | str = DEFAULT_SEGMENT_BYTES
     name: str = "host"
+    #: Bytes allocated (and pinned) at ``open()``, for servers that want no growth on the
+    #: request path; the rest still grows lazily, ahead of need.
+    prealloc: int | str = 0
     kind: Literal["host"] = field(default="host", init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -70,6 +73,10 @@ class HostTier:
             self.capacity_bytes, f"{self.name}.capacity_bytes", minimum=1))
         object.__setattr__(self, "segment_bytes", size_bytes(
             self.segment_bytes, f"{self.name}.segment_bytes", minimum=1))
+        object.__setattr__(self, "prealloc", size_bytes(self.prealloc, f"{self.name}.prealloc"))
+        if int(self.prealloc) > int(self.capacity_bytes):
+            raise ConfigError(f"{self.name}.prealloc ({self.prealloc} bytes) is more than its "
+                              f"capacity_bytes ({self.capacity_bytes})")
         if not (isinstance(self.pinned, bool) or self.pinned == "auto"):
             raise ConfigError(
                 f"{self.name}.pinned must be true, false or 'auto', got {self.pinned!r}")
@@ -133,6 +140,13 @@ class CacheConfig:
     #: On ``aclose()``, write chunks held only in memory down to the first storage tier, so a
     #: restarted cache on the same disk or bucket finds them (costs encode + write time).
     persist_on_close: bool = True
+    #: Where ``get`` returns KV (``Hit.kv``): ``"auto"`` is the hottest memory tier's device;
+    #: or ``"cpu"``, ``"cuda[:n]"``, ``"musa[:n]"`` (a host-only cache can return device
+    #: tensors).
+    device: str = "auto"
+    #: Seconds ``aclose()`` may spend persisting chunks and finishing queued writes; what is
+    #: left after it is counted (``stats()["close"]``), not waited for.
+    close_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.spec, KVSpec):
@@ -166,6 +180,11 @@ class CacheConfig:
         object.__setattr__(self, "refresh_interval",
                            non_negative_float(self.refresh_interval, "refresh_interval"))
         boolean(self.persist_on_close, "persist_on_close")
+        if not isinstance(self.device, str) or not self.device:
+            raise ConfigError(f"device must be 'auto', 'cpu', 'cuda[:n]' or 'musa[:n]', "
+                              f"got {self.device!r}")
+        object.__setattr__(self, "close_timeout",
+                           non_negative_float(self.close_timeout, "close_timeout"))
 
     # -- loaders --------------------------------------------------------------------------
 

@@ -1,0 +1,114 @@
+"""The data path: one batched move per request.
+
+A request's bytes move in **one** worker-thread hop. On a cuda/musa device that hop only
+*enqueues* work: the copies and gathers run on the device's dedicated copy stream
+(``devices.copy_stream``), ordered after the caller's stream by an event the copy stream waits
+on (the host does not wait), and the hop returns one event recorded at the end. The loop then
+awaits that one event (``devices.wait_event``: a waiter thread, never the loop thread): one
+event wait per request, no per-chunk synchronize, and the compute stream is never blocked.
+
+Paged stores and retrieves go through ``transfer.gather_chunks`` / ``scatter_chunks``: the
+whole request's chunks in one call (one native call on the CPU, O(layers) launches or one
+fused kernel on a device).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio
+import torch
+
+from . import devices
+from .transfer import gather_chunks, scatter_chunks
+
+__all__ = ["Mover", "accelerator_of", "gather_chunks", "scatter_chunks"]
+
+# Above about this many bytes per copy, torch's copy_ already runs on all intra-op threads.
+_TORCH_PARALLEL_COPY_BYTES = 4 * 1024 * 1024
+
+
+def accelerator_of(tensors: Sequence[torch.Tensor]) -> torch.device | None:
+    """The cuda/musa device a move touches, or None if it is all host memory."""
+    for t in tensors:
+        if t.device.type != "cpu":
+            return t.device
+    return None
+
+
+class Mover:
+    """Runs the move step of every request: one worker-thread hop, one event wait."""
+
+    def __init__(self, limiter: anyio.CapacityLimiter, copy_threads: int,
+                 inline_bytes: int) -> None:
+        self.limiter = limiter
+        self.copy_threads = copy_threads
+        self.inline_bytes = inline_bytes
+        #: Moves run, and event waits made (one per device move): structure tests read them.
+        self.moves = 0
+        self.event_waits = 0
+
+    async def in_thread(self, fn: Callable[[], Any]) -> Any:
+        return await anyio.to_thread.run_sync(fn, limiter=self.limiter)
+
+    async def run(self, work: Callable[[Any], None], *, device: torch.device | None,
+                  nbytes: int) -> None:
+        """Run ``work(stream)``: on the host in a worker thread (inline when tiny), or
+        enqueued on ``device``'s copy stream and awaited through one event."""
+        self.moves += 1
+        if device is None:
+            if nbytes < self.inline_bytes:
+                work(None)
+            else:
+                await self.in_thread(lambda: work(None))
+            return
+        caller = devices.current_stream(device)  # a handle, taken on this thread: no sync
+
+        def enqueue() -> Any:
+            stream = devices.copy_stream(device)
+            # Ordered after the caller's kernels on the device; the host does not wait.
+            devices.wait_for(stream, devices.record_event(device, caller))
+            with devices.stream_context(device, stream):
+                work(stream)
+            return devices.record_event(device, stream)
+
+        done = await self.in_thread(enqueue)
+        self.event_waits += 1
+        # Shielded: the memory under these copies must not be freed before they finish.
+        with anyio.CancelScope(shield=True):
+            await devices.wait_event(done)
+
+    async def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """``dst.copy_(src)`` for every pair, as one move."""
+        if not pairs:
+            return
+        device = accelerator_of([t for p in pairs for t in p])
+        total = sum(d.numel() * d.element_size() for d, _ in pairs)
+        if device is not None:
+            def on_stream(_stream: Any) -> None:
+                for d, s in pairs:
+                    d.copy_(s, non_blocking=True)
+
+            await self.run(on_stream, device=device, nbytes=total)
+            return
+
+        def serial(group: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[Any], None]:
+            def go(_stream: Any) -> None:
+                for d, s in group:
+                    d.copy_(s)
+            return go
+
+        # torch already spreads one large copy over its intra-op threads; splitting a batch
+        # of large copies over our worker threads as well only oversubscribes the cores.
+        # Small copies (which torch runs on one thread) are split.
+        large = total // len(pairs) >= _TORCH_PARALLEL_COPY_BYTES
+        nthreads = 1 if large or total < self.inline_bytes else min(self.copy_threads,
+                                                                     len(pairs))
+        if nthreads <= 1:
+            await self.run(serial(pairs), device=None, nbytes=total)
+            return
+        self.moves += 1
+        async with anyio.create_task_group() as tg:
+            for i in range(nthreads):
+                tg.start_soon(self.in_thread, lambda g=pairs[i::nthreads]: serial(g)(None))
