@@ -36,6 +36,7 @@ The layouts (``LAYOUTS``), per layer:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import itertools
@@ -374,9 +375,14 @@ def _prepare(kv_caches: object, layout: str, dense: object, what: str, slot_mapp
     # All caches share one device (checked by _describe), and so does `dense` by now.
     spans = [_byte_span(c) for c in caches]
     _check_no_alias(dense, what, spans)
-    if slots.device != info.device:
-        slots = slots.to(info.device)
     return _Call(info, caches, spans, slots, nthreads)
+
+
+def _on_device(call: _Call) -> _Call:
+    """``call`` with its slots on the caches' device (what device kernels index with)."""
+    if call.slots.device == call.info.device:
+        return call
+    return dataclasses.replace(call, slots=call.slots.to(call.info.device))
 
 
 # -- backends -------------------------------------------------------------------------------
@@ -923,7 +929,7 @@ def gather(kv_caches: object, slot_mapping: object, out: torch.Tensor, layout: s
         return
     if backend == "musa_aiter":
         module = _musa_aiter()
-        if module is not None and _aiter_transfer(module, call, out, to_dense=True):
+        if module is not None and _aiter_transfer(module, _on_device(call), out, to_dense=True):
             return
     _torch_transfer(call, kv_caches, out, to_dense=True)
 
@@ -947,7 +953,7 @@ def scatter(src: torch.Tensor, kv_caches: object, slot_mapping: object, layout: 
         return
     if backend == "musa_aiter":
         module = _musa_aiter()
-        if module is not None and _aiter_transfer(module, call, src, to_dense=False):
+        if module is not None and _aiter_transfer(module, _on_device(call), src, to_dense=False):
             return
     _torch_transfer(call, kv_caches, src, to_dense=False)
 
