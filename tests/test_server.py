@@ -292,9 +292,14 @@ def test_stats_cli_shows_the_servers_tiers(server):
     assert "host" in table.stdout and "hits" in table.stdout and "srv" in table.stdout
     raw = subprocess.run(run + ["--json"], capture_output=True, text=True, timeout=60)
     st = json.loads(raw.stdout)
-    assert st["tiers"]["host"]["chunks"] == 4 and st["tiers"]["host"]["hits"] >= 4
+    (cache,) = st["caches"]
+    assert cache["namespace"] == "srv"
+    assert cache["tiers"]["host"]["chunks"] == 4 and cache["tiers"]["host"]["hits"] >= 4
     assert st["server"]["connections"] >= 2
+    # The stats client itself is a monitor, not one of the peers it reports.
+    assert st["server"]["peers"] == 0 and st["server"]["monitors"] == 1
     gone = subprocess.run([sys.executable, "-m", "musacache", "stats", "--socket",
                            proc.sock + ".nope", "--once"], capture_output=True, text=True,
                           timeout=60)
-    assert gone.returncode == 1 and "cannot reach" in gone.stderr
+    assert gone.returncode == 1 and "no musacache server listens at" in gone.stderr
+    assert gone.stderr.count(".nope") == 1, gone.stderr  # the path is named once

@@ -29,6 +29,7 @@ __all__ = [
     "CacheUnavailableError",
     "PermissionDeniedError",
     "ReadyTimeoutError",
+    "ServerLimitError",
 ]
 
 
@@ -135,3 +136,8 @@ class PermissionDeniedError(MusaCacheError, PermissionError):
 
 class ReadyTimeoutError(MusaCacheError, TimeoutError):
     """A ``ready`` event was not set within its timeout; nothing was read or written."""
+
+
+class ServerLimitError(ProtocolError):
+    """A peer went past a limit of the node server (requests in flight, fds held, caches
+    served, staging bytes). The request was refused; nothing was changed."""
