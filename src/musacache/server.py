@@ -54,11 +54,12 @@ from ._errors import (
     ServerLimitError,
 )
 from ._keys import Fingerprint
+from ._spawn import SpawnedServer, spawn
 from ._spec import KVSpec
 from ._version import __version__
 from .ipc import _messages as msgs
 
-__all__ = ["OPS", "Server", "ServerConfig", "main"]
+__all__ = ["OPS", "Server", "ServerConfig", "SpawnedServer", "main", "spawn"]
 
 log = logging.getLogger("musacache.server")
 

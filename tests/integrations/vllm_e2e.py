@@ -1,10 +1,11 @@
 """End to end against the real vLLM (CPU build): two separate vLLM processes, one node server.
 
-Run under the vLLM venv (tests/test_vllm.py does it), each vLLM serve being its own process
-started exactly as docs/vllm.md shows:
+Run under the vLLM venv (tests/test_vllm.py does it). Each vLLM is its own process, given the
+``--kv-transfer-config`` JSON of docs/vllm.md (read from the doc, with this test's socket and
+tiers file in place of its two paths):
 
     python tests/integrations/vllm_run.py serve --model DIR --prompts P.json --out R.json \\
-        --socket SOCK --config TIERS.toml
+        --kv-transfer-config JSON
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,9 +23,10 @@ from vllm_env import require
 
 require("vllm", ".ci/vllm-env.sh")
 
-from musacache._spawn import spawn  # noqa: E402
+from musacache.server import spawn  # noqa: E402
 
 RUNNER = Path(__file__).with_name("vllm_run.py")
+DOC = Path(__file__).resolve().parents[2] / "docs" / "vllm.md"
 PREFIX = 300   # shared by both prompts: more than one 256-token chunk, ends mid-chunk
 PROMPT = 400
 
@@ -45,34 +48,39 @@ def _run(*args: str, timeout: float = 900) -> None:
                              f"{r.stderr[-6000:]}")
 
 
+def kv_transfer_config(socket: str, config: Path | None) -> str:
+    """docs/vllm.md's --kv-transfer-config, for this socket and tiers file (or none)."""
+    doc = json.loads(re.search(r"```json\n(.*?)```", DOC.read_text(), re.S).group(1))
+    extra = doc["kv_connector_extra_config"]
+    assert set(extra) == {"musacache.socket", "musacache.config"}, extra
+    extra["musacache.socket"] = socket
+    if config is None:
+        del extra["musacache.config"]
+    else:
+        extra["musacache.config"] = str(config)
+    return json.dumps(doc)
+
+
 def _serve(tmp: Path, name: str, model: Path, prompts: Path, socket: str | None = None,
            config: Path | None = None) -> dict:
     out = tmp / f"{name}.json"
     args = ["serve", "--model", str(model), "--prompts", str(prompts), "--out", str(out)]
     if socket:
-        args += ["--socket", socket]
-    if config:
-        args += ["--config", str(config)]
+        args += ["--kv-transfer-config", kv_transfer_config(socket, config)]
     _run(*args)
     return json.loads(out.read_text())
 
 
-def _tiers(tmp: Path, model: Path) -> Path:
-    # The spec and namespace are what the connector derives from vLLM: the model path, tp0.
-    cfg = tmp / "tiers.toml"
+def _tiers(tmp: Path, name: str) -> Path:
+    # Only tiers: each vLLM names its cache (model, KV shape, rank) when it connects.
+    cfg = tmp / f"{name}.toml"
     cfg.write_text(f"""
-namespace = "{model}/tp0"
-[spec]
-num_layers = 2
-num_kv_heads = 2
-head_dim = 32
-dtype = "float32"
 [[tiers]]
 kind = "host"
 capacity = "64MiB"
 [[tiers]]
 kind = "disk"
-path = "{tmp / 'disk'}"
+path = "{tmp / name}-disk"
 capacity = "256MiB"
 """)
     return cfg
@@ -101,7 +109,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_second_vllm_process_hits_the_first_ones_prefix(world: dict) -> None:
     tmp, model, base = world["tmp"], world["model"], world["baseline"]
-    cfg = _tiers(tmp, model)
+    cfg = _tiers(tmp, "tiers")
     sock = str(tmp / "run" / "node.sock")
     server = spawn(cfg, sock)
     try:
@@ -122,7 +130,7 @@ def test_second_vllm_process_hits_the_first_ones_prefix(world: dict) -> None:
 
 def test_vllm_keeps_serving_when_the_server_is_killed(world: dict) -> None:
     tmp, model, base = world["tmp"], world["model"], world["baseline"]
-    cfg = _tiers(tmp, model)
+    cfg = _tiers(tmp, "tiers2")
     sock = str(tmp / "run2" / "node.sock")
     server = spawn(cfg, sock)
     try:

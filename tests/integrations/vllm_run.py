@@ -4,7 +4,9 @@ Run by tests/integrations/vllm_e2e.py, one vLLM process per call, exactly as doc
 
     python tests/integrations/vllm_run.py make-model DIR
     python tests/integrations/vllm_run.py serve --model DIR --prompts P.json --out R.json \\
-        [--socket SOCK [--config TIERS.toml]] [--ttft]
+        [--kv-transfer-config JSON] [--ttft]
+
+``--kv-transfer-config`` takes the same JSON as ``vllm serve --kv-transfer-config``.
 
 The report holds, per prompt, the greedy tokens and vLLM's ``num_cached_tokens`` (a fresh
 process has an empty prefix cache, so any cached token there came through the connector),
@@ -41,15 +43,8 @@ def serve(args: argparse.Namespace) -> None:
 
     with open(args.prompts) as f:
         prompts: list[list[int]] = json.load(f)
-    kv = None
-    if args.socket:
-        extra = {"musacache.socket": args.socket}
-        if args.config:
-            extra["musacache.config"] = args.config
-        kv = KVTransferConfig(kv_connector="MusaCacheConnector",
-                              kv_connector_module_path="musacache.integrations.vllm",
-                              kv_role="kv_both", kv_load_failure_policy="recompute",
-                              kv_connector_extra_config=extra)
+    kv = KVTransferConfig(**json.loads(args.kv_transfer_config)) \
+        if args.kv_transfer_config else None
     llm = LLM(model=args.model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
               max_model_len=4096, kv_transfer_config=kv, seed=0,
               enable_prefix_caching=not args.no_prefix_caching)
@@ -81,8 +76,7 @@ def main() -> None:
     s.add_argument("--model", required=True)
     s.add_argument("--prompts", required=True)
     s.add_argument("--out", required=True)
-    s.add_argument("--socket")
-    s.add_argument("--config")
+    s.add_argument("--kv-transfer-config")
     s.add_argument("--max-tokens", type=int, default=8)
     s.add_argument("--ttft", action="store_true")
     s.add_argument("--no-prefix-caching", action="store_true")
