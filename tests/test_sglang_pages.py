@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import host_config, small_spec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import musacache as mc
+from helpers import host_config, small_spec
 
 CS = 16  # tokens per chunk = per page
 
