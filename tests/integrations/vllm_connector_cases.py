@@ -71,13 +71,20 @@ def test_settings_from_extra_config() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(nb=st.integers(1, 9), h=st.integers(1, 4), bs=st.sampled_from([1, 4, 16]),
+@given(nb=st.integers(1, 9), h=st.integers(1, 4), bs=st.sampled_from([1, 4, 16, 32]),
        d=st.sampled_from([8, 32, 64]), layers=st.integers(1, 3),
-       order=st.sampled_from(["nhbd", "nbhd", "hnbd"]), data=st.data())
+       order=st.sampled_from(["nhbd", "nbhd", "hnbd"]), kv_in=st.sampled_from(["last-dim",
+                                                                               "block"]),
+       data=st.data())
 def test_packed_vllm_pages_round_trip_against_torch(nb: int, h: int, bs: int, d: int,
-                                                    layers: int, order: str,
+                                                    layers: int, order: str, kv_in: str,
                                                     data: st.DataObject) -> None:
-    """vLLM 0.32's logical [NB, H, BS, 2*D] per layer, stored in any physical order."""
+    """vLLM 0.32's logical [NB, H, BS, 2*D] per layer. GPU backends: K|V halves of the last
+    dim, any physical order of the other dims. CPU_ATTN: the reference is vLLM's own reading
+    (cpu_attn.py: view [NB, H, 2*BS, D], chunk dim 2)."""
+    if kv_in == "block" and order != "nhbd":
+        order = "nhbd"  # CPU_ATTN's tensor is contiguous (it views it)
+
     def packed() -> torch.Tensor:
         if order == "nhbd":
             return torch.randn(nb, h, bs, 2 * d).to(torch.bfloat16)
@@ -85,29 +92,37 @@ def test_packed_vllm_pages_round_trip_against_torch(nb: int, h: int, bs: int, d:
             return torch.randn(nb, bs, h, 2 * d).to(torch.bfloat16).permute(0, 2, 1, 3)
         return torch.randn(h, nb, bs, 2 * d).to(torch.bfloat16).permute(1, 0, 2, 3)
 
+    def k_v(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if kv_in == "block":
+            k, v = t.view(nb, h, 2 * bs, d).chunk(2, dim=2)
+            return k, v
+        return t[..., :d], t[..., d:]
+
     kv = [packed() for _ in range(layers)]
     spec = KVSpec(layers, h, d, torch.bfloat16)
-    pages, layout = _as_musacache_pages(kv, spec)
+    pages, layout = _as_musacache_pages(kv, spec, kv_in)
     assert transfer.describe(pages, layout).spec() == spec
     slots = torch.tensor(data.draw(st.lists(st.integers(-1, nb * bs - 1), min_size=1,
                                             max_size=3 * nb * bs)), dtype=torch.int64)
     out = torch.zeros(spec.shape(len(slots)), dtype=torch.bfloat16)
     transfer.gather(pages, slots, out, layout)
     for i, t in enumerate(kv):
+        k, v = k_v(t)
         for j, s in enumerate(slots.tolist()):
             if s < 0:
                 assert not out[i, :, j].any()
                 continue
             b, o = divmod(s, bs)
-            assert torch.equal(out[i, 0, j], t[b, :, o, :d])
-            assert torch.equal(out[i, 1, j], t[b, :, o, d:])
+            assert torch.equal(out[i, 0, j], k[b, :, o])
+            assert torch.equal(out[i, 1, j], v[b, :, o])
     # Scatter writes back exactly the rows gathered (the last write of a repeated slot).
     back = [torch.zeros_like(t) for t in kv]
-    bpages, _ = _as_musacache_pages(back, spec)
+    bpages, _ = _as_musacache_pages(back, spec, kv_in)
     transfer.scatter(out, bpages, slots, layout)
     last = {s: j for j, s in enumerate(slots.tolist()) if s >= 0}
     for i, t in enumerate(back):
+        k, v = k_v(t)
         for s, j in last.items():
             b, o = divmod(s, bs)
-            assert torch.equal(t[b, :, o, :d], out[i, 0, j])
-            assert torch.equal(t[b, :, o, d:], out[i, 1, j])
+            assert torch.equal(k[b, :, o], out[i, 0, j])
+            assert torch.equal(v[b, :, o], out[i, 1, j])

@@ -441,7 +441,8 @@ class _Worker:
         names = list(kv_caches)
         tensors = [kv_caches[n] for n in names]
         self._layer_index = {n: i for i, n in enumerate(names)}
-        self._pages, self._layout = _as_musacache_pages(tensors, self.spec)
+        kv_in = _kv_in(self.owner._vllm_config, names[0])
+        self._pages, self._layout = _as_musacache_pages(tensors, self.spec, kv_in)
         info = transfer.describe(self._pages, self._layout)
         if info.spec() != self.spec:
             raise ConfigError(f"vLLM's KV caches hold {info.spec().describe()}, but its KV "
@@ -460,8 +461,8 @@ class _Worker:
         self._layer_events = [threading.Event() for _ in names]
         for ev in self._layer_events:
             ev.set()
-        log.info("musacache: registered %d layers (%s, %s), %s", len(names), self._layout,
-                 self.spec.describe(), "by IPC" if self._direct else
+        log.info("musacache: registered %d layers (%s, K/V in the %s, %s), %s", len(names),
+                 self._layout, kv_in, self.spec.describe(), "by IPC" if self._direct else
                  f"CPU staging of {self.settings.staging_tokens} tokens")
         try:  # connect early; a failure here is retried on the first load or save
             self.owner._loop.run(self.owner._server.get(), self.settings.timeout)
@@ -687,16 +688,22 @@ class _Worker:
         return stats
 
 
-def _as_musacache_pages(tensors: Sequence[torch.Tensor], spec: KVSpec,
+def _as_musacache_pages(tensors: Sequence[torch.Tensor], spec: KVSpec, kv_in: str = "last-dim",
                         ) -> tuple[list[torch.Tensor], str]:
     """vLLM's per-layer KV tensors as views in a musacache paged layout.
 
     vLLM 0.32's attention layers each hold one logical ``[num_blocks, H, block_size, 2*D]``
-    tensor (K is ``[..., :D]``, V ``[..., D:]``; the physical order varies by backend, so
-    only strides are relied on). Its K and V planes are a ``vllm-hnd`` view
-    ``[2, num_blocks, H, block_size, D]``. Older vLLM (and vllm-musa) hand
-    ``[2, num_blocks, block_size, H, D]``, the ``vllm`` layout; MLA ``[num_blocks,
-    block_size, D]``, ``vllm-mla``.
+    tensor, read two ways:
+
+    - ``kv_in="last-dim"`` (the GPU backends): K is ``[..., :D]``, V is ``[..., D:]``; the
+      physical order of the first three dims varies by backend, so only strides are used;
+    - ``kv_in="block"`` (the CPU backend, CPU_ATTN): each ``[block_size, 2*D]`` block of a
+      head is ``block_size`` rows of K then ``block_size`` rows of V (vLLM views it as
+      ``[num_blocks, H, 2*block_size, D]`` and splits dim 2).
+
+    Either way the K and V planes are a ``vllm-hnd`` view ``[2, num_blocks, H, block_size,
+    D]``. Older vLLM (and vllm-musa) hand ``[2, num_blocks, block_size, H, D]``, the ``vllm``
+    layout; MLA ``[num_blocks, block_size, D]`` (``vllm-mla``).
     """
     first = tensors[0]
     if spec.mla:
@@ -707,7 +714,31 @@ def _as_musacache_pages(tensors: Sequence[torch.Tensor], spec: KVSpec,
         return list(tensors), "vllm"
     if first.dim() == 4 and first.shape[-1] == 2 * spec.head_dim:
         d = spec.head_dim
-        return [t.unflatten(-1, (2, d)).permute(3, 0, 1, 2, 4) for t in tensors], "vllm-hnd"
+        if kv_in == "last-dim":
+            return [t.unflatten(-1, (2, d)).permute(3, 0, 1, 2, 4) for t in tensors], "vllm-hnd"
+        if kv_in == "block":
+            nb, h, bs, _ = first.shape
+            return [t.view(nb, h, 2, bs, d).permute(2, 0, 1, 3, 4) for t in tensors], \
+                "vllm-hnd"
+        raise ConfigError(f"kv_in must be 'last-dim' or 'block', got {kv_in!r}")
     raise ConfigError(f"MusaCacheConnector: vLLM KV cache tensor of shape {tuple(first.shape)} "
                       f"is not a known layout for {spec.describe()}")
 
+
+def _kv_in(vllm_config: Any, layer_name: str) -> str:
+    """How this vLLM's attention backend reads its packed KV tensor (see
+    :func:`_as_musacache_pages`): by the backend of the layer, else by the platform."""
+    name = None
+    try:
+        layer = vllm_config.compilation_config.static_forward_context[layer_name]
+        name = layer.attn_backend.get_name()
+    except (AttributeError, KeyError, TypeError):
+        pass
+    if name is None:
+        try:
+            from vllm.platforms import current_platform
+
+            name = "CPU_ATTN" if current_platform.is_cpu() else ""
+        except ImportError:
+            name = ""
+    return "block" if name == "CPU_ATTN" else "last-dim"
