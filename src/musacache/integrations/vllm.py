@@ -701,9 +701,9 @@ def _as_musacache_pages(tensors: Sequence[torch.Tensor], spec: KVSpec, kv_in: st
       head is ``block_size`` rows of K then ``block_size`` rows of V (vLLM views it as
       ``[num_blocks, H, 2*block_size, D]`` and splits dim 2).
 
-    Either way the K and V planes are a ``vllm-hnd`` view ``[2, num_blocks, H, block_size,
-    D]``. Older vLLM (and vllm-musa) hand ``[2, num_blocks, block_size, H, D]``, the ``vllm``
-    layout; MLA ``[num_blocks, block_size, D]`` (``vllm-mla``).
+    These are musacache's ``vllm-packed`` and ``vllm-packed-cpu`` layouts. Older vLLM (and
+    vllm-musa) hand ``[2, num_blocks, block_size, H, D]``, the ``vllm`` layout; MLA
+    ``[num_blocks, block_size, D]`` (``vllm-mla``).
     """
     first = tensors[0]
     if spec.mla:
@@ -713,13 +713,10 @@ def _as_musacache_pages(tensors: Sequence[torch.Tensor], spec: KVSpec, kv_in: st
     if first.dim() == 5 and first.shape[0] == 2:
         return list(tensors), "vllm"
     if first.dim() == 4 and first.shape[-1] == 2 * spec.head_dim:
-        d = spec.head_dim
         if kv_in == "last-dim":
-            return [t.unflatten(-1, (2, d)).permute(3, 0, 1, 2, 4) for t in tensors], "vllm-hnd"
+            return list(tensors), "vllm-packed"
         if kv_in == "block":
-            nb, h, bs, _ = first.shape
-            return [t.view(nb, h, 2, bs, d).permute(2, 0, 1, 3, 4) for t in tensors], \
-                "vllm-hnd"
+            return list(tensors), "vllm-packed-cpu"
         raise ConfigError(f"kv_in must be 'last-dim' or 'block', got {kv_in!r}")
     raise ConfigError(f"MusaCacheConnector: vLLM KV cache tensor of shape {tuple(first.shape)} "
                       f"is not a known layout for {spec.describe()}")
