@@ -77,7 +77,8 @@ class SpawnedServer:
 
 def spawn(config: str | os.PathLike[str], socket_path: str, *, timeout: float = 60.0,
           log_level: str = "WARNING", detach: bool = False,
-          env: Mapping[str, str] | None = None) -> SpawnedServer:
+          env: Mapping[str, str] | None = None, log: str | os.PathLike[str] | None = None,
+          nofile: int | None = None) -> SpawnedServer:
     """Run ``python -m musacache serve --socket SOCKET --config CONFIG`` and return once it
     accepts connections.
 
@@ -85,7 +86,9 @@ def spawn(config: str | os.PathLike[str], socket_path: str, *, timeout: float = 
     is ``None``). Concurrent callers (a vLLM scheduler and its workers start together) are
     serialised by a lock file beside the socket, so exactly one server is started.
     ``detach=True`` puts the server in its own session so it outlives the caller (a cache
-    shared by engine processes that come and go). Raises :class:`ConfigError` if the config
+    shared by engine processes that come and go). The server's log goes to ``log`` (default:
+    ``SOCKET.log``); ``nofile`` caps its open files (RLIMIT_NOFILE). Raises
+    :class:`ConfigError` if the config
     file is missing and :class:`CacheUnavailableError` if the server exits or does not listen
     within ``timeout`` seconds (its stderr is in the message).
     """
@@ -102,26 +105,34 @@ def spawn(config: str | os.PathLike[str], socket_path: str, *, timeout: float = 
         try:
             if is_listening(sock):  # another process won the race while we waited
                 return SpawnedServer(sock, None)
-            return _start(cfg, sock, timeout, log_level, detach, env)
+            return _start(cfg, sock, timeout, log_level, detach, env,
+                          Path(log) if log is not None else Path(sock + ".log"), nofile)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _start(cfg: Path, sock: str, timeout: float, log_level: str, detach: bool,
-           env: Mapping[str, str] | None) -> SpawnedServer:
+           env: Mapping[str, str] | None, log_path: Path, nofile: int | None,
+           ) -> SpawnedServer:
     child_env = dict(os.environ if env is None else env)
     # The child must import this very musacache (a source checkout need not be installed).
     src = str(Path(__file__).resolve().parent.parent)
     child_env["PYTHONPATH"] = src + os.pathsep + child_env.get("PYTHONPATH", "")
     # The server's log goes to a file beside the socket, not a pipe: nobody would drain a
     # pipe once we return, and a server blocked on a full pipe would hang its clients.
-    log_path = Path(sock + ".log")
+    def limit_fds() -> None:
+        if nofile is not None:
+            import resource
+
+            _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, hard))
+
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "musacache", "serve", "--socket", sock, "--config",
              str(cfg), "--log-level", log_level],
             env=child_env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
-            start_new_session=detach)
+            start_new_session=detach, preexec_fn=limit_fds if nofile is not None else None)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
