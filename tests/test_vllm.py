@@ -39,7 +39,8 @@ def run_cases(env_var: str, script: str, cases: list[str], timeout: float) -> No
 @pytest.mark.timeout(1200)
 def test_connector_cases_with_vllms_own_classes() -> None:
     run_cases("MUSACACHE_VLLM_PYTHON", ".ci/vllm-env.sh",
-              ["tests/integrations/vllm_connector_cases.py"], timeout=900)
+              ["tests/integrations/vllm_connector_cases.py",
+               "tests/integrations/vllm_worker_cases.py"], timeout=900)
 
 
 @pytest.mark.slow
