@@ -842,9 +842,19 @@ def _staged_transfer(request: _Chunks, to_dense: bool) -> None:
         pieces = [(x, max(a, lo) - lo, min(b, hi) - lo, max(a, lo) - a, min(b, hi) - a)
                   for x, lo, hi in zip(request.denses, request.starts, request.starts[1:])
                   if lo < b and hi > a]
-        stage = torch.empty(spec.shape(b - a), dtype=bits, device=device)
         index = _to_device(slots[a:b][ok], device)
         tokens = None if every else _to_device(np.flatnonzero(ok), device)
+        x, lo, hi, _, _ = pieces[0]
+        if (module is None and len(pieces) == 1 and (lo, hi) == (0, b - a)
+                and x.device == info.device and x.is_contiguous()):
+            # The window is one whole contiguous chunk on the device (transfer.gather into a
+            # device tensor): it is its own staging buffer.
+            for layer, items in enumerate(layers):
+                for rows, which in items:
+                    _move_rows(rows, planes[layer], which, _bits(x)[layer], index, tokens,
+                               to_dense, info)
+            continue
+        stage = torch.empty(spec.shape(b - a), dtype=bits, device=device)
         if not to_dense or not every:
             # A scatter reads the chunks; a gather with skipped tokens keeps their old rows.
             for x, lo, hi, s0, s1 in pieces:
