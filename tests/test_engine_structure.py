@@ -190,3 +190,43 @@ def test_no_class_is_over_500_lines() -> None:
                 if lines > 500:
                     big.append(f"{path.relative_to(root)}:{node.name} ({lines} lines)")
     assert big == []
+
+
+async def test_device_tokens_and_slots_are_read_off_the_loop_after_ready() -> None:
+    """Tokens and slot_mapping on a device are not touched on the loop thread (which would
+    block it until the engine's stream produced them) nor before ``ready`` is set."""
+    import anyio
+
+    spec = small_spec()
+    rng = random.Random(5)
+    n = 2 * CH
+    nb = 4 * n // BS
+    toks = [rng.randrange(5000) for _ in range(n)]
+    pages = make_pages(spec, "vllm", nb)
+    slots = random_slots(n, nb, rng)
+    write_dense(spec, "vllm", pages, slots, prefix_kv(spec, toks))
+    ready = anyio.Event()
+    reads: list[tuple[int, bool]] = []
+
+    class OnDevice(torch.Tensor):
+        @property  # type: ignore[misc]
+        def device(self) -> torch.device:
+            return CUDA
+
+        def to(self, *args: Any, **kw: Any) -> torch.Tensor:  # type: ignore[override]
+            reads.append((threading.get_ident(), ready.is_set()))
+            return self.as_subclass(torch.Tensor).clone()
+
+    dev_toks = torch.tensor(toks).as_subclass(OnDevice)
+    dev_slots = slots.as_subclass(OnDevice)
+    async with mc.Cache(_config(spec, 8)) as c:
+        async with anyio.create_task_group() as tg:
+            async def later() -> None:
+                await anyio.sleep(0.05)
+                ready.set()
+
+            tg.start_soon(later)
+            assert await c.store(dev_toks, pages, dev_slots, ready=ready) == n
+        assert await c.lookup(toks) == n
+    assert len(reads) == 2
+    assert all(thread != threading.get_ident() and was_ready for thread, was_ready in reads)

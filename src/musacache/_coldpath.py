@@ -9,16 +9,18 @@ queue. Every fault here is a counted miss or a counted drop, never an exception 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import anyio
 import torch
 
+from . import _errors
 from ._directory import Entry
-from ._errors import FingerprintMismatchError, MusaCacheError
+from ._errors import MusaCacheError
 from ._log import RateLimitedLog
-from ._placement import victims
+from ._placement import persist_order, victims
 from ._tierstate import StoreTier
 from .tiers.base import ChunkMeta
 
@@ -26,6 +28,16 @@ if TYPE_CHECKING:
     from ._core import Engine
 
 __all__ = ["ColdPath"]
+
+# Chunks encoded per batch when persisting on close (bounds the encoded bytes held at once).
+_PERSIST_BATCH = 16
+
+# Objects that are intact but not for this cache: another model, layout or chunk size
+# (FingerprintMismatchError), or another format version (ForeignFormatError, from the codec's
+# typed errors where this build has them). Unreadable here, counted as "foreign", not deleted.
+_FOREIGN: tuple[type[BaseException], ...] = tuple(
+    getattr(_errors, name) for name in ("FingerprintMismatchError", "ForeignFormatError")
+    if hasattr(_errors, name))
 
 log = logging.getLogger("musacache")
 
@@ -68,7 +80,7 @@ class ColdPath:
         try:
             _, data = await eng.mover.in_thread(
                 lambda: decode_chunk(eng.fingerprint, obj, expect=meta))
-        except FingerprintMismatchError as exc:
+        except _FOREIGN as exc:
             # Another model's, layout's or format version's object under our key: a miss, and
             # the message names both sides. It is not ours to delete.
             self._count(t, "foreign", "misses")
@@ -165,6 +177,7 @@ class ColdPath:
     def schedule_delete(self, t: StoreTier, key: bytes) -> None:
         """Delete ``key`` on ``t`` after every operation on it scheduled so far."""
         before, mine = t.chain_link(key)
+        t.delete_started(key)
         self.eng.tasks.spawn(self._delete_job, t, key, before, mine)
 
     async def _delete_job(self, t: StoreTier, key: bytes, before: anyio.Event | None,
@@ -179,6 +192,7 @@ class ColdPath:
             t.c["faults"] += 1
             self.errlog.warn(t.name, "delete fault", repr(exc))
         finally:
+            t.delete_done(key)
             t.chain_done(key, mine)
 
     async def make_room(self, t: StoreTier, size: int) -> bool:
@@ -228,6 +242,30 @@ class ColdPath:
                 eng.unpin(e)
             await self.place(t, e, obj)
 
+    async def persist(self, progress: dict[str, int]) -> None:
+        """Write chunks held only in memory down to the first storage tier, parents first,
+        so the chain a restarted cache rebuilds is whole. ``progress`` counts as it goes."""
+        eng = self.eng
+        if not eng.stores:
+            return
+        first = eng.stores[0]
+        todo = persist_order([e for e in eng.dir.entries.values()
+                              if e.blocks and not any(t.holds(e) for t in eng.stores)],
+                             eng.dir)
+        progress["to_persist"] += len(todo)
+        for i in range(0, len(todo), _PERSIST_BATCH):
+            batch = [(e, mt) for e in todo[i : i + _PERSIST_BATCH]
+                     if not e.dead and (mt := eng.hottest_mem(e)) is not None]
+            for e, _ in batch:
+                eng.pin(e)
+            try:
+                where = await eng.relocate([(e, eng.view(mt, e)) for e, mt in batch],
+                                           first.idx, first.idx + 1, counter="demotions")
+            finally:
+                for e, _ in batch:
+                    eng.unpin(e)
+            progress["persisted"] += sum(w is not None for w in where)
+
     # -- what storage already holds ----------------------------------------------------------
 
     async def refresh(self, parent: bytes) -> bool:
@@ -246,6 +284,7 @@ class ColdPath:
                 while cur is not None:
                     if st.asked_recently(cur, eng.config.refresh_interval):
                         break
+                    listed_at = time.monotonic()
                     try:
                         metas = await st.store.refresh(cur)
                     except Exception as exc:
@@ -253,17 +292,21 @@ class ColdPath:
                         self.errlog.warn(st.name, "refresh", repr(exc))
                         break
                     st.c["refreshes"] += 1
-                    new = self.learn(st, metas)
+                    new = self.learn(st, metas, listed_at)
                     learned = learned or bool(new)
                     # Keep walking down a single new child: that is a longer cached prefix.
                     cur = new[0].key if len(new) == 1 else None
         return learned
 
-    def learn(self, st: StoreTier, metas: Iterable[ChunkMeta]) -> list[Entry]:
-        """Record chunks a storage tier reports; returns the entries that were new to it."""
+    def learn(self, st: StoreTier, metas: Iterable[ChunkMeta],
+              listed_at: float | None = None) -> list[Entry]:
+        """Record chunks a storage tier reports (in a listing taken at ``listed_at``);
+        returns the entries that were new to it. A chunk deleted since is not learned."""
         eng = self.eng
         new: list[Entry] = []
         for m in sorted(metas, key=lambda m: m.last_used):
+            if listed_at is not None and st.tombstoned(m.key, listed_at):
+                continue  # deleted here (or being deleted): the listing is older than that
             if m.raw_bytes != eng.spec.nbytes(m.num_tokens) or not (
                     0 < m.num_tokens <= eng.config.chunk_size):
                 continue  # not a chunk of this spec: never serve it
