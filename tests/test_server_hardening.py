@@ -464,3 +464,43 @@ def test_is_sealed_tells_empty_shared_from_share_memory():
     assert ipc.is_sealed(ipc.empty_shared((4,), torch.float32))
     plain = torch.zeros(4).share_memory_()
     assert ipc.is_shareable(plain) and not ipc.is_sealed(plain)
+
+
+async def test_puts_and_stores_count_bytes_without_asking_for_stats(tmp_path, monkeypatch):
+    """The server counts what its requests moved from their answers: asking every tier for its
+    counters twice per put was most of a small put's cost (issue 12, item 3)."""
+    spec = small_spec()
+    cfg = ServerConfig(str(tmp_path / "r" / "s.sock"), tiers=(mc.HostTier(spec.nbytes(CH) * 16),),
+                       chunk_size=CH)
+    calls = []
+    real = mc.Cache.stats
+
+    async def counting(self):
+        calls.append(1)
+        return await real(self)
+
+    monkeypatch.setattr(mc.Cache, "stats", counting)
+    async with Server(cfg) as srv:
+        serving = asyncio.create_task(srv.serve_forever())
+        async with mc.connect(cfg.socket_path, spec=spec, namespace="srv", chunk_size=CH) as c:
+            pages = pages_for(spec, NB, BS)
+            await c.register_kv_caches(pages, "vllm")
+            toks = list(range(40))
+            assert await c.put(toks, prefix_kv(spec, toks)) == 40
+            ready = ipc.IpcEvent.create("cpu")
+            ready.set()
+            assert await c.store(list(range(100, 140)), list(range(40)), ready=ready) == 40
+            ready.close()
+            assert calls == []
+            assert srv.counters["bytes_copied"] == 2 * spec.nbytes(40)
+        srv.stop()
+        await serving
+
+
+@pytest.mark.parametrize("kwargs", [{"tenant": 123}, {"tenant": b"abc"}, {"tenant": ""},
+                                    {"namespace": ""}, {"chunk_size": 0},
+                                    {"chunk_size": True}])
+def test_connect_refuses_bad_names_before_connecting(kwargs):
+    args = {"spec": small_spec(), "namespace": "srv", **kwargs}
+    with pytest.raises(mc.InvalidInputError):
+        mc.connect("/nonexistent/s.sock", **args)

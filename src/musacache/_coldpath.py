@@ -33,11 +33,10 @@ __all__ = ["ColdPath"]
 _PERSIST_BATCH = 16
 
 # Objects that are intact but not for this cache: another model, layout or chunk size
-# (FingerprintMismatchError), or another format version (ForeignFormatError, from the codec's
-# typed errors where this build has them). Unreadable here, counted as "foreign", not deleted.
-_FOREIGN: tuple[type[BaseException], ...] = tuple(
-    getattr(_errors, name) for name in ("FingerprintMismatchError", "ForeignFormatError")
-    if hasattr(_errors, name))
+# (FingerprintMismatchError), or another format version (ForeignFormatError). Unreadable here,
+# counted as "foreign", not deleted.
+_FOREIGN: tuple[type[BaseException], ...] = (_errors.FingerprintMismatchError,
+                                             _errors.ForeignFormatError)
 
 log = logging.getLogger("musacache")
 

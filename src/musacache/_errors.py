@@ -21,6 +21,7 @@ __all__ = [
     "CacheClosedError",
     "TierError",
     "CorruptChunkError",
+    "ForeignFormatError",
     "FingerprintMismatchError",
     "NativeError",
     "NativeBuildError",
@@ -94,6 +95,14 @@ class TierError(MusaCacheError):
 class CorruptChunkError(TierError):
     """A stored chunk object failed its header or checksum verification. It is treated as a miss
     and quarantined/deleted."""
+
+
+class ForeignFormatError(CorruptChunkError):
+    """An intact stored chunk object (its header checksum holds) of another format version.
+
+    This musacache cannot read it, so it is an unreadable cold chunk like a corrupt one: a
+    counted miss, never an error of the call that met it.
+    """
 
 
 class FingerprintMismatchError(MusaCacheError):

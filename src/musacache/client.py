@@ -22,6 +22,7 @@ import anyio
 import torch
 
 from . import devices, ipc, transfer
+from ._api import TokensLike
 from ._engine import Hit
 from ._errors import (
     CacheClosedError,
@@ -222,14 +223,14 @@ class Client:
 
     # -- the Cache API ----------------------------------------------------------------------
 
-    async def lookup(self, tokens: Any) -> int:
+    async def lookup(self, tokens: TokensLike) -> int:
         return int(await self._call("lookup", {"tokens": _tok_bytes(tokens)}))
 
-    async def prefetch(self, tokens: Any, timeout: float | None = None) -> int:
+    async def prefetch(self, tokens: TokensLike, timeout: float | None = None) -> int:
         return int(await self._call("prefetch", {"tokens": _tok_bytes(tokens),
                                                  "timeout": timeout}))
 
-    async def delete(self, tokens: Any) -> int:
+    async def delete(self, tokens: TokensLike) -> int:
         return int(await self._call("delete", {"tokens": _tok_bytes(tokens)}))
 
     async def clear(self) -> None:
@@ -239,11 +240,11 @@ class Client:
         await self._call("flush", {})
 
     async def stats(self) -> dict[str, Any]:
-        """The server's ``Cache.stats()`` plus a ``server`` section (a coroutine here: it asks
-        the server)."""
+        """The server's ``Cache.stats()`` for this connection's cache, plus a ``server``
+        section (a coroutine, as on :class:`~musacache.Cache`)."""
         return dict(await self._call("stats", {}))
 
-    async def put(self, tokens: Any, kv: torch.Tensor) -> int:
+    async def put(self, tokens: TokensLike, kv: torch.Tensor) -> int:
         self._check_open()
         toks = as_tokens(tokens)
         have = self.spec.check_dense(kv, what="kv")
@@ -270,7 +271,7 @@ class Client:
             if raw is not None:
                 self._give_staging(raw)
 
-    async def get(self, tokens: Any, out: torch.Tensor | None = None) -> Hit:
+    async def get(self, tokens: TokensLike, out: torch.Tensor | None = None) -> Hit:
         self._check_open()
         toks = as_tokens(tokens)
         n = len(toks)
@@ -419,7 +420,7 @@ class Client:
             raise InvalidInputError(f"no registration {reg}")
         return self._regs[reg]
 
-    async def store(self, tokens: Any, *args: Any, layout: str | None = None,
+    async def store(self, tokens: TokensLike, *args: Any, layout: str | None = None,
                     skip_prefix: int = 0, ready: Any = None, reg: int | None = None,
                     ready_timeout: float | None = None) -> int:
         """``store(tokens, slot_mapping, ready=event)`` for the registered caches, or
@@ -428,7 +429,7 @@ class Client:
         return await self._paged("store", tokens, args, layout, skip_prefix, ready, reg,
                                  ready_timeout, None)
 
-    async def retrieve(self, tokens: Any, *args: Any, layout: str | None = None,
+    async def retrieve(self, tokens: TokensLike, *args: Any, layout: str | None = None,
                        skip_prefix: int = 0, ready: Any = None, reg: int | None = None,
                        ready_timeout: float | None = None, done: Any = None) -> int:
         """Scatter the cached prefix straight into the registered pages; ``done`` (an
@@ -436,7 +437,7 @@ class Client:
         return await self._paged("retrieve", tokens, args, layout, skip_prefix, ready, reg,
                                  ready_timeout, done)
 
-    async def _paged(self, op: str, tokens: Any, args: tuple[Any, ...], layout: str | None,
+    async def _paged(self, op: str, tokens: TokensLike, args: tuple[Any, ...], layout: str | None,
                      skip_prefix: int, ready: Any, reg: int | None,
                      ready_timeout: float | None, done: Any) -> int:
         self._check_open()
@@ -512,7 +513,7 @@ def _page_keys(keys: Any) -> list[bytes]:
     return out
 
 
-def _tok_bytes(tokens: Any) -> bytes:
+def _tok_bytes(tokens: TokensLike) -> bytes:
     return as_tokens(tokens).tobytes()
 
 

@@ -112,7 +112,7 @@ class ServerConfig:
     #: Requests one connection may have in flight; more get ServerLimitError.
     max_requests_per_peer: int = 64
     #: fds one connection's in-flight requests may hold (ready/done events, handles).
-    max_fds_per_peer: int = 64
+    max_fds_per_peer: int = 256
     #: Largest staging buffer of the byte path (``stage_bytes``), per connection.
     max_stage_bytes: int = 1024**3
     #: Longest wait for a worker's ready event (seconds).
@@ -336,16 +336,16 @@ class Server:
             self._release_peer(peer)
         caches, self.caches = self.caches, {}
         for key, cache in caches.items():
-            before = _storage_writes(cache)
-            chunks = int(cache.stats()["chunks"])
+            before = await _storage_writes(cache)
+            chunks = int((await cache.stats())["chunks"])
             try:
                 await cache.aclose()
             except Exception:  # one cache failing to close must not strand the others
                 log.exception("closing the cache of %s failed", key[0])
             self.close_report.append({
                 "namespace": key[0], "tenant": _tenant_tag(key[3]), "chunks": chunks,
-                "persisted": _storage_writes(cache) - before,
-                "storage": [n for n, t in cache.stats()["tiers"].items()
+                "persisted": await _storage_writes(cache) - before,
+                "storage": [n for n, t in (await cache.stats())["tiers"].items()
                             if "pending_writes" in t]})
 
     async def _accept_loop(self, listener: socket.socket) -> None:
@@ -694,8 +694,8 @@ class Server:
 
     async def _op_stats(self, peer: _Peer, msg: msgs.EmptyMessage, fds: list[int]) -> Any:
         if peer.cache is None:
-            return self.stats()
-        return {**peer.cache.stats(), "server": self._server_stats()}
+            return await self.stats()
+        return {**(await peer.cache.stats()), "server": self._server_stats()}
 
     # The baseline byte path, kept for `musacache bench ipc`: the worker gathers its KV into a
     # buffer and sends the bytes through the socket; the server copies them into a staging
@@ -785,13 +785,13 @@ class Server:
             "event_ipc": {k: ipc.event_ipc_capability(k) for k in ("cpu", "cuda", "musa")},
         }
 
-    def stats(self) -> dict[str, Any]:
+    async def stats(self) -> dict[str, Any]:
         """The server's counters and, per cache, its ``Cache.stats()`` (tenant names are
         shown as digests: a tenant string is a capability, see docs/security.md)."""
         return {
             "server": self._server_stats(),
             "caches": [{"namespace": k[0], "spec": k[1].describe(), "chunk_size": k[2],
-                        "tenant": _tenant_tag(k[3]), "uid": k[4], **c.stats()}
+                        "tenant": _tenant_tag(k[3]), "uid": k[4], **(await c.stats())}
                        for k, c in self.caches.items()],
         }
 
@@ -802,8 +802,8 @@ def _tenant_tag(tenant: str | None) -> str | None:
     return "#" + hashlib.blake2b(tenant.encode(), digest_size=4).hexdigest()
 
 
-def _storage_writes(cache: Cache) -> int:
-    return sum(int(t.get("writes", 0)) for t in cache.stats()["tiers"].values()
+async def _storage_writes(cache: Cache) -> int:
+    return sum(int(t.get("writes", 0)) for t in (await cache.stats())["tiers"].values()
                if "pending_writes" in t)
 
 
