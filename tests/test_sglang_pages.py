@@ -74,12 +74,12 @@ async def test_pages_demote_to_disk_and_come_back_exact(tmp_path) -> None:
         assert await cache.put_pages(keys, pages) == 6
         await cache.flush()
         # Only two fit in memory: the others were demoted, encoded by the codec, to disk.
-        assert cache.stats()["tiers"]["disk"]["chunks"] >= 4
+        assert (await cache.stats())["tiers"]["disk"]["chunks"] >= 4
         assert await cache.exists_pages(keys) == 6
         outs = [torch.zeros(1024) for _ in keys]
         assert await cache.get_pages(keys, outs) == [True] * 6
         assert all(torch.equal(o, p) for o, p in zip(outs, pages))
-        assert cache.stats()["tiers"]["disk"]["hits"] >= 1
+        assert (await cache.stats())["tiers"]["disk"]["hits"] >= 1
 
 
 async def test_namespaces_keep_pages_apart(tmp_path) -> None:
