@@ -154,3 +154,29 @@ def test_a_dead_server_fails_no_hook(server) -> None:
         assert stats["save_failures"] == 1 and stats["load_failures"] == 1
     finally:
         c.shutdown()
+
+
+def test_layerwise_load_when_vllm_waits_on_one_layer_only(server) -> None:
+    """vLLM need not wait on every layer: the load still lands whole and reports its short
+    tail (wait_for_save settles a load still running)."""
+    tokens = list(range(300, 380))
+    a = connector(server.socket_path, layerwise=True)
+    try:
+        kv = pages()
+        for t in kv.values():
+            t.normal_()
+        a.register_kv_caches(kv)
+        step(a, [op(tokens, [4, 5], save_start=0, save_end=64)], layerwise=True)
+        want = token_kv(kv, slots_for([4, 5], BS, 64))
+        for t in kv.values():
+            t.zero_()
+        o = op(tokens, [6, 7, 8], load_start=0, load_end=80)   # 16 more than cached
+        a.bind_connector_metadata(MusaCacheConnectorMetadata([o]))
+        a.start_load_kv(SimpleNamespace())
+        a.wait_for_layer_load(NAMES[0])                         # only the first layer
+        a.wait_for_save()
+        a.clear_connector_metadata()
+        assert torch.equal(token_kv(kv, o.slot_mapping[:64]), want)
+        assert a.get_block_ids_with_load_errors() == {8}
+    finally:
+        a.shutdown()

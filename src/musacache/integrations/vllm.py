@@ -616,6 +616,10 @@ class _Worker:
             at += n
 
     def save(self, ops: Sequence[RequestOp]) -> None:
+        if self._pending_load is not None:
+            # Layerwise: vLLM did not wait for every layer this step; settle the load (and
+            # its errors) before the step ends.
+            self._finish_load(*self._pending_load)
         saves = [op for op in ops if op.saves]
         layer_saves, self._layer_saves = self._layer_saves, []
         if not saves or not self._pages:
