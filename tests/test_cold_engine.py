@@ -163,7 +163,10 @@ async def test_disk_foreign_format_object_is_a_counted_miss(tmp_path: Path) -> N
         path.write_bytes(raw)
         hit = await cache.get(toks)
         assert hit.num_tokens == 3 * CHUNK and torch.equal(hit.kv, kv[:, :, : 3 * CHUNK])
-        assert (await _tier_stats(cache, "disk"))["corrupt"] == 1
+        stats = await _tier_stats(cache, "disk")
+        # Intact but not ours: counted as foreign, and left in place (another writer's object).
+        assert (stats["foreign"], stats["corrupt"]) == (1, 0)
+        assert path.exists()
 
 
 async def test_tenants_on_one_disk_folder_keep_their_chunks(tmp_path: Path) -> None:

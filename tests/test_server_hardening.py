@@ -504,3 +504,37 @@ def test_connect_refuses_bad_names_before_connecting(kwargs):
     args = {"spec": small_spec(), "namespace": "srv", **kwargs}
     with pytest.raises(mc.InvalidInputError):
         mc.connect("/nonexistent/s.sock", **args)
+
+
+async def test_tenants_on_one_server_keep_apart_on_disk_across_a_restart(tmp_path):
+    """Two tenants of one namespace share a server and its disk folder: each reaches only its
+    own chunks, before and after the server restarts (and persists to disk on the way)."""
+    spec = small_spec()
+    cfg = ServerConfig(str(tmp_path / "r" / "s.sock"), chunk_size=CH, max_caches=2,
+                       tiers=(mc.HostTier(spec.nbytes(CH) * 16),
+                              mc.DiskTier(str(tmp_path / "disk"), "16MiB")))
+    toks = list(range(500, 548))
+
+    async def session(check):
+        async with Server(cfg) as srv:
+            serving = asyncio.create_task(srv.serve_forever())
+            async with mc.connect(cfg.socket_path, spec=spec, namespace="srv",
+                                  tenant="a") as a, \
+                    mc.connect(cfg.socket_path, spec=spec, namespace="srv",
+                               tenant="b") as b:
+                await check(a, b)
+            srv.stop()
+            await serving
+
+    async def first(a, b):
+        assert await a.put(toks, prefix_kv(spec, toks)) == 48
+        assert await b.lookup(toks) == 0
+        await b.clear()
+
+    async def after_restart(a, b):
+        hit = await a.get(toks)
+        assert hit.num_tokens == 48 and torch.equal(hit.kv, prefix_kv(spec, toks))
+        assert await b.lookup(toks) == 0
+
+    await session(first)
+    await session(after_restart)

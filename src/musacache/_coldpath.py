@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 import torch
@@ -25,7 +25,37 @@ from ._tierstate import StoreTier
 from .tiers.base import ChunkMeta
 
 if TYPE_CHECKING:
-    from ._core import Engine
+    from ._config import CacheConfig
+    from ._directory import Directory
+    from ._keys import Fingerprint
+    from ._move import Mover
+    from ._spec import KVSpec
+    from ._tasks import TaskOwner
+    from ._tierstate import MemTier, Tier
+
+
+class EngineServices(Protocol):
+    """What the cold path needs of the engine that owns it. A protocol, so that this module
+    depends on nothing above it (the engine imports the cold path, never the reverse)."""
+
+    config: CacheConfig
+    spec: KVSpec
+    fingerprint: Fingerprint
+    dir: Directory
+    tiers: list[Tier]
+    stores: list[StoreTier]
+    mover: Mover
+    tasks: TaskOwner
+    inflight: dict[str, int]
+    wt_sem: anyio.Semaphore
+
+    def pin(self, e: Entry) -> None: ...
+    def unpin(self, e: Entry) -> None: ...
+    def view(self, t: MemTier, e: Entry) -> torch.Tensor: ...
+    def hottest_mem(self, e: Entry) -> MemTier | None: ...
+    async def host_copy(self, data: torch.Tensor) -> torch.Tensor: ...
+    async def relocate(self, items: Sequence[tuple[Entry, torch.Tensor]], dest_from: int,
+                       dest_to: int | None = None, *, counter: str) -> list[Tier | None]: ...
 
 __all__ = ["ColdPath"]
 
@@ -42,7 +72,7 @@ log = logging.getLogger("musacache")
 
 
 class ColdPath:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: EngineServices) -> None:
         self.eng = engine
         self.errlog = RateLimitedLog(log)
 
