@@ -62,6 +62,14 @@ class KVCache(Protocol):
                        layout: str = "vllm", skip_prefix: int = 0, ready: Any = None,
                        ready_timeout: float | None = None) -> int: ...
 
+    async def put_pages(self, keys: Sequence[str | bytes], pages: Sequence[torch.Tensor], *,
+                        after: str | bytes | None = None) -> int: ...
+
+    async def get_pages(self, keys: Sequence[str | bytes], outs: Sequence[torch.Tensor],
+                        ) -> list[bool]: ...
+
+    async def exists_pages(self, keys: Sequence[str | bytes]) -> int: ...
+
 
 if TYPE_CHECKING:
     from ._engine import Cache
