@@ -5,10 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import torch
@@ -16,6 +13,7 @@ import torch
 import musacache as mc
 from helpers import prefix_kv
 from musacache import ipc, transfer
+from musacache.server import spawn
 
 
 def write_config(path: Path, spec: mc.KVSpec, namespace: str, chunk_size: int,
@@ -62,40 +60,12 @@ class ServerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 30.0) -> ServerProcess:
-        env = dict(os.environ)
-        src = str(Path(mc.__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-        nofile = self.nofile
-
-        def limit_fds() -> None:
-            if nofile is not None:
-                import resource
-
-                _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, hard))
-
-        err_to = open(self.log, "wb") if self.log is not None else subprocess.PIPE
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "musacache", "serve", "--socket", self.sock,
-             "--config", str(self.config), "--log-level", self.log_level],
-            env=env, stdout=subprocess.DEVNULL, stderr=err_to, preexec_fn=limit_fds)
-        if self.log is not None:
-            err_to.close()  # type: ignore[union-attr]
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                err = (self.proc.stderr.read().decode() if self.proc.stderr
-                       else Path(self.log).read_text() if self.log else "")
-                raise RuntimeError(f"musacache serve exited with {self.proc.returncode}: {err}")
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                s.connect(self.sock)
-                return self
-            except OSError:
-                time.sleep(0.05)
-            finally:
-                s.close()
-        raise RuntimeError("musacache serve did not start listening in time")
+        try:
+            self.proc = spawn(self.config, self.sock, timeout=timeout, log_level=self.log_level,
+                              log=self.log, nofile=self.nofile).proc
+        except mc.CacheUnavailableError as e:
+            raise RuntimeError(str(e)) from e
+        return self
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

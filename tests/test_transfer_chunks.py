@@ -36,6 +36,8 @@ def make_caches(layout: str, layers: int, dtype: torch.dtype = torch.bfloat16) -
         return [r(NB, 2, BS, H, D) for _ in range(layers)]
     if layout == "vllm-hnd":
         return [r(2, NB, H, BS, D) for _ in range(layers)]
+    if layout in ("vllm-packed", "vllm-packed-cpu"):
+        return [r(NB, H, BS, 2 * D) for _ in range(layers)]
     if layout == "vllm-mla":
         return [r(NB, BS, D) for _ in range(layers)]
     if layout == "sglang":
@@ -52,6 +54,12 @@ def slot_rows(caches: Any, layout: str, layer: int) -> list[torch.Tensor]:
         return [caches[layer][:, k] for k in range(2)]
     if layout == "vllm-hnd":
         return [caches[layer][k].transpose(1, 2) for k in range(2)]
+    if layout == "vllm-packed":  # K and V halves of the last dim
+        t = caches[layer]
+        return [t[..., :D].transpose(1, 2), t[..., D:].transpose(1, 2)]
+    if layout == "vllm-packed-cpu":  # as vLLM's CPU_ATTN reads it: view, split dim 2
+        k, v = caches[layer].view(NB, H, 2 * BS, D).chunk(2, dim=2)
+        return [k.transpose(1, 2), v.transpose(1, 2)]
     if layout == "vllm-mla":
         return [caches[layer]]  # [NB, BS, D]
     if layout == "sglang":

@@ -81,6 +81,10 @@ def make_caches(case: Case, gen: torch.Generator) -> Any:
         return [alloc((nb, 2, bs, h, d)) for _ in layers]
     if case.layout == "vllm-hnd":
         return [alloc((2, nb, h, bs, d)) for _ in layers]
+    if case.layout == "vllm-packed":
+        return [alloc((nb, h, bs, 2 * d)) for _ in layers]
+    if case.layout == "vllm-packed-cpu":  # CPU_ATTN views it: its block rows are contiguous
+        return [random_tensor((nb, h, bs, 2 * d), case.dtype, gen) for _ in layers]
     if case.layout == "vllm-mla":
         return [alloc((nb, bs, d)) for _ in layers]
     if case.layout == "sglang":
@@ -106,6 +110,14 @@ def token_rows(case: Case, caches: Any, layer: int, slot: int) -> list[torch.Ten
     if case.layout == "vllm-hnd":
         t = caches[layer]
         return [t[0, blk, :, off], t[1, blk, :, off]]
+    if case.layout == "vllm-packed":
+        t = caches[layer]
+        d = t.shape[-1] // 2
+        return [t[blk, :, off, :d], t[blk, :, off, d:]]
+    if case.layout == "vllm-packed-cpu":
+        t = caches[layer]
+        k, v = t.view(t.shape[0], t.shape[1], 2 * t.shape[2], t.shape[3] // 2).chunk(2, dim=2)
+        return [k[blk, :, off], v[blk, :, off]]
     if case.layout == "vllm-mla":
         return [caches[layer][blk, off]]
     if case.layout == "sglang":

@@ -204,9 +204,11 @@ class Engine:
     # -- put: plan, move, commit ----------------------------------------------------------------
 
     async def put(self, toks: np.ndarray, source: ChunkSource, *, skip_prefix: int = 0,
-                  head_start: int | None = None) -> int:
-        """Place each chunk of ``toks`` not yet cached; return the cached prefix length."""
-        keys = self.chain.keys(toks)
+                  head_start: int | None = None,
+                  keys: list[tuple[int, int, bytes, bytes]] | None = None) -> int:
+        """Place each chunk of ``toks`` not yet cached; return the cached prefix length.
+        ``keys`` (``put_pages``) replaces the token chain's keys."""
+        keys = self.chain.keys(toks) if keys is None else keys
         # Every chunk of this prompt stays pinned until the put ends: placing its tail must
         # never evict its own head (the head is what other prompts share).
         held: list[Entry] = []

@@ -6,6 +6,7 @@ data path (``_move``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,7 @@ from ._directory import Match
 from ._errors import CacheClosedError, ConfigError, DeviceError, InvalidInputError, ShapeError
 from ._keys import Fingerprint, KeyChain, as_tokens
 from ._move import Mover, accelerator_of, scatter_chunks
+from ._pages import PageSource, check_pages, page_keys
 from ._tasks import TaskOwner
 from ._tierstate import MemTier, StoreTier, Tier
 from .tiers.base import StorageTier, TierContext
@@ -377,6 +379,76 @@ class Cache:
                     eng.unpin(m.entry)
         finally:
             eng.inflight["gets"] -= 1
+
+    # -- key-addressed pages (engines that hash their own pages: SGLang HiCache) -----------
+
+    async def put_pages(self, keys: Sequence[str | bytes], pages: Sequence[torch.Tensor], *,
+                        after: str | bytes | None = None) -> int:
+        """Store ``pages[i]`` under the engine's key ``keys[i]``; return how many leading
+        pages are now cached.
+
+        A page is one chunk (``chunk_size`` tokens) of KV: a tensor of ``spec.dtype`` with
+        ``spec.nbytes(chunk_size)`` bytes in any shape and strides, stored in its logical
+        (row-major) element order. ``after`` names the page before ``keys[0]`` in the
+        engine's sequence (eviction drops a sequence's tail before its head). Pages share the
+        tiers, eviction, codec and storage of token chunks; see :mod:`musacache._pages`.
+        """
+        eng = self._check_open()
+        cs = self.config.chunk_size
+        ks = page_keys(eng.chain.seed, keys, cs, after)
+        check_pages(pages, len(ks), self.spec, cs, "pages")
+        if not ks:
+            return 0
+        self._ops["puts"] += 1
+        eng.inflight["puts"] += 1
+        try:
+            toks = np.zeros(len(ks) * cs, dtype=np.int32)
+            return await eng.put(toks, PageSource(pages, cs), keys=ks) // cs
+        finally:
+            eng.inflight["puts"] -= 1
+
+    async def get_pages(self, keys: Sequence[str | bytes], outs: Sequence[torch.Tensor],
+                        ) -> list[bool]:
+        """Copy each cached page into ``outs[i]`` (same element count and dtype as a page,
+        any shape and strides); ``result[i]`` says whether ``keys[i]`` was found. A page
+        that cannot be read (a cold-tier fault) is a miss."""
+        eng = self._check_open()
+        cs = self.config.chunk_size
+        ks = page_keys(eng.chain.seed, keys, cs)
+        check_pages(outs, len(ks), self.spec, cs, "outs")
+        self._ops["gets"] += 1
+        eng.inflight["gets"] += 1
+        try:
+            wanted = [Match(start, cs, e) for start, _end, _parent, key in ks
+                      if (e := eng.dir.get(key)) is not None]
+            for m in wanted:
+                eng.pin(m.entry)
+            try:
+                found = await eng.sources(wanted)
+                await eng.mover.copy([(outs[m.start // cs],
+                                       src.reshape(outs[m.start // cs].shape))
+                                      for m, src, _name in found])
+                eng.touch([m.entry for m, _, _ in found])
+            finally:
+                for m in wanted:
+                    eng.unpin(m.entry)
+            hit = [False] * len(ks)
+            for m, _src, _name in found:
+                hit[m.start // cs] = True
+            self._count_request(len(ks) * cs, len(found) * cs)
+            return hit
+        finally:
+            eng.inflight["gets"] -= 1
+
+    async def exists_pages(self, keys: Sequence[str | bytes]) -> int:
+        """How many of ``keys``, from the first, are cached in some tier. Moves no data."""
+        eng = self._check_open()
+        ks = page_keys(eng.chain.seed, keys, self.config.chunk_size)
+        self._ops["lookups"] += 1
+        for i, (_s, _e, _p, key) in enumerate(ks):
+            if eng.dir.get(key) is None:
+                return i
+        return len(ks)
 
     async def delete(self, tokens: Any) -> int:
         """Forget the chunks of ``tokens`` and every chunk that extends them, in every tier.

@@ -294,6 +294,79 @@ class Client:
             target = out
         return Hit(got, target.narrow(td, 0, got), dict(res.get("tiers") or {}))
 
+    # -- key-addressed pages (Cache.put_pages and friends) ----------------------------------
+
+    def _page_elements(self) -> int:
+        chunk = int(self.server_info.get("chunk_size") or self.chunk_size or 0)
+        return self.spec.nbytes(chunk) // torch.empty((), dtype=self.spec.dtype).element_size()
+
+    async def put_pages(self, keys: Sequence[str | bytes], pages: Sequence[torch.Tensor], *,
+                        after: str | bytes | None = None) -> int:
+        """As :meth:`musacache.Cache.put_pages`: the pages are staged into one shared buffer
+        (one copy) and the server copies them into its tiers."""
+        self._check_open()
+        wire_keys = _page_keys(keys)
+        numel = self._page_elements()
+        if len(pages) != len(wire_keys):
+            raise InvalidInputError(f"{len(wire_keys)} keys but {len(pages)} pages")
+        for i, p in enumerate(pages):
+            if not isinstance(p, torch.Tensor) or p.dtype != self.spec.dtype \
+                    or p.numel() != numel:
+                raise ShapeError(f"pages[{i}] must be a {self.spec.dtype} tensor of {numel} "
+                                 f"elements (one chunk of {self.spec.describe()})")
+        if not wire_keys:
+            return 0
+        itemsize = torch.empty((), dtype=self.spec.dtype).element_size()
+        raw = self._take_staging(len(pages) * numel * itemsize)
+        try:
+            staged = raw[:len(pages) * numel * itemsize].view(self.spec.dtype).view(
+                len(pages), numel)
+            for i, p in enumerate(pages):
+                staged[i].view(p.shape).copy_(p)
+            handle = ipc.share(staged)
+            args: dict[str, Any] = {"keys": wire_keys, "pages": handle.to_wire()}
+            if after is not None:
+                args["after"] = _page_keys([after])[0]
+            return int(await self._call("put_pages", args, handle.fds))
+        finally:
+            self._give_staging(raw)
+
+    async def get_pages(self, keys: Sequence[str | bytes], outs: Sequence[torch.Tensor],
+                        ) -> list[bool]:
+        """As :meth:`musacache.Cache.get_pages`: the server writes into a shared buffer, then
+        each found page is copied into its ``out``."""
+        self._check_open()
+        wire_keys = _page_keys(keys)
+        numel = self._page_elements()
+        if len(outs) != len(wire_keys):
+            raise InvalidInputError(f"{len(wire_keys)} keys but {len(outs)} outs")
+        for i, o in enumerate(outs):
+            if not isinstance(o, torch.Tensor) or o.dtype != self.spec.dtype \
+                    or o.numel() != numel:
+                raise ShapeError(f"outs[{i}] must be a {self.spec.dtype} tensor of {numel} "
+                                 f"elements (one chunk of {self.spec.describe()})")
+        if not wire_keys:
+            return []
+        itemsize = torch.empty((), dtype=self.spec.dtype).element_size()
+        raw = self._take_staging(len(outs) * numel * itemsize)
+        try:
+            target = raw[:len(outs) * numel * itemsize].view(self.spec.dtype).view(
+                len(outs), numel)
+            handle = ipc.share(target)
+            found = [bool(f) for f in await self._call(
+                "get_pages", {"keys": wire_keys, "out": handle.to_wire()}, handle.fds)]
+            for i, f in enumerate(found):
+                if f:
+                    outs[i].copy_(target[i].view(outs[i].shape))
+            return found
+        finally:
+            self._give_staging(raw)
+
+    async def exists_pages(self, keys: Sequence[str | bytes]) -> int:
+        """As :meth:`musacache.Cache.exists_pages`."""
+        self._check_open()
+        return int(await self._call("exists_pages", {"keys": _page_keys(keys)}))
+
     # -- paged caches -------------------------------------------------------------------------
 
     async def register_kv_caches(self, kv_caches: Any, layout: str = "vllm") -> int:
@@ -426,6 +499,18 @@ def _flatten(kv_caches: Any, layout: str) -> list[torch.Tensor]:
         k, v = kv_caches
         return list(k) + list(v)
     return list(kv_caches)
+
+
+def _page_keys(keys: Any) -> list[bytes]:
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
+        raise InvalidInputError(f"keys must be a sequence of str or bytes, got "
+                                f"{type(keys).__name__}")
+    out = []
+    for i, k in enumerate(keys):
+        if not isinstance(k, (str, bytes)) or not k:
+            raise InvalidInputError(f"keys[{i}] must be a non-empty str or bytes, got {k!r}")
+        out.append(k.encode() if isinstance(k, str) else bytes(k))
+    return out
 
 
 def _tok_bytes(tokens: TokensLike) -> bytes:

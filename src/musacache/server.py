@@ -54,17 +54,19 @@ from ._errors import (
     ServerLimitError,
 )
 from ._keys import Fingerprint
+from ._spawn import SpawnedServer, spawn
 from ._spec import KVSpec
 from ._version import __version__
 from .ipc import _messages as msgs
 
-__all__ = ["OPS", "Server", "ServerConfig", "main"]
+__all__ = ["OPS", "Server", "ServerConfig", "SpawnedServer", "main", "spawn"]
 
 log = logging.getLogger("musacache.server")
 
 #: Every op a client may send (the decoder refuses others before they reach a handler).
 OPS = ("hello", "register", "unregister", "put", "get", "lookup", "prefetch", "store",
-       "retrieve", "delete", "clear", "flush", "stats", "stage_bytes", "put_staged")
+       "retrieve", "delete", "clear", "flush", "stats", "stage_bytes", "put_staged",
+       "put_pages", "get_pages", "exists_pages")
 #: What a ``monitor: true`` connection may do: read counters, nothing else.
 MONITOR_OPS: Final = frozenset({"hello", "stats"})
 
@@ -712,6 +714,42 @@ class Server:
         self.counters["bytes_received"] += len(data)
         self.counters["bytes_copied"] += len(data)
         return len(data)
+
+    async def _open_pages(self, peer: _Peer, msg: msgs.PagesMessage, cache: Cache,
+                          fds: list[int]) -> tuple[ipc.ImportedTensor, list[torch.Tensor]]:
+        assert msg.handle is not None
+        imp = await peer.table.aopen_tensor(msg.handle, msgs.take_fds(fds, msg.nfds))
+        t = imp.tensor
+        if t.dim() != 2 or t.shape[0] != len(msg.keys):
+            imp.close()
+            raise InvalidInputError(f"pages: a [{len(msg.keys)}, page elements] tensor is "
+                                    f"needed, got shape {tuple(t.shape)}")
+        return imp, [t[i] for i in range(t.shape[0])]
+
+    async def _op_put_pages(self, peer: _Peer, msg: msgs.PagesMessage, fds: list[int]) -> Any:
+        cache = self._cache_of(peer)
+        imp, pages = await self._open_pages(peer, msg, cache, fds)
+        try:
+            n = await cache.put_pages(msg.keys, pages, after=msg.after)
+            self.counters["bytes_copied"] += cache.spec.nbytes(n * cache.config.chunk_size)
+            return n
+        finally:
+            imp.close()
+
+    async def _op_get_pages(self, peer: _Peer, msg: msgs.PagesMessage, fds: list[int]) -> Any:
+        cache = self._cache_of(peer)
+        imp, outs = await self._open_pages(peer, msg, cache, fds)
+        try:
+            found = await cache.get_pages(msg.keys, outs)
+            self.counters["bytes_copied"] += cache.spec.nbytes(
+                sum(found) * cache.config.chunk_size)
+            return found
+        finally:
+            imp.close()
+
+    async def _op_exists_pages(self, peer: _Peer, msg: msgs.PagesMessage,
+                               fds: list[int]) -> Any:
+        return await self._cache_of(peer).exists_pages(msg.keys)
 
     async def _op_put_staged(self, peer: _Peer, msg: msgs.PutStagedMessage,
                              fds: list[int]) -> Any:

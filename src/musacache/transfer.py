@@ -24,14 +24,18 @@ Backends, chosen by the caches' device (:func:`backend_for`):
 
 The layouts (``LAYOUTS``), per layer:
 
-=============== =================================================================
+=================== =============================================================
 ``vllm``        ``[2, num_blocks, block_size, H, D]``; slot = block * block_size + offset
 ``vllm-mla``    ``[num_blocks, block_size, D]``
 ``sglang``      a pair ``(k_buffers, v_buffers)``, each a list of ``[num_slots, H, D]``
 ``sglang-mla``  ``[num_slots, 1, D]``
 ``flashinfer``  ``[num_blocks, 2, block_size, H, D]``
 ``vllm-hnd``    ``[2, num_blocks, H, block_size, D]``
-=============== =================================================================
+``vllm-packed`` ``[num_blocks, H, block_size, 2*D]``: K = ``[..., :D]``, V = ``[..., D:]``
+                (vLLM >= 0.32, GPU attention backends; any physical order)
+``vllm-packed-cpu`` the same shape as vLLM's CPU backend reads it: each head's block is
+                ``block_size`` rows of K then ``block_size`` rows of V
+=================== =============================================================
 """
 
 from __future__ import annotations
@@ -76,17 +80,98 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-LAYOUTS: tuple[str, ...] = ("vllm", "vllm-mla", "sglang", "sglang-mla", "flashinfer", "vllm-hnd")
-_MLA_LAYOUTS = frozenset({"vllm-mla", "sglang-mla"})
-_RANK = {"vllm": 5, "vllm-mla": 3, "sglang": 3, "sglang-mla": 3, "flashinfer": 5, "vllm-hnd": 5}
-_PRETTY = {
-    "vllm": "[2, num_blocks, block_size, H, D]",
-    "vllm-mla": "[num_blocks, block_size, D]",
-    "sglang": "[num_slots, H, D]",
-    "sglang-mla": "[num_slots, 1, D]",
-    "flashinfer": "[num_blocks, 2, block_size, H, D]",
-    "vllm-hnd": "[2, num_blocks, H, block_size, D]",
-}
+@dataclass(frozen=True)
+class _Layout:
+    """One row of the layout table: everything musacache knows about an engine's layout.
+
+    ``dims(shape)`` reads ``(kv, num_blocks, block_size, H, D)`` off a layer's shape;
+    ``planes(t)`` gives a layer's K and V (one for MLA) as ``[num_blocks, block_size, H, D]``
+    views; ``geometry(t)`` their element strides for the native path: ``(plane offsets,
+    block, slot, head)``.
+    """
+
+    name: str
+    rank: int
+    pretty: str
+    dims: Any
+    planes: Any
+    geometry: Any
+    mla: bool = False
+    check: Any = None
+
+
+def _packed_dims(shape: tuple[int, ...], name: str) -> tuple[int, int, int, int, int]:
+    nb, h, bs, d2 = shape
+    if d2 % 2:
+        raise ShapeError(f"{name} layer 0 has shape {shape}: its last dim holds K and V "
+                         f"(2*D) and must be even")
+    return 2, nb, bs, h, d2 // 2
+
+
+def _cpu_packed_check(t: torch.Tensor, name: str, which: str) -> None:
+    # CPU_ATTN views each [block_size, 2*D] block of a head as [2*block_size, D]: only a
+    # tensor whose block rows are contiguous can be read that way.
+    if t.numel() and (t.stride(3) != 1 or t.stride(2) != t.shape[3]):
+        raise LayoutError(f"{name} {which} has strides {t.stride()}: the CPU backend reads "
+                          "each block of a head as [2*block_size, D], so its "
+                          "[block_size, 2*D] rows must be contiguous")
+
+
+def _cpu_packed_planes(t: torch.Tensor) -> list[torch.Tensor]:
+    nb, h, bs, d2 = t.shape
+    v = t.view(nb, h, 2 * bs, d2 // 2)
+    return [v[:, :, :bs].transpose(1, 2), v[:, :, bs:].transpose(1, 2)]
+
+
+_TABLE: dict[str, _Layout] = {row.name: row for row in (
+    _Layout("vllm", 5, "[2, num_blocks, block_size, H, D]",
+            dims=lambda sh, n: tuple(sh),
+            planes=lambda t: [t[0], t[1]],
+            geometry=lambda t, s: ((0, s[0]), s[1], s[2], s[3])),
+    _Layout("vllm-mla", 3, "[num_blocks, block_size, D]",
+            dims=lambda sh, n: (1, sh[0], sh[1], 1, sh[2]),
+            planes=lambda t: [t.unsqueeze(2)],
+            geometry=lambda t, s: ((0,), s[0], s[1], 0), mla=True),
+    _Layout("sglang", 3, "[num_slots, H, D]",
+            dims=lambda sh, n: (2, sh[0], 1, sh[1], sh[2]),
+            planes=None,  # a (k_buffers, v_buffers) pair: see _paged_planes
+            geometry=lambda t, s: ((0,), s[0], s[0], s[1])),
+    _Layout("sglang-mla", 3, "[num_slots, 1, D]",
+            dims=lambda sh, n: (1, sh[0], 1, sh[1], sh[2]),
+            planes=lambda t: [t.unsqueeze(1)],
+            geometry=lambda t, s: ((0,), s[0], s[0], s[1]), mla=True),
+    _Layout("flashinfer", 5, "[num_blocks, 2, block_size, H, D]",
+            dims=lambda sh, n: (sh[1], sh[0], sh[2], sh[3], sh[4]),
+            planes=lambda t: [t[:, 0], t[:, 1]],
+            geometry=lambda t, s: ((0, s[1]), s[0], s[2], s[3])),
+    _Layout("vllm-hnd", 5, "[2, num_blocks, H, block_size, D]",
+            dims=lambda sh, n: (sh[0], sh[1], sh[3], sh[2], sh[4]),
+            planes=lambda t: [t[0].transpose(1, 2), t[1].transpose(1, 2)],
+            geometry=lambda t, s: ((0, s[0]), s[1], s[3], s[2])),
+    # vLLM >= 0.32: one logical [num_blocks, H, block_size, 2*D] tensor per layer, read two
+    # ways. GPU attention backends: K is [..., :D] and V is [..., D:], the first three dims in
+    # any physical order.
+    _Layout("vllm-packed", 4, "[num_blocks, H, block_size, 2*D] (K = [..., :D], V = [..., D:])",
+            dims=_packed_dims,
+            planes=lambda t: [t[..., :t.shape[-1] // 2].transpose(1, 2),
+                              t[..., t.shape[-1] // 2:].transpose(1, 2)],
+            geometry=lambda t, s: ((0, t.shape[-1] // 2), s[0], s[2], s[1])),
+    # The CPU backend (CPU_ATTN) reads the same shape as [num_blocks, H, 2*block_size, D]:
+    # block_size rows of K, then block_size rows of V.
+    _Layout("vllm-packed-cpu", 4,
+            "[num_blocks, H, block_size, 2*D] read as [num_blocks, H, 2*block_size, D] "
+            "(K rows, then V rows)",
+            dims=_packed_dims, planes=_cpu_packed_planes,
+            geometry=lambda t, s: ((0, t.shape[2] * (t.shape[3] // 2)), s[0],
+                                   t.shape[3] // 2, s[1]),
+            check=_cpu_packed_check),
+)}
+
+LAYOUTS: tuple[str, ...] = tuple(_TABLE)
+_MLA_LAYOUTS = frozenset(name for name, row in _TABLE.items() if row.mla)
+_RANK = {name: row.rank for name, row in _TABLE.items()}
+_PRETTY = {name: row.pretty for name, row in _TABLE.items()}
+
 # Integer dtypes of each element size: the torch path moves bits, so fp8 (which lacks some
 # indexing kernels) and NaN payloads go through unchanged.
 _BITS_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -161,6 +246,12 @@ def _layer_list(kv_caches: object, layout: str) -> list[torch.Tensor]:
         name = _tensor_name(layout, i, len(tensors))
         first_name = _tensor_name(layout, 0, len(tensors))
         if t.dim() != _RANK[layout]:
+            if t.dim() == 4 and layout in ("vllm", "vllm-hnd", "flashinfer"):
+                raise ShapeError(
+                    f"{layout} {name} has shape {tuple(t.shape)}: a 4-D tensor is vLLM's "
+                    "packed [num_blocks, H, block_size, 2*D] layout, which its attention "
+                    "backends read two ways; name it: 'vllm-packed' (GPU backends: K and V "
+                    "halves of the last dim) or 'vllm-packed-cpu' (CPU_ATTN)")
             raise ShapeError(f"{layout} {name} has shape {tuple(t.shape)}; the layout wants "
                              f"{_PRETTY[layout]}")
         if t.shape != first.shape:
@@ -211,21 +302,14 @@ def _describe(kv_caches: object, layout: str) -> tuple[PagedKV, list[torch.Tenso
         raise DTypeError(f"{layout} caches have dtype {dtype_name(first.dtype)}: {exc}") from None
     shape = tuple(first.shape)
     num_layers = len(tensors) // 2 if layout == "sglang" else len(tensors)
-    if layout == "vllm":
-        kv, nb, bs, h, d = shape
-    elif layout == "flashinfer":
-        nb, kv, bs, h, d = shape
-    elif layout == "vllm-hnd":
-        kv, nb, h, bs, d = shape
-    elif layout == "vllm-mla":
-        (nb, bs, d), kv, h = shape, 1, 1
-    elif layout == "sglang":
-        (nb, h, d), kv, bs = shape, 2, 1
-    else:  # sglang-mla
-        (nb, h, d), kv, bs = shape, 1, 1
-        if shape[1] != 1:
-            raise ShapeError(f"sglang-mla layer 0 has shape {shape}; the layout wants "
-                             f"{_PRETTY[layout]} (dim 1 must be 1)")
+    row = _TABLE[layout]
+    kv, nb, bs, h, d = row.dims(shape, layout)
+    if layout == "sglang-mla" and shape[1] != 1:
+        raise ShapeError(f"sglang-mla layer 0 has shape {shape}; the layout wants "
+                         f"{_PRETTY[layout]} (dim 1 must be 1)")
+    if row.check is not None:
+        for i, t in enumerate(tensors):
+            row.check(t, layout, _tensor_name(layout, i, len(tensors)))
     if layout in ("vllm", "flashinfer", "vllm-hnd") and kv != 2:
         raise ShapeError(f"{layout} layer 0 has shape {shape}: the K/V dim is {kv}, not 2; the "
                          f"layout wants {_PRETTY[layout]}")
@@ -249,15 +333,8 @@ def _paged_planes(kv_caches: object, layout: str) -> list[list[torch.Tensor]]:
         pairs = zip(k_buffers, v_buffers, strict=True)
         return [[k.unsqueeze(1), v.unsqueeze(1)] for k, v in pairs]
     layers: Sequence[torch.Tensor] = kv_caches  # type: ignore[assignment]
-    if layout == "vllm":
-        return [[t[0], t[1]] for t in layers]
-    if layout == "flashinfer":
-        return [[t[:, 0], t[:, 1]] for t in layers]
-    if layout == "vllm-hnd":
-        return [[t[0].transpose(1, 2), t[1].transpose(1, 2)] for t in layers]
-    if layout == "vllm-mla":
-        return [[t.unsqueeze(2)] for t in layers]
-    return [[t.unsqueeze(1)] for t in layers]  # sglang-mla: [S, 1, D] -> [S, 1, 1, D]
+    planes = _TABLE[layout].planes
+    return [planes(t) for t in layers]
 
 
 def _dense_planes(dense: torch.Tensor, mla: bool) -> list[list[torch.Tensor]]:
@@ -440,16 +517,8 @@ def _valid_tokens(slots: torch.Tensor) -> torch.Tensor | None:
 
 def _layer_geometry(t: torch.Tensor, layout: str) -> tuple[tuple[int, ...], int, int, int]:
     """Element strides of one cache tensor: (offsets of its K/V planes, block, slot, head)."""
-    s = t.stride()
-    if layout == "vllm":
-        return (0, s[0]), s[1], s[2], s[3]
-    if layout == "flashinfer":
-        return (0, s[1]), s[0], s[2], s[3]
-    if layout == "vllm-hnd":
-        return (0, s[0]), s[1], s[3], s[2]
-    if layout == "vllm-mla":
-        return (0,), s[0], s[1], 0
-    return (0,), s[0], s[0], s[1]  # sglang, sglang-mla: one plane per tensor, block size 1
+    geometry: tuple[tuple[int, ...], int, int, int] = _TABLE[layout].geometry(t, t.stride())
+    return geometry
 
 
 def _native_transfer(call: _Call, dense: torch.Tensor, to_dense: bool) -> None:

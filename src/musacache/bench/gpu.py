@@ -330,8 +330,7 @@ class Bench:
                     self.rows.append(_row("server retrieve", "embedded retrieve", self.nbytes,
                                           t["server"], t["embedded"], 0.8))
             finally:
-                proc.terminate()
-                proc.wait(30)
+                proc.stop(30)
 
     async def ttft_rows(self) -> None:
         from ..demo import _model

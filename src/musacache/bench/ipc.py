@@ -17,7 +17,6 @@ import asyncio
 import json
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,6 +26,7 @@ from typing import Any
 import torch
 
 from .. import ipc, transfer
+from .._spawn import SpawnedServer, spawn
 from .._spec import KVSpec
 from ..client import connect
 from .cache import positive_int
@@ -39,7 +39,7 @@ def _progress(text: str) -> None:
     print(f"bench ipc: {text}", file=sys.stderr, flush=True)
 
 
-def _start_server(tmp: Path, spec: KVSpec, capacity: int) -> tuple[subprocess.Popen[bytes], str]:
+def _start_server(tmp: Path, spec: KVSpec, capacity: int) -> tuple[SpawnedServer, str]:
     cfg = tmp / "server.toml"
     cfg.write_text(
         f'namespace = "bench-ipc"\n[spec]\nnum_layers = {spec.num_layers}\n'
@@ -48,21 +48,7 @@ def _start_server(tmp: Path, spec: KVSpec, capacity: int) -> tuple[subprocess.Po
         # the byte baseline stages a whole prompt at once
         f"[server]\nmax_stage_bytes = {max(capacity, 1)}\n")
     sock = str(tmp / "run" / "bench.sock")
-    proc = subprocess.Popen([sys.executable, "-m", "musacache", "serve", "--socket", sock,
-                             "--config", str(cfg), "--log-level", "WARNING"],
-                            stdout=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            s.connect(sock)
-            return proc, sock
-        except OSError:
-            time.sleep(0.05)
-        finally:
-            s.close()
-    proc.kill()
-    raise RuntimeError("the server did not start")
+    return spawn(cfg, sock), sock
 
 
 async def _run(tokens: int, repeats: int) -> dict[str, Any]:
@@ -134,8 +120,7 @@ async def _run(tokens: int, repeats: int) -> dict[str, Any]:
             _progress("timing a bare socket transfer of the same bytes")
             raw_socket_s = _raw_socket_seconds(nbytes, min(gather_s))
         finally:
-            proc.terminate()
-            proc.wait(30)
+            proc.stop(30)
     return {"raw_socket_s": raw_socket_s, "raw_socket_ratio": raw_socket_s / min(zero),
             "tokens": tokens, "bytes": nbytes, "zero_copy_s": min(zero),
             "baseline_s": min(base), "ratio": min(base) / min(zero),

@@ -270,6 +270,47 @@ class PutStagedMessage:
         return cls(_tokens(args, "put_staged"))
 
 
+#: Pages one put_pages/get_pages/exists_pages call may name, and the longest page key.
+MAX_PAGES = 65536
+MAX_PAGE_KEY = 1024
+
+
+def _page_key_list(args: Mapping[str, Any], op: str, name: str = "keys") -> list[bytes]:
+    keys = _get(args, op, name, list)
+    if len(keys) > MAX_PAGES:
+        raise ProtocolError(f"{op}: at most {MAX_PAGES} keys per call, got {len(keys)}")
+    for k in keys:
+        if type(k) is not bytes or not 0 < len(k) <= MAX_PAGE_KEY:
+            raise ProtocolError(f"{op}: each key must be 1 to {MAX_PAGE_KEY} bytes")
+    return keys
+
+
+@dataclass(frozen=True)
+class PagesMessage:
+    """put_pages (``pages``), get_pages (``out``), exists_pages (keys only): engine-named
+    pages. The handle is one ``[num_keys, page_elements]`` tensor."""
+
+    keys: list[bytes]
+    handle: TensorHandle | None
+    after: bytes | None
+
+    @property
+    def nfds(self) -> int:
+        return self.handle.num_fds if self.handle is not None else 0
+
+    @classmethod
+    def decode(cls, args: Mapping[str, Any], op: str) -> PagesMessage:
+        keys = _page_key_list(args, op)
+        handle = None
+        if op != "exists_pages":
+            name = "pages" if op == "put_pages" else "out"
+            handle = _handle(_get(args, op, name, dict), op, name)
+        after = _get(args, op, "after", bytes, optional=True) if op == "put_pages" else None
+        if after is not None and not 0 < len(after) <= MAX_PAGE_KEY:
+            raise ProtocolError(f"{op}: 'after' must be 1 to {MAX_PAGE_KEY} bytes")
+        return cls(keys, handle, after)
+
+
 @dataclass(frozen=True)
 class EmptyMessage:
     """clear, flush, stats: no arguments (any given are ignored)."""
@@ -299,6 +340,8 @@ def decode_args(op: str, args: Mapping[str, Any], nfds: int, *,
         msg = StageBytesMessage.decode(args, max_stage_bytes)
     elif op == "put_staged":
         msg = PutStagedMessage.decode(args)
+    elif op in ("put_pages", "get_pages", "exists_pages"):
+        msg = PagesMessage.decode(args, op)
     elif op in ("clear", "flush", "stats"):
         msg = EmptyMessage()
     else:

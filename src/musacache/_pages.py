@@ -1,0 +1,94 @@
+"""Key-addressed pages: the part of the core an engine that hashes its own pages uses.
+
+SGLang's HiCache (and engines like it) name each page of KV by a hash it computed itself over
+the page's tokens and every page before it, and never hand the tokens over. A page is then
+stored under ``blake2b(seed || len || engine key)``: the seed is the cache's fingerprint seed
+(namespace, KV spec, chunk size, format version, tenant), so pages of another model, shape or
+rank never collide, exactly as token chunks do. A page is one chunk of ``chunk_size`` tokens,
+so pages live in the same slots, tiers, eviction order, codec and storage objects as token
+chunks. Each page's parent is the page before it in the call (or ``after``), so the
+leaves-first eviction drops a sequence's tail before its head. The first page hangs from a
+page root no token chain reaches, so a token prompt never matches a page.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ._errors import DTypeError, InvalidInputError, ShapeError
+from ._keys import KEY_BYTES
+from ._spec import KVSpec, dtype_name
+
+__all__ = ["PageSource", "check_pages", "page_keys"]
+
+
+def _page_key(seed: bytes, key: str | bytes) -> bytes:
+    raw = key.encode() if isinstance(key, str) else bytes(key)
+    h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"musacache-page")
+    h.update(seed)
+    h.update(len(raw).to_bytes(4, "little"))
+    h.update(raw)
+    return h.digest()
+
+
+def page_root(seed: bytes) -> bytes:
+    return hashlib.blake2b(seed, digest_size=KEY_BYTES, person=b"musacache-pgrt").digest()
+
+
+def page_keys(seed: bytes, keys: Sequence[str | bytes], chunk_size: int,
+              after: str | bytes | None = None) -> list[tuple[int, int, bytes, bytes]]:
+    """``(start, end, parent, key)`` per page, as the token key chain gives per chunk."""
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
+        raise InvalidInputError(f"keys must be a sequence of str or bytes, got "
+                                f"{type(keys).__name__}")
+    for i, k in enumerate(keys):
+        if not isinstance(k, (str, bytes)) or not k:
+            raise InvalidInputError(f"keys[{i}] must be a non-empty str or bytes, got {k!r}")
+    parent = page_root(seed) if after is None else _page_key(seed, after)
+    out = []
+    for i, k in enumerate(keys):
+        key = _page_key(seed, k)
+        out.append((i * chunk_size, (i + 1) * chunk_size, parent, key))
+        parent = key
+    return out
+
+
+def check_pages(pages: Any, count: int, spec: KVSpec, chunk_size: int, what: str) -> None:
+    """Every page a CPU-or-device tensor of ``spec.dtype`` with the elements of one chunk."""
+    if isinstance(pages, torch.Tensor) or not isinstance(pages, Sequence):
+        raise InvalidInputError(f"{what} must be a sequence of tensors, got "
+                                f"{type(pages).__name__}")
+    if len(pages) != count:
+        raise InvalidInputError(f"{count} keys but {len(pages)} {what}")
+    numel = spec.nbytes(chunk_size) // torch.empty((), dtype=spec.dtype).element_size()
+    for i, p in enumerate(pages):
+        if not isinstance(p, torch.Tensor):
+            raise InvalidInputError(f"{what}[{i}] is a {type(p).__name__}, not a tensor")
+        if p.dtype != spec.dtype:
+            raise DTypeError(f"{what}[{i}] has dtype {dtype_name(p.dtype)}, the cache holds "
+                             f"{dtype_name(spec.dtype)}")
+        if p.numel() != numel:
+            raise ShapeError(f"{what}[{i}] has {p.numel()} elements (shape "
+                             f"{tuple(p.shape)}); a page of this cache has {numel} "
+                             f"({chunk_size} tokens of {spec.describe()})")
+
+
+def as_page(dst: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``dst`` (a whole chunk slot, contiguous) seen with ``like``'s shape."""
+    return dst.view(like.shape)
+
+
+class PageSource:
+    """The pages of a ``put_pages``, in the order of their keys (a ``ChunkSource``)."""
+
+    def __init__(self, pages: Sequence[torch.Tensor], chunk_size: int) -> None:
+        self.pages = pages
+        self.chunk_size = chunk_size
+
+    async def move(self, mover: Any, parts: Sequence[tuple[int, int, torch.Tensor]]) -> None:
+        await mover.copy([(as_page(dst, self.pages[s // self.chunk_size]),
+                           self.pages[s // self.chunk_size]) for s, _n, dst in parts])

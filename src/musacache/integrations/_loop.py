@@ -1,0 +1,83 @@
+"""A private asyncio loop on a daemon thread, for engines whose hooks are synchronous.
+
+vLLM and SGLang call their connectors from plain threads; musacache's client is async. Each
+connector owns one loop thread and submits coroutines to it. A hook that must have an answer
+waits with a timeout (:meth:`LoopThread.run`); a hook that must not block at all keeps the
+future and looks at it on a later call (:meth:`LoopThread.submit`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from .._errors import CacheUnavailableError
+
+T = TypeVar("T")
+
+__all__ = ["LoopThread"]
+
+
+class LoopThread:
+    """One event loop running on one daemon thread until :meth:`close`."""
+
+    def __init__(self, name: str) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+        self._ready.wait()
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.call_soon(self._ready.set)
+        self._loop.run_forever()
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Schedule ``coro`` on the loop; the returned future may be polled or waited on."""
+        if self._loop.is_closed() or not self._thread.is_alive():
+            coro.close()
+            raise CacheUnavailableError("the musacache loop thread is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
+        """Run ``coro`` and wait at most ``timeout`` seconds for its result.
+
+        On timeout the coroutine is cancelled (it releases what it holds) and
+        :class:`TimeoutError` is raised; its own exceptions propagate.
+        """
+        fut = self.submit(coro)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise TimeoutError(f"musacache call did not finish within {timeout} s") from None
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Cancel what still runs, stop the loop and join the thread."""
+        if self._loop.is_closed():
+            return
+
+        async def _cancel_all() -> None:
+            me = asyncio.current_task()
+            tasks = [t for t in asyncio.all_tasks() if t is not me]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        if self._thread.is_alive():
+            try:
+                asyncio.run_coroutine_threadsafe(_cancel_all(), self._loop).result(timeout)
+            except (concurrent.futures.TimeoutError, RuntimeError):
+                pass
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self._loop.close()

@@ -1,0 +1,154 @@
+"""The vLLM connector's scheduler-side arithmetic (SchedulerPlanner), by properties.
+
+These run with stand-ins for vLLM's objects here; tests/integrations/vllm_connector_cases.py
+runs the same properties with vLLM's own classes in the vLLM venv (tests/test_vllm.py).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).parent / "integrations"))
+
+from vllm_sim import Trace, done, run_request, standin_kinds
+
+from musacache.integrations._vllm_plan import RequestOp, SchedulerPlanner, slots_for
+
+
+def check_trace(prompt: list[int], cached_prefix: int, block_size: int, chunk_size: int,
+                planner: SchedulerPlanner, trace: Trace, preempted: bool) -> None:
+    """The properties every walk through the scheduler must have."""
+    ops = trace.ops
+    n = len(prompt)
+    # What is loaded: the cached prefix, less one token on a full hit, less what vLLM
+    # holds; exactly that range, once per admission that loads.
+    for local, ext, length in trace.admissions:
+        assert ext == max(0, min(cached_prefix, length - 1) - local)
+    loads = [op for op in ops if op.loads]
+    expected = [(local, local + ext) for local, ext, _len in trace.admissions if ext > 0]
+    assert [(op.load_start, op.load_end) for op in loads] == expected
+    # Saves: in order, never overlapping, each one that ends before the prompt does ends on
+    # a chunk boundary; together they cover the prompt past what the cache held.
+    saves = [(op.save_start, op.save_end) for op in ops if op.saves]
+    covered = min(cached_prefix, n)
+    for lo, hi in saves:
+        assert lo == covered, (saves, cached_prefix)
+        assert hi == n or hi % chunk_size == 0, (saves, n, chunk_size)
+        covered = hi
+    assert covered == n
+    # Tokens and slots: the request's own tokens, slots through its block list.
+    for op in ops:
+        span = len(op.token_ids)
+        assert list(op.token_ids) == (prompt + [7] * span)[:span]
+        assert op.slot_mapping.tolist() == slots_for(
+            _blocks_at(trace, op, block_size), block_size, span).tolist()
+    assert planner.tracked() == 0
+
+
+def _blocks_at(trace: Trace, op: RequestOp, block_size: int) -> list[int]:
+    """The block list the op's slots must come from (the admission it belongs to)."""
+    first = int(op.slot_mapping[0]) // block_size
+    for blocks in trace.block_ids:
+        if blocks and blocks[0] == first:
+            return blocks + list(range(blocks[-1] + 8, blocks[-1] + 8 + 64))
+    raise AssertionError(f"op {op} does not start in any admitted block list")
+
+
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(2, 1200), cached=st.integers(0, 1300), local=st.integers(0, 1200),
+       block_size=st.sampled_from([1, 16, 32]), chunk=st.sampled_from([16, 64, 256]),
+       budget=st.sampled_from([1 << 30, 64, 100, 512]),
+       polls=st.integers(0, 3))
+def test_prefill_loads_and_saves(n: int, cached: int, local: int, block_size: int, chunk: int,
+                                 budget: int, polls: int) -> None:
+    cached = min(cached, n)
+    prompt = list(range(1000, 1000 + n))
+    planner, trace = run_request(standin_kinds(), prompt=prompt, cached_prefix=cached,
+                                 local_prefix=local, block_size=block_size, chunk_size=chunk,
+                                 budget=budget, preempt_at=None, decode_steps=2,
+                                 pending_polls=polls)
+    check_trace(prompt, cached, block_size, chunk, planner, trace, preempted=False)
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(40, 900), cached=st.integers(0, 900), frac=st.floats(0.05, 1.0),
+       block_size=st.sampled_from([16, 32]), chunk=st.sampled_from([32, 256]))
+def test_preemption_and_resume(n: int, cached: int, frac: float, block_size: int,
+                               chunk: int) -> None:
+    cached = min(cached, n)
+    prompt = list(range(5, 5 + n))
+    planner, trace = run_request(standin_kinds(), prompt=prompt, cached_prefix=cached,
+                                 local_prefix=0, block_size=block_size, chunk_size=chunk,
+                                 budget=48, preempt_at=max(1, int(n * frac)), decode_steps=3)
+    check_trace(prompt, cached, block_size, chunk, planner, trace, preempted=True)
+    assert len(trace.block_ids) == 2  # admitted, preempted, admitted again
+
+
+def test_lookup_in_flight_answers_none_and_never_blocks() -> None:
+    never: concurrent.futures.Future[int] = concurrent.futures.Future()
+    planner = SchedulerPlanner(block_size=16, chunk_size=256, start_lookup=lambda t: never)
+
+    class Req:
+        request_id = "a"
+        prompt_token_ids = list(range(100))
+        all_token_ids = prompt_token_ids
+
+    for _ in range(5):
+        assert planner.num_new_matched_tokens(Req(), 0) == (None, False)
+    never.set_result(100)
+    assert planner.num_new_matched_tokens(Req(), 0) == (99, False)   # full hit: one less
+    assert planner.num_new_matched_tokens(Req(), 32) == (67, False)  # vLLM holds 32
+    assert planner.num_new_matched_tokens(Req(), 99) == (0, False)
+
+
+@pytest.mark.parametrize("exc", [TimeoutError("slow"), OSError("gone")])
+def test_failed_lookup_is_a_miss(exc: Exception) -> None:
+    f: concurrent.futures.Future[int] = concurrent.futures.Future()
+    f.set_exception(exc)
+    planner = SchedulerPlanner(block_size=16, chunk_size=256, start_lookup=lambda t: f)
+
+    class Req:
+        request_id = "a"
+        prompt_token_ids = list(range(50))
+        all_token_ids = prompt_token_ids
+
+    assert planner.num_new_matched_tokens(Req(), 0) == (0, False)
+    assert planner.stats.lookup_failures == 1
+
+
+def test_lookup_that_cannot_start_is_a_miss() -> None:
+    def boom(tokens: np.ndarray) -> concurrent.futures.Future[int]:
+        raise RuntimeError("loop closed")
+
+    planner = SchedulerPlanner(block_size=16, chunk_size=256, start_lookup=boom)
+
+    class Req:
+        request_id = "a"
+        prompt_token_ids = list(range(50))
+        all_token_ids = prompt_token_ids
+
+    assert planner.num_new_matched_tokens(Req(), 0) == (0, False)
+
+
+def test_prompt_embeddings_are_not_looked_up() -> None:
+    planner = SchedulerPlanner(block_size=16, chunk_size=256, start_lookup=lambda t: done(9))
+
+    class Req:
+        request_id = "a"
+        prompt_token_ids = None
+
+    assert planner.num_new_matched_tokens(Req(), 0) == (0, False)
+    assert planner.tracked() == 0
+
+
+def test_slots_follow_the_block_list() -> None:
+    assert slots_for([7, 2], 4, 6).tolist() == [28, 29, 30, 31, 8, 9]
+    with pytest.raises(ValueError, match="need 2 blocks"):
+        slots_for([7], 4, 6)
