@@ -68,6 +68,8 @@ from ._spec import KVSpec, dtype_from_name, dtype_name
 __all__ = [
     "LAYOUTS",
     "PagedKV",
+    "Pages",
+    "as_pages",
     "backend_for",
     "describe",
     "gather",
@@ -85,9 +87,14 @@ class _Layout:
     """One row of the layout table: everything musacache knows about an engine's layout.
 
     ``dims(shape)`` reads ``(kv, num_blocks, block_size, H, D)`` off a layer's shape;
-    ``planes(t)`` gives a layer's K and V (one for MLA) as ``[num_blocks, block_size, H, D]``
-    views; ``geometry(t)`` their element strides for the native path: ``(plane offsets,
-    block, slot, head)``.
+    ``planes(t)`` gives a tensor's K and V planes (one for MLA, and one per tensor for a
+    ``pair`` layout) as ``[num_blocks, block_size, H, D]`` views; ``geometry(t)`` their
+    element strides for the native path: ``(plane offsets, block, slot, head)``.
+    ``check_shape(shape, name)`` refuses what ``dims`` cannot tell apart, ``check(t, name,
+    which)`` what the strides rule out. ``pair``: the engine hands ``(k_buffers, v_buffers)``
+    (two tensors a layer, K then V) instead of one list. ``stacked``: a layer is
+    ``[2, num_blocks, block_size, H, D]``, so K and V merge into one ``[2, num_slots, H, D]``
+    view on the device. ``aiter``: a format MUSA-Aiter's paged-KV kernels take as is.
     """
 
     name: str
@@ -98,6 +105,10 @@ class _Layout:
     geometry: Any
     mla: bool = False
     check: Any = None
+    check_shape: Any = None
+    pair: bool = False
+    stacked: bool = False
+    aiter: bool = False
 
 
 def _packed_dims(shape: tuple[int, ...], name: str) -> tuple[int, int, int, int, int]:
@@ -106,6 +117,21 @@ def _packed_dims(shape: tuple[int, ...], name: str) -> tuple[int, int, int, int,
         raise ShapeError(f"{name} layer 0 has shape {shape}: its last dim holds K and V "
                          f"(2*D) and must be even")
     return 2, nb, bs, h, d2 // 2
+
+
+def _kv_dim_check(dim: int, pretty: str) -> Any:
+    def check(shape: tuple[int, ...], name: str) -> None:
+        kv = shape[dim]
+        if kv != 2:
+            raise ShapeError(f"{name} layer 0 has shape {shape}: the K/V dim is {kv}, not 2; "
+                             f"the layout wants {pretty}")
+    return check
+
+
+def _one_head_check(shape: tuple[int, ...], name: str) -> None:
+    if shape[1] != 1:
+        raise ShapeError(f"{name} layer 0 has shape {shape}; the layout wants "
+                         "[num_slots, 1, D] (dim 1 must be 1)")
 
 
 def _cpu_packed_check(t: torch.Tensor, name: str, which: str) -> None:
@@ -127,27 +153,34 @@ _TABLE: dict[str, _Layout] = {row.name: row for row in (
     _Layout("vllm", 5, "[2, num_blocks, block_size, H, D]",
             dims=lambda sh, n: tuple(sh),
             planes=lambda t: [t[0], t[1]],
-            geometry=lambda t, s: ((0, s[0]), s[1], s[2], s[3])),
+            geometry=lambda t, s: ((0, s[0]), s[1], s[2], s[3]),
+            check_shape=_kv_dim_check(0, "[2, num_blocks, block_size, H, D]"),
+            stacked=True, aiter=True),
     _Layout("vllm-mla", 3, "[num_blocks, block_size, D]",
             dims=lambda sh, n: (1, sh[0], sh[1], 1, sh[2]),
             planes=lambda t: [t.unsqueeze(2)],
-            geometry=lambda t, s: ((0,), s[0], s[1], 0), mla=True),
-    _Layout("sglang", 3, "[num_slots, H, D]",
+            geometry=lambda t, s: ((0,), s[0], s[1], 0), mla=True, aiter=True),
+    # SGLang's MHA pool: per layer a K buffer and a V buffer, each [num_slots, H, D].
+    _Layout("sglang", 3, "a pair (k_buffers, v_buffers), each a list of [num_slots, H, D]",
             dims=lambda sh, n: (2, sh[0], 1, sh[1], sh[2]),
-            planes=None,  # a (k_buffers, v_buffers) pair: see _paged_planes
-            geometry=lambda t, s: ((0,), s[0], s[0], s[1])),
+            planes=lambda t: [t.unsqueeze(1)],
+            geometry=lambda t, s: ((0,), s[0], s[0], s[1]), pair=True),
+    # MUSA-Aiter's MLA format with a block size of 1.
     _Layout("sglang-mla", 3, "[num_slots, 1, D]",
             dims=lambda sh, n: (1, sh[0], 1, sh[1], sh[2]),
             planes=lambda t: [t.unsqueeze(1)],
-            geometry=lambda t, s: ((0,), s[0], s[0], s[1]), mla=True),
+            geometry=lambda t, s: ((0,), s[0], s[0], s[1]), mla=True,
+            check_shape=_one_head_check, aiter=True),
     _Layout("flashinfer", 5, "[num_blocks, 2, block_size, H, D]",
             dims=lambda sh, n: (sh[1], sh[0], sh[2], sh[3], sh[4]),
             planes=lambda t: [t[:, 0], t[:, 1]],
-            geometry=lambda t, s: ((0, s[1]), s[0], s[2], s[3])),
+            geometry=lambda t, s: ((0, s[1]), s[0], s[2], s[3]),
+            check_shape=_kv_dim_check(1, "[num_blocks, 2, block_size, H, D]")),
     _Layout("vllm-hnd", 5, "[2, num_blocks, H, block_size, D]",
             dims=lambda sh, n: (sh[0], sh[1], sh[3], sh[2], sh[4]),
             planes=lambda t: [t[0].transpose(1, 2), t[1].transpose(1, 2)],
-            geometry=lambda t, s: ((0, s[0]), s[1], s[3], s[2])),
+            geometry=lambda t, s: ((0, s[0]), s[1], s[3], s[2]),
+            check_shape=_kv_dim_check(0, "[2, num_blocks, H, block_size, D]")),
     # vLLM >= 0.32: one logical [num_blocks, H, block_size, 2*D] tensor per layer, read two
     # ways. GPU attention backends: K is [..., :D] and V is [..., D:], the first three dims in
     # any physical order.
@@ -176,7 +209,6 @@ _PRETTY = {name: row.pretty for name, row in _TABLE.items()}
 # indexing kernels) and NaN payloads go through unchanged.
 _BITS_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
-_AITER_LAYOUTS = frozenset({"vllm", "vllm-mla", "sglang-mla"})
 _AITER_ABI = 1
 _AITER_SYMBOLS = (
     "lmcache_kv_paged_to_buffer",
@@ -209,21 +241,22 @@ class PagedKV:
 
 
 def _layer_list(kv_caches: object, layout: str) -> list[torch.Tensor]:
-    """The layout's tensors, in plane order (for sglang: all K buffers, then all V buffers)."""
-    if layout == "sglang":
+    """The layout's tensors, in plane order (a pair layout: all K buffers, then all V)."""
+    row = _TABLE[layout]
+    if row.pair:
         if not isinstance(kv_caches, (tuple, list)) or len(kv_caches) != 2:
             raise LayoutError(
-                "the sglang layout takes a pair (k_buffers, v_buffers), got "
+                f"the {layout} layout takes a pair (k_buffers, v_buffers), got "
                 f"{type(kv_caches).__name__}"
                 + (f" of length {len(kv_caches)}" if isinstance(kv_caches, (tuple, list)) else "")
             )
         k_buffers, v_buffers = kv_caches
         for name, buffers in (("k_buffers", k_buffers), ("v_buffers", v_buffers)):
             if not isinstance(buffers, (tuple, list)):
-                raise LayoutError(f"sglang {name} must be a list of tensors, got "
+                raise LayoutError(f"{layout} {name} must be a list of tensors, got "
                                   f"{type(buffers).__name__}")
         if len(k_buffers) != len(v_buffers):
-            raise LayoutError(f"sglang has {len(k_buffers)} K buffers but {len(v_buffers)} "
+            raise LayoutError(f"{layout} has {len(k_buffers)} K buffers but {len(v_buffers)} "
                               "V buffers")
         tensors = [*k_buffers, *v_buffers]
     else:
@@ -231,14 +264,22 @@ def _layer_list(kv_caches: object, layout: str) -> list[torch.Tensor]:
             raise LayoutError(f"the {layout} layout takes a list of per-layer tensors, got "
                               f"{type(kv_caches).__name__}")
         tensors = list(kv_caches)
+    return _check_tensors(tensors, layout)
+
+
+def _check_tensors(tensors: list[torch.Tensor], layout: str) -> list[torch.Tensor]:
+    """Check a flat tensor list (plane order) against ``layout``."""
     if not tensors:
         raise LayoutError(f"the {layout} layout needs at least one layer, got none")
     if not all(isinstance(t, torch.Tensor) for t in tensors):
         i = next(i for i, t in enumerate(tensors) if not isinstance(t, torch.Tensor))
         raise LayoutError(f"{layout} {_tensor_name(layout, i, len(tensors))} is a "
                           f"{type(tensors[i]).__name__}, not a torch.Tensor")
+    if _TABLE[layout].pair and len(tensors) % 2:
+        raise LayoutError(f"the {layout} layout has as many K as V buffers; got "
+                          f"{len(tensors)} tensors")
     first = tensors[0]
-    # Fast checks first (this runs on every transfer); the loop below only finds the culprit.
+    # Fast checks first; the loop below only finds the culprit.
     uniform = (all(t.shape == first.shape for t in tensors)
                and len({t.dtype for t in tensors}) == 1
                and len({t.device for t in tensors}) == 1)
@@ -246,7 +287,7 @@ def _layer_list(kv_caches: object, layout: str) -> list[torch.Tensor]:
         name = _tensor_name(layout, i, len(tensors))
         first_name = _tensor_name(layout, 0, len(tensors))
         if t.dim() != _RANK[layout]:
-            if t.dim() == 4 and layout in ("vllm", "vllm-hnd", "flashinfer"):
+            if t.dim() == 4 and _RANK[layout] == 5:
                 raise ShapeError(
                     f"{layout} {name} has shape {tuple(t.shape)}: a 4-D tensor is vLLM's "
                     "packed [num_blocks, H, block_size, 2*D] layout, which its attention "
@@ -276,65 +317,194 @@ def _layer_list(kv_caches: object, layout: str) -> list[torch.Tensor]:
 
 def _tensor_name(layout: str, index: int, count: int) -> str:
     """How error messages name the tensor at ``index`` of the flat tensor list."""
-    if layout == "sglang":
+    if _TABLE[layout].pair:
         half = count // 2
         return f"k_buffers[{index}]" if index < half else f"v_buffers[{index - half}]"
     return f"layer {index}"
 
 
-def describe(kv_caches: object, layout: str) -> PagedKV:
-    """Check ``kv_caches`` against ``layout`` and say what it holds.
+def describe(kv_caches: object, layout: str | None = None) -> PagedKV:
+    """Check ``kv_caches`` against ``layout`` and say what it holds (``kv_caches`` may also
+    be a :class:`Pages`, which was checked when it was opened).
 
     Raises LayoutError (unknown layout, wrong container), ShapeError, DTypeError or
     DeviceError, naming the offending layer and the values that disagree.
     """
-    return _describe(kv_caches, layout)[0]
+    return as_pages(kv_caches, layout).info
 
 
-def _describe(kv_caches: object, layout: str) -> tuple[PagedKV, list[torch.Tensor]]:
+def _check_layout(layout: object) -> str:
     if not isinstance(layout, str) or layout not in LAYOUTS:
         raise LayoutError(f"unknown paged layout {layout!r}; use one of {LAYOUTS}")
-    tensors = _layer_list(kv_caches, layout)
+    return layout
+
+
+def _describe(tensors: list[torch.Tensor], layout: str) -> PagedKV:
+    """What the checked flat tensor list holds (the rest of the checks)."""
     first = tensors[0]
     try:
         dtype_from_name(first.dtype)
     except ConfigError as exc:
         raise DTypeError(f"{layout} caches have dtype {dtype_name(first.dtype)}: {exc}") from None
     shape = tuple(first.shape)
-    num_layers = len(tensors) // 2 if layout == "sglang" else len(tensors)
     row = _TABLE[layout]
-    kv, nb, bs, h, d = row.dims(shape, layout)
-    if layout == "sglang-mla" and shape[1] != 1:
-        raise ShapeError(f"sglang-mla layer 0 has shape {shape}; the layout wants "
-                         f"{_PRETTY[layout]} (dim 1 must be 1)")
+    num_layers = len(tensors) // 2 if row.pair else len(tensors)
+    _, nb, bs, h, d = row.dims(shape, layout)
+    if row.check_shape is not None:
+        row.check_shape(shape, layout)
     if row.check is not None:
         for i, t in enumerate(tensors):
             row.check(t, layout, _tensor_name(layout, i, len(tensors)))
-    if layout in ("vllm", "flashinfer", "vllm-hnd") and kv != 2:
-        raise ShapeError(f"{layout} layer 0 has shape {shape}: the K/V dim is {kv}, not 2; the "
-                         f"layout wants {_PRETTY[layout]}")
     if min(nb, bs, h, d) <= 0:
         raise ShapeError(f"{layout} layer 0 has shape {shape}: every dim must be positive")
     info = PagedKV(layout=layout, num_layers=num_layers, num_kv_heads=h, head_dim=d,
                    dtype=first.dtype, device=first.device, num_slots=nb * bs, block_size=bs,
-                   mla=layout in _MLA_LAYOUTS)
-    return info, tensors
+                   mla=row.mla)
+    return info
 
 
-def _paged_planes(kv_caches: object, layout: str) -> list[list[torch.Tensor]]:
+class Pages:
+    """An engine's paged KV caches, checked once and described once.
+
+    Open it once, when the engine allocates its caches: ``Pages.open(kv_caches, layout)``
+    (or ``Pages(kv_caches, layout)``). It holds the tensors, their layout's row of the
+    layout table, what they hold (``info``: spec, ``num_slots``, device) and what the
+    native and device paths address them by (per tensor its byte span and strides, per
+    plane which tensor it lies in). Every function here that takes ``kv_caches`` and a
+    ``layout`` also takes a ``Pages`` (and no layout, or the same one); so do
+    :meth:`musacache.Cache.store` / ``retrieve`` and the client's ``register_kv_caches``.
+    Passing one skips the per-call description of the caches.
+
+    Frozen: the tensors' memory must stay where it was (an engine never moves its pages);
+    open a new ``Pages`` if the caches are reallocated.
+
+    Raises LayoutError (unknown layout, wrong container), ShapeError, DTypeError or
+    DeviceError before anything else happens.
+    """
+
+    __slots__ = ("geometry", "info", "layout", "plane_table", "row", "spans", "tensors")
+
+    layout: str
+    row: _Layout
+    tensors: tuple[torch.Tensor, ...]
+    info: PagedKV
+    spans: tuple[tuple[int, int], ...]
+    geometry: tuple[tuple[tuple[int, ...], int, int, int], ...]
+    plane_table: tuple[tuple[int, int, int, int], ...]
+
+    def __init__(self, kv_caches: object, layout: str = "vllm") -> None:
+        name = _check_layout(layout)
+        self._fill(name, _layer_list(kv_caches, name))
+
+    @classmethod
+    def open(cls, kv_caches: object, layout: str = "vllm") -> Pages:
+        """Check and describe ``kv_caches`` in ``layout`` (see :data:`LAYOUTS`)."""
+        return cls(kv_caches, layout)
+
+    @classmethod
+    def from_tensors(cls, tensors: Sequence[torch.Tensor], layout: str) -> Pages:
+        """From the flat tensor list :attr:`tensors` (how pages cross a process boundary)."""
+        name = _check_layout(layout)
+        if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
+            raise LayoutError(f"tensors must be a list of tensors, got {type(tensors).__name__}")
+        pages = cls.__new__(cls)
+        pages._fill(name, _check_tensors(list(tensors), name))
+        return pages
+
+    def _fill(self, layout: str, tensors: list[torch.Tensor]) -> None:
+        info = _describe(tensors, layout)
+        row = _TABLE[layout]
+        values = {
+            "layout": layout, "row": row, "tensors": tuple(tensors), "info": info,
+            "spans": tuple(_byte_span(t) for t in tensors),
+            "geometry": tuple(row.geometry(t, t.stride()) for t in tensors),
+            "plane_table": _plane_table(row, info.num_layers),
+        }
+        for key, value in values.items():
+            object.__setattr__(self, key, value)
+
+    def __setattr__(self, key: str, value: object) -> None:
+        raise dataclasses.FrozenInstanceError(f"Pages is frozen: cannot set {key!r}")
+
+    def __delattr__(self, key: str) -> None:
+        raise dataclasses.FrozenInstanceError(f"Pages is frozen: cannot delete {key!r}")
+
+    def __repr__(self) -> str:
+        return (f"Pages({self.layout!r}, {self.spec.describe()}, num_slots={self.num_slots}, "
+                f"device={self.device})")
+
+    @property
+    def spec(self) -> KVSpec:
+        """The :class:`KVSpec` of the dense tensors these pages gather to and scatter from."""
+        return self.info.spec()
+
+    @property
+    def num_slots(self) -> int:
+        return self.info.num_slots
+
+    @property
+    def device(self) -> torch.device:
+        return self.info.device
+
+    @property
+    def kv_caches(self) -> object:
+        """The tensors in the container the layout takes (a pair layout: ``(k, v)`` lists)."""
+        if self.row.pair:
+            n = self.info.num_layers
+            return (list(self.tensors[:n]), list(self.tensors[n:]))
+        return list(self.tensors)
+
+    def layers(self, start: int, stop: int) -> Pages:
+        """The pages of layers ``start:stop`` (no new checks: a subset of checked pages)."""
+        n = self.info.num_layers
+        if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start < stop <= n):
+            raise InvalidInputError(f"layers({start!r}, {stop!r}) is not a non-empty range "
+                                    f"of the {n} layers")
+        index = ([*range(start, stop), *range(n + start, n + stop)] if self.row.pair
+                 else list(range(start, stop)))
+        pages = Pages.__new__(Pages)
+        for key, value in {
+            "layout": self.layout, "row": self.row,
+            "tensors": tuple(self.tensors[i] for i in index),
+            "info": dataclasses.replace(self.info, num_layers=stop - start),
+            "spans": tuple(self.spans[i] for i in index),
+            "geometry": tuple(self.geometry[i] for i in index),
+            "plane_table": _plane_table(self.row, stop - start),
+        }.items():
+            object.__setattr__(pages, key, value)
+        return pages
+
+
+def as_pages(kv_caches: object, layout: str | None = None, *, default: str = "vllm") -> Pages:
+    """``kv_caches`` as :class:`Pages`: itself when it is one (``layout`` must then be None
+    or its layout), else opened in ``layout`` (``default`` when None). This is what every
+    public entry point that takes raw caches runs once, at its boundary."""
+    if isinstance(kv_caches, Pages):
+        if layout is not None and layout != kv_caches.layout:
+            raise LayoutError(f"these pages are in the {kv_caches.layout!r} layout, not "
+                              f"{layout!r}")
+        return kv_caches
+    return Pages(kv_caches, default if layout is None else layout)
+
+
+def _plane_table(row: _Layout, num_layers: int) -> tuple[tuple[int, int, int, int], ...]:
+    """``(tensor index, plane within it, layer, K/V)`` per plane, layer-major, K first."""
+    if row.pair:
+        return tuple((i + k * num_layers, 0, i, k) for i in range(num_layers) for k in range(2))
+    kv = 1 if row.mla else 2
+    return tuple((i, k, i, k) for i in range(num_layers) for k in range(kv))
+
+
+def _paged_planes(pages: Pages) -> list[list[torch.Tensor]]:
     """Per layer, the K and V (one for MLA) views ``[num_blocks, block_size, H, D]``.
 
     They are views: writing into them writes into the caches.
     """
-    if layout == "sglang":
-        k_buffers: Sequence[torch.Tensor]
-        v_buffers: Sequence[torch.Tensor]
-        k_buffers, v_buffers = kv_caches  # type: ignore[misc]
-        pairs = zip(k_buffers, v_buffers, strict=True)
-        return [[k.unsqueeze(1), v.unsqueeze(1)] for k, v in pairs]
-    layers: Sequence[torch.Tensor] = kv_caches  # type: ignore[assignment]
-    planes = _TABLE[layout].planes
-    return [planes(t) for t in layers]
+    views = [pages.row.planes(t) for t in pages.tensors]
+    layers: list[list[torch.Tensor]] = [[] for _ in range(pages.info.num_layers)]
+    for index, within, layer, _ in pages.plane_table:
+        layers[layer].append(views[index][within])
+    return layers
 
 
 def _dense_planes(dense: torch.Tensor, mla: bool) -> list[list[torch.Tensor]]:
@@ -425,18 +595,32 @@ def _check_threads(threads: object) -> int | None:
     return threads
 
 
+class _OnPages:
+    pages: Pages
+
+    @property
+    def info(self) -> PagedKV:
+        return self.pages.info
+
+    @property
+    def caches(self) -> list[torch.Tensor]:
+        return list(self.pages.tensors)
+
+    @property
+    def cache_spans(self) -> tuple[tuple[int, int], ...]:
+        return self.pages.spans
+
+
 @dataclass(frozen=True)
-class _Call:
-    info: PagedKV
-    caches: list[torch.Tensor]
-    cache_spans: list[tuple[int, int]]  # [start, end) byte addresses, as caches
+class _Call(_OnPages):
+    pages: Pages
     slots: torch.Tensor
     threads: int | None
 
 
-def _prepare(kv_caches: object, layout: str, dense: object, what: str, slot_mapping: object,
+def _prepare(pages: Pages, dense: object, what: str, slot_mapping: object,
              threads: object) -> _Call:
-    info, caches = _describe(kv_caches, layout)
+    info = pages.info
     if not isinstance(dense, torch.Tensor):
         raise ShapeError(f"{what} must be a torch.Tensor, got {type(dense).__name__}")
     num_tokens = info.spec().check_dense(dense, what=what)
@@ -449,10 +633,9 @@ def _prepare(kv_caches: object, layout: str, dense: object, what: str, slot_mapp
     slots = _as_slots(slot_mapping, num_tokens)
     _check_slot_range(slots, info.num_slots)
     nthreads = _check_threads(threads)
-    # All caches share one device (checked by _describe), and so does `dense` by now.
-    spans = [_byte_span(c) for c in caches]
-    _check_no_alias(dense, what, spans)
-    return _Call(info, caches, spans, slots, nthreads)
+    # All caches share one device (checked by Pages), and so does `dense` by now.
+    _check_no_alias(dense, what, pages.spans)
+    return _Call(pages, slots, nthreads)
 
 
 def _on_device(call: _Call) -> _Call:
@@ -515,14 +698,8 @@ def _valid_tokens(slots: torch.Tensor) -> torch.Tensor | None:
 # native ------------------------------------------------------------------------------------
 
 
-def _layer_geometry(t: torch.Tensor, layout: str) -> tuple[tuple[int, ...], int, int, int]:
-    """Element strides of one cache tensor: (offsets of its K/V planes, block, slot, head)."""
-    geometry: tuple[tuple[int, ...], int, int, int] = _TABLE[layout].geometry(t, t.stride())
-    return geometry
-
-
 def _native_transfer(call: _Call, dense: torch.Tensor, to_dense: bool) -> None:
-    _native_rows(call.info, call.caches, call.cache_spans, call.slots, [dense],
+    _native_rows(call.pages, call.slots, [dense],
                  [0, int(call.slots.shape[0])], to_dense, call.threads)
 
 
@@ -534,9 +711,8 @@ def _dense_strides(dense: torch.Tensor, mla: bool) -> tuple[int, int, int, int]:
     return ds[0], ds[1], ds[2], ds[3]
 
 
-def _native_rows(info: PagedKV, caches: list[torch.Tensor], cache_spans: list[tuple[int, int]],
-                 slots: torch.Tensor, denses: list[torch.Tensor], starts: Sequence[int],
-                 to_dense: bool, threads: int | None) -> None:
+def _native_rows(pages: Pages, slots: torch.Tensor, denses: list[torch.Tensor],
+                 starts: Sequence[int], to_dense: bool, threads: int | None) -> None:
     """One C call per group of planes with equal strides (one group for a normal model),
     covering every chunk: chunk ``k`` (tokens ``starts[k]:starts[k + 1]``) is ``denses[k]``.
 
@@ -547,6 +723,7 @@ def _native_rows(info: PagedKV, caches: list[torch.Tensor], cache_spans: list[tu
     kept = [(d, a, b) for d, a, b in zip(denses, starts, starts[1:]) if b > a]
     if not kept:
         return
+    info, cache_spans = pages.info, pages.spans
     itemsize = kept[0][0].element_size()
     h, d = info.num_kv_heads, info.head_dim
     strides = [_dense_strides(x, info.mla) for x, _, _ in kept]
@@ -555,8 +732,7 @@ def _native_rows(info: PagedKV, caches: list[torch.Tensor], cache_spans: list[tu
     if len(kept) > 1 and (len(token_strides) > 1 or (h > 1 and len(head_strides) > 1)):
         # Chunks strided unlike each other cannot share one row geometry: one call each.
         for x, a, b in kept:
-            _native_rows(info, caches, cache_spans, slots[a:b], [x], [0, b - a], to_dense,
-                         threads)
+            _native_rows(pages, slots[a:b], [x], [0, b - a], to_dense, threads)
         return
     dense_token = strides[0][2]
     dense_head = strides[0][3]
@@ -568,14 +744,8 @@ def _native_rows(info: PagedKV, caches: list[torch.Tensor], cache_spans: list[tu
         [slots[a:b] for _, a, b in kept])).contiguous().numpy()
     dense_info = [(x.data_ptr(), _byte_span(x)[1], st) for (x, _, _), st in zip(kept, strides)]
 
-    # (cache tensor index, K/V plane within it, layer, K/V) per plane, layer-major, K first.
-    num_layers = info.num_layers
-    if info.layout == "sglang":
-        planes = [(i + k * num_layers, 0, i, k) for i in range(num_layers) for k in range(2)]
-    else:
-        kv = 1 if info.mla else 2
-        planes = [(i, k, i, k) for i in range(num_layers) for k in range(kv)]
-    geometry = [_layer_geometry(c, info.layout) for c in caches]
+    planes = pages.plane_table
+    geometry = pages.geometry
 
     # Per group: paged bases and extents, then per chunk its dense bases and extents.
     Group = tuple[list[int], list[int], list[list[int]], list[list[int]]]
@@ -643,11 +813,10 @@ def _slot_rows(plane: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def _torch_transfer(call: _Call, kv_caches: object, dense: torch.Tensor, to_dense: bool) -> None:
+def _torch_transfer(call: _Call, dense: torch.Tensor, to_dense: bool) -> None:
     """The device path of :func:`gather` and :func:`scatter`: ``dense`` as a one-chunk request."""
     slots = call.slots if call.slots.device.type == "cpu" else call.slots.cpu()
-    request = _Chunks(call.info, call.caches, call.cache_spans, slots, [dense],
-                      [0, int(slots.shape[0])])
+    request = _Chunks(call.pages, slots, [dense], [0, int(slots.shape[0])])
     _device_chunks(request, to_dense, stream=None)
 
 
@@ -658,20 +827,17 @@ STAGING_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
-class _Chunks:
+class _Chunks(_OnPages):
     """A checked request: ``denses[k]`` holds tokens ``starts[k]:starts[k + 1]``."""
 
-    info: PagedKV
-    caches: list[torch.Tensor]
-    cache_spans: list[tuple[int, int]]
+    pages: Pages
     slots: torch.Tensor  # int64 on the CPU, range-checked
     denses: list[torch.Tensor]
     starts: list[int]
 
 
-def _prepare_chunks(kv_caches: object, layout: str, denses: object, what: str,
-                    slot_mapping: object) -> _Chunks:
-    info, caches = _describe(kv_caches, layout)
+def _prepare_chunks(pages: Pages, denses: object, what: str, slot_mapping: object) -> _Chunks:
+    info = pages.info
     if isinstance(denses, torch.Tensor) or not isinstance(denses, (list, tuple)):
         raise InvalidInputError(f"{what} must be a list of chunk tensors, got "
                                 f"{type(denses).__name__}")
@@ -694,7 +860,7 @@ def _prepare_chunks(kv_caches: object, layout: str, denses: object, what: str,
         slot_mapping = slot_mapping.cpu()
     slots = _as_slots(slot_mapping, starts[-1], holder=f"the {len(denses)} chunks together")
     _check_slot_range(slots, info.num_slots)
-    spans = [_byte_span(c) for c in caches]
+    spans = pages.spans
     written: list[tuple[int, int, int]] = []
     for i, dense in enumerate(denses):
         if dense.device == info.device:
@@ -706,7 +872,7 @@ def _prepare_chunks(kv_caches: object, layout: str, denses: object, what: str,
         if start < end:
             raise InvalidInputError(f"{what}[{i}] and {what}[{j}] overlap; each chunk needs "
                                     "its own memory")
-    return _Chunks(info, caches, spans, slots, list(denses), starts)
+    return _Chunks(pages, slots, list(denses), starts)
 
 
 def _device_visible(dense: torch.Tensor, device: torch.device) -> bool:
@@ -753,7 +919,7 @@ def _fused_transfer(request: _Chunks, to_dense: bool) -> bool:
     h, d = info.num_kv_heads, info.head_dim
     if d > 1 and any(x.stride(-1) != 1 for x in [*request.caches, *request.denses]):
         return False
-    geometry = [_layer_geometry(c, info.layout) for c in request.caches]
+    geometry = request.pages.geometry
     if len({g[1:] for g in geometry}) != 1:
         return False  # layers strided unlike each other: not one kernel
     _, block, slot, head = geometry[0]
@@ -765,13 +931,9 @@ def _fused_transfer(request: _Chunks, to_dense: bool) -> bool:
     num_planes = 1 if info.mla else 2
     itemsize = info.dtype.itemsize
     page_table = np.empty((num_layers, num_planes), dtype=np.int64)
-    for layer in range(num_layers):
-        for plane in range(num_planes):
-            index, within = ((layer + plane * num_layers, 0) if info.layout == "sglang"
-                             else (layer, plane))
-            offsets = geometry[index][0]
-            page_table[layer, plane] = (request.cache_spans[index][0]
-                                        + offsets[within] * itemsize)
+    for index, within, layer, plane in request.pages.plane_table:
+        page_table[layer, plane] = (request.cache_spans[index][0]
+                                    + geometry[index][0][within] * itemsize)
     chunk_table = np.array([(x.data_ptr(), *st) for x, st in zip(request.denses, strides)],
                            dtype=np.int64).reshape(-1)
     counts: np.ndarray[Any, Any] = np.diff(np.asarray(request.starts, dtype=np.int64))
@@ -802,10 +964,10 @@ def _layer_rows(request: _Chunks) -> list[list[tuple[torch.Tensor | None, int | 
     slot dim without a copy.
     """
     info = request.info
-    planes = _paged_planes(_regroup(request), info.layout)
+    planes = _paged_planes(request.pages)
     layers: list[list[tuple[torch.Tensor | None, int | None]]] = []
     for layer in range(info.num_layers):
-        if info.layout == "vllm":
+        if request.pages.row.stacked:
             kv, nb, bs, h, d = request.caches[layer].shape
             try:
                 layers.append([(_bits(request.caches[layer]).view(kv, nb * bs, h, d), None)])
@@ -831,7 +993,7 @@ def _staged_transfer(request: _Chunks, to_dense: bool) -> None:
     valid = slots >= 0
     window = max(1, STAGING_BYTES // max(1, spec.nbytes(1)))
     layers = _layer_rows(request)
-    planes = _paged_planes(_regroup(request), info.layout)
+    planes = _paged_planes(request.pages)
     bits = _BITS_DTYPE[info.dtype.itemsize]
     for a in range(0, request.starts[-1], window):
         b = min(request.starts[-1], a + window)
@@ -871,14 +1033,6 @@ def _staged_transfer(request: _Chunks, to_dense: bool) -> None:
                     stage.narrow(token_dim, s0, s1 - s0), non_blocking=True)
 
 
-def _regroup(request: _Chunks) -> object:
-    """The caches in the container their layout expects (sglang: a K list and a V list)."""
-    if request.info.layout == "sglang":
-        n = request.info.num_layers
-        return (request.caches[:n], request.caches[n:])
-    return request.caches
-
-
 def _move_rows(rows: torch.Tensor | None, planes: list[torch.Tensor], which: int | None,
                stage: torch.Tensor, index: torch.Tensor, tokens: torch.Tensor | None,
                to_dense: bool, info: PagedKV) -> None:
@@ -915,7 +1069,7 @@ def _aiter_window(module: Any, request: _Chunks, stage: torch.Tensor,
                   slots: np.ndarray[Any, Any], to_dense: bool) -> bool:
     """MUSA-Aiter over one staging window; False when it declines (torch ops then run)."""
     info = request.info
-    call = _Call(info, request.caches, request.cache_spans, _to_device(slots, info.device), None)
+    call = _Call(request.pages, _to_device(slots, info.device), None)
     return _aiter_transfer(module, call, stage.view(info.dtype), to_dense)
 
 
@@ -934,7 +1088,7 @@ def _aiter_transfer(module: Any, call: _Call, dense: torch.Tensor, to_dense: boo
     sees, and a rejected scatter is redone in full by torch ops (the result is the same).
     """
     info = call.info
-    if info.layout not in _AITER_LAYOUTS:
+    if not call.pages.row.aiter:
         return False
     # vllm [2, NB, BS, H, D] and vllm-mla [NB, BS, D] are MUSA-Aiter's own formats; an
     # sglang-mla [num_slots, 1, D] cache is its MLA format with a block size of 1.
@@ -986,9 +1140,12 @@ def _aiter_transfer(module: Any, call: _Call, dense: torch.Tensor, to_dense: boo
 # -- public API -----------------------------------------------------------------------------
 
 
-def gather(kv_caches: object, slot_mapping: object, out: torch.Tensor, layout: str, *,
-           threads: int | None = None) -> None:
+def gather(kv_caches: object, slot_mapping: object, out: torch.Tensor,
+           layout: str | None = None, *, threads: int | None = None) -> None:
     """Copy the paged KV of ``slot_mapping``'s slots into ``out``.
+
+    ``kv_caches`` is a :class:`Pages`, or raw caches in ``layout`` (then opened here, once
+    per call; ``layout`` is required with raw caches).
 
     ``out`` is ``(L, 2, T, H, D)``, or ``(L, T, D)`` for MLA layouts, with the caches' dtype
     and device; any strides (a view with a non-contiguous last dim is staged through a
@@ -999,7 +1156,7 @@ def gather(kv_caches: object, slot_mapping: object, out: torch.Tensor, layout: s
     Raises LayoutError, ShapeError, DTypeError, DeviceError, SlotRangeError or
     InvalidInputError before anything is written; NativeError if the C code fails.
     """
-    call = _prepare(kv_caches, layout, out, "out", slot_mapping, threads)
+    call = _prepare(_pages_arg(kv_caches, layout), out, "out", slot_mapping, threads)
     if out.numel() == 0:
         return
     backend = backend_for(call.caches[0])
@@ -1010,11 +1167,11 @@ def gather(kv_caches: object, slot_mapping: object, out: torch.Tensor, layout: s
         module = _musa_aiter()
         if module is not None and _aiter_transfer(module, _on_device(call), out, to_dense=True):
             return
-    _torch_transfer(call, kv_caches, out, to_dense=True)
+    _torch_transfer(call, out, to_dense=True)
 
 
-def scatter(src: torch.Tensor, kv_caches: object, slot_mapping: object, layout: str, *,
-            threads: int | None = None) -> None:
+def scatter(src: torch.Tensor, kv_caches: object, slot_mapping: object,
+            layout: str | None = None, *, threads: int | None = None) -> None:
     """Write the dense KV ``src`` into the paged caches at ``slot_mapping``'s slots.
 
     ``src`` is ``(L, 2, T, H, D)`` or ``(L, T, D)`` (MLA), any strides. Tokens whose slot is
@@ -1023,7 +1180,7 @@ def scatter(src: torch.Tensor, kv_caches: object, slot_mapping: object, layout: 
 
     Raises the same errors as :func:`gather`, before anything is written.
     """
-    call = _prepare(kv_caches, layout, src, "src", slot_mapping, threads)
+    call = _prepare(_pages_arg(kv_caches, layout), src, "src", slot_mapping, threads)
     if src.numel() == 0:
         return
     backend = backend_for(call.caches[0])
@@ -1034,14 +1191,15 @@ def scatter(src: torch.Tensor, kv_caches: object, slot_mapping: object, layout: 
         module = _musa_aiter()
         if module is not None and _aiter_transfer(module, _on_device(call), src, to_dense=False):
             return
-    _torch_transfer(call, kv_caches, src, to_dense=False)
+    _torch_transfer(call, src, to_dense=False)
 
 
-def gather_chunks(kv_caches: object, slots: object, dsts: Sequence[torch.Tensor], layout: str,
-                  *, stream: Any | None = None) -> None:
+def gather_chunks(kv_caches: object, slots: object, dsts: Sequence[torch.Tensor],
+                  layout: str | None = None, *, stream: Any | None = None) -> None:
     """Copy a whole request's paged KV into its chunk tensors, in one batch.
 
-    ``slots`` (1-D int64, one per token, -1 to skip) covers the request; ``dsts`` are dense
+    ``kv_caches`` is a :class:`Pages` (or raw caches in ``layout``). ``slots`` (1-D int64,
+    one per token, -1 to skip) covers the request; ``dsts`` are dense
     chunk tensors (``spec.shape(n_i)``, any strides) whose token counts sum to
     ``len(slots)``: ``dsts[0]`` takes the first ``n_0`` tokens, and so on. A skipped token's
     rows keep their values. Chunks live with the pages, or, for pages on a device, in host
@@ -1060,20 +1218,28 @@ def gather_chunks(kv_caches: object, slots: object, dsts: Sequence[torch.Tensor]
     InvalidInputError (also for chunks that overlap each other) before anything is written;
     NativeError if the C code fails.
     """
-    request = _prepare_chunks(kv_caches, layout, dsts, "dsts", slots)
+    request = _prepare_chunks(_pages_arg(kv_caches, layout), dsts, "dsts", slots)
     _move_chunks(request, to_dense=True, stream=stream)
 
 
 def scatter_chunks(srcs: Sequence[torch.Tensor], kv_caches: object, slots: object,
-                   layout: str, *, stream: Any | None = None) -> None:
+                   layout: str | None = None, *, stream: Any | None = None) -> None:
     """The reverse of :func:`gather_chunks`: write the chunk tensors ``srcs`` (token counts
     summing to ``len(slots)``) into the pages at ``slots``; -1 skips a token. When a slot
     repeats, the native backend writes the last token; on devices the winner is unspecified.
 
     Raises the same errors as :func:`gather_chunks`, before anything is written.
     """
-    request = _prepare_chunks(kv_caches, layout, srcs, "srcs", slots)
+    request = _prepare_chunks(_pages_arg(kv_caches, layout), srcs, "srcs", slots)
     _move_chunks(request, to_dense=False, stream=stream)
+
+
+def _pages_arg(kv_caches: object, layout: str | None) -> Pages:
+    """The transfer functions' ``kv_caches``: a :class:`Pages`, or raw caches and a layout."""
+    if layout is None and not isinstance(kv_caches, Pages):
+        raise LayoutError("name the layout of raw kv_caches (one of "
+                          f"{LAYOUTS}), or pass transfer.Pages")
+    return as_pages(kv_caches, layout)
 
 
 def _move_chunks(request: _Chunks, *, to_dense: bool, stream: Any | None) -> None:
@@ -1081,8 +1247,7 @@ def _move_chunks(request: _Chunks, *, to_dense: bool, stream: Any | None) -> Non
         return
     if backend_for(request.caches[0]) == "native":
         staged = [x if _unit_last_stride(x) else x.contiguous() for x in request.denses]
-        _native_rows(request.info, request.caches, request.cache_spans, request.slots, staged,
-                     request.starts, to_dense, None)
+        _native_rows(request.pages, request.slots, staged, request.starts, to_dense, None)
         if to_dense:
             for x, work in zip(request.denses, staged):
                 if work is not x:
