@@ -93,13 +93,13 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Calls:
         monkeypatch.setattr(module, "accelerator_of", as_cuda)
     real_gather, real_scatter = _move.gather_chunks, _move.scatter_chunks
 
-    def gather(kv: Any, slots: torch.Tensor, dsts: Any, layout: str, *, stream: Any = None,
-               ) -> None:
+    def gather(kv: Any, slots: torch.Tensor, dsts: Any, layout: str | None = None, *,
+               stream: Any = None) -> None:
         calls.gather_chunks.append(len(dsts))
         real_gather(kv, slots, dsts, layout, stream=stream)
 
-    def scatter(srcs: Any, kv: Any, slots: torch.Tensor, layout: str, *, stream: Any = None,
-                ) -> None:
+    def scatter(srcs: Any, kv: Any, slots: torch.Tensor, layout: str | None = None, *,
+                stream: Any = None) -> None:
         calls.scatter_chunks.append(len(srcs))
         real_scatter(srcs, kv, slots, layout, stream=stream)
 

@@ -32,6 +32,7 @@ from ._placement import delete_set, victims
 from ._tasks import TaskOwner
 from ._tierstate import MemTier, StoreTier, Tier, counters
 from .tiers.memory import Slot
+from .transfer import Pages
 
 __all__ = ["ChunkSource", "DenseSource", "Engine", "PagedSource"]
 
@@ -62,14 +63,11 @@ class PagedSource:
     """An engine's paged KV (``store``): one ``gather_chunks`` over every new chunk. A chunk
     that starts inside the skipped prefix takes its head from the cached chunk ``head``."""
 
-    def __init__(self, kv_caches: Any, slots: torch.Tensor, layout: str, token_dim: int,
-                 pages_device: torch.device, skip_prefix: int = 0,
+    def __init__(self, pages: Pages, slots: torch.Tensor, token_dim: int, skip_prefix: int = 0,
                  head: tuple[int, torch.Tensor] | None = None) -> None:
-        self.kv_caches = kv_caches
+        self.pages = pages  # described once by store; every gather below reuses it
         self.slots = slots
-        self.layout = layout
         self.td = token_dim
-        self.pages_device = pages_device
         self.skip = skip_prefix
         self.head = head
 
@@ -89,7 +87,7 @@ class PagedSource:
                 dsts.append(dst)
                 runs.append(self.slots[s : s + n])
         slots = runs[0] if len(runs) == 1 else torch.cat(runs) if runs else self.slots[:0]
-        pages = [torch.empty(0, device=self.pages_device)]
+        pages = [torch.empty(0, device=self.pages.device)]
         device = accelerator_of([*pages, *dsts, *(t for p in copies for t in p)])
         nbytes = sum(d.numel() * d.element_size() for d in dsts)
 
@@ -97,7 +95,7 @@ class PagedSource:
             for d, src in copies:
                 d.copy_(src, non_blocking=stream is not None)
             if dsts:
-                gather_chunks(self.kv_caches, slots, dsts, self.layout, stream=stream)
+                gather_chunks(self.pages, slots, dsts, stream=stream)
 
         await mover.run(work, device=device, nbytes=max(nbytes, mover.inline_bytes))
 

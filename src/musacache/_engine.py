@@ -14,7 +14,7 @@ import anyio
 import numpy as np
 import torch
 
-from . import _validate, devices
+from . import _validate, devices, transfer
 from ._config import CacheConfig, DeviceTier, HostTier
 from ._core import DenseSource, Engine, PagedSource
 from ._directory import Match
@@ -290,9 +290,10 @@ class Cache:
             eng.inflight["prefetches"] -= 1
 
     async def store(self, tokens: Any, kv_caches: Any, slot_mapping: Any, *,
-                    layout: str = "vllm", skip_prefix: int = 0, ready: Any = None,
+                    layout: str | None = None, skip_prefix: int = 0, ready: Any = None,
                     ready_timeout: float | None = None) -> int:
-        """Store the KV of ``tokens``, gathered from an engine's paged ``kv_caches``.
+        """Store the KV of ``tokens``, gathered from an engine's paged ``kv_caches`` (a
+        ``transfer.Pages``, or raw caches in ``layout``, default ``"vllm"``).
 
         ``slot_mapping[i]`` is the slot of ``tokens[i]`` in the pages (see
         :mod:`musacache.transfer` for the layouts). The first ``skip_prefix`` tokens are not
@@ -320,9 +321,8 @@ class Cache:
                     head = matches[-1]
                     eng.pin(head.entry)
                     head_data = await eng.read_entry(head.entry)
-            source = PagedSource(kv_caches, slots, layout, self.spec.token_dim, paged.device,
-                                 skip_prefix, (head.start, head_data)
-                                 if head is not None and head_data is not None else None)
+            cached = (head.start, head_data) if head and head_data is not None else None
+            source = PagedSource(paged, slots, self.spec.token_dim, skip_prefix, cached)
             return await eng.put(toks[:valid], source, skip_prefix=skip_prefix,
                                  head_start=head.start if head_data is not None and head
                                  else None)
@@ -332,9 +332,10 @@ class Cache:
             eng.inflight["puts"] -= 1
 
     async def retrieve(self, tokens: Any, kv_caches: Any, slot_mapping: Any, *,
-                       layout: str = "vllm", skip_prefix: int = 0, ready: Any = None,
+                       layout: str | None = None, skip_prefix: int = 0, ready: Any = None,
                        ready_timeout: float | None = None) -> int:
-        """Write the cached prefix of ``tokens`` into an engine's paged ``kv_caches``.
+        """Write the cached prefix of ``tokens`` into an engine's paged ``kv_caches`` (as
+        for ``store``).
 
         Tokens before ``skip_prefix`` (the engine holds them) are neither read nor overwritten;
         slots of -1 are skipped. ``ready`` is awaited before the pages are written. Returns the
@@ -369,8 +370,7 @@ class Cache:
                     run = torch.cat(runs) if len(runs) > 1 else runs[0]
                     device = accelerator_of([torch.empty(0, device=paged.device), *srcs])
                     await eng.mover.run(
-                        lambda stream: scatter_chunks(srcs, kv_caches, run, layout,
-                                                      stream=stream),
+                        lambda stream: scatter_chunks(srcs, paged, run, stream=stream),
                         device=device, nbytes=eng.mover.inline_bytes)
                 eng.touch([m.entry for m, _, _ in found])
                 return sum(s.shape[td] for s in srcs)
@@ -502,18 +502,17 @@ class Cache:
         tok["hit_tokens"] += found
         tok["miss_tokens"] += asked - found
 
-    async def _paged_args(self, tokens: Any, kv_caches: Any, slot_mapping: Any, layout: str,
-                          skip_prefix: int, ready: Any, ready_timeout: float | None,
-                          ) -> tuple[np.ndarray, torch.Tensor, Any]:
+    async def _paged_args(self, tokens: Any, kv_caches: Any, slot_mapping: Any,
+                          layout: str | None, skip_prefix: int, ready: Any,
+                          ready_timeout: float | None) -> tuple[np.ndarray, torch.Tensor,
+                                                                transfer.Pages]:
         """Check a store/retrieve call and await ``ready``. Tokens or slots on a device are
         brought to the host in a worker thread *after* ``ready``: reading them on the loop
         would block it until the engine's stream has produced them."""
-        from . import transfer
-
         ready_timeout = _validate.timeout(ready_timeout, "ready_timeout")
-        paged = transfer.describe(kv_caches, layout)
-        if paged.spec() != self.spec:
-            raise ShapeError(f"kv_caches hold {paged.spec().describe()}, this cache stores "
+        paged = transfer.as_pages(kv_caches, layout)
+        if paged.spec != self.spec:
+            raise ShapeError(f"kv_caches hold {paged.spec.describe()}, this cache stores "
                              f"{self.spec.describe()}")
         if isinstance(skip_prefix, bool) or not isinstance(skip_prefix, int) or skip_prefix < 0:
             raise InvalidInputError(f"skip_prefix must be an int >= 0, got {skip_prefix!r}")
