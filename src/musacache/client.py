@@ -39,15 +39,26 @@ __all__ = ["Client", "connect"]
 
 
 class _LocalRegistration:
-    def __init__(self, layout: str, kv_caches: Any, tensors: list[torch.Tensor],
-                 paged: transfer.PagedKV) -> None:
-        self.layout = layout
-        self.kv_caches = kv_caches
-        self.tensors = tensors
-        self.paged = paged
-        self.handles = [ipc.share(t) for t in tensors]
+    def __init__(self, pages: transfer.Pages) -> None:
+        self.pages = pages
+        self.layout = pages.layout
+        # Shared in the order of Pages.tensors, which the server's Pages.from_tensors takes.
+        self.handles = [ipc.share(t) for t in pages.tensors]
         self.remote: int | None = None  # the server's id for it on the current connection
-        self.signature = _signature(tensors)
+        self.signature = _signature(pages.tensors)
+
+
+def _flat(kv_caches: Any, pages: transfer.Pages) -> list[torch.Tensor] | None:
+    """``kv_caches`` as a flat tensor list in ``pages``' layout, or None if it is not one."""
+    try:
+        if pages.row.pair:
+            k, v = kv_caches
+            flat = [*k, *v]
+        else:
+            flat = list(kv_caches)
+    except (TypeError, ValueError):
+        return None
+    return flat if all(isinstance(t, torch.Tensor) for t in flat) else None
 
 
 def _signature(tensors: Sequence[torch.Tensor]) -> tuple[tuple[int, tuple[int, ...]], ...]:
@@ -369,8 +380,11 @@ class Client:
 
     # -- paged caches -------------------------------------------------------------------------
 
-    async def register_kv_caches(self, kv_caches: Any, layout: str = "vllm") -> int:
+    async def register_kv_caches(self, kv_caches: Any, layout: str | None = None) -> int:
         """Share the worker's paged KV caches with the server once (zero copy).
+
+        ``kv_caches`` is a :class:`musacache.transfer.Pages`, or raw caches in ``layout``
+        (default ``"vllm"``).
 
         CPU caches must live in sealed shared memory: allocate them with
         ``musacache.ipc.empty_shared`` (torch's ``share_memory_()`` memory is refused: its
@@ -378,12 +392,11 @@ class Client:
         ``store``/``retrieve`` (the last registration is the default).
         """
         self._check_open()
-        paged = transfer.describe(kv_caches, layout)
-        if paged.spec() != self.spec:
-            raise InvalidInputError(f"kv_caches hold {paged.spec().describe()}, this client "
+        pages = transfer.as_pages(kv_caches, layout)
+        if pages.spec != self.spec:
+            raise InvalidInputError(f"kv_caches hold {pages.spec.describe()}, this client "
                                     f"was opened for {self.spec.describe()}")
-        tensors = _flatten(kv_caches, layout)
-        for t in tensors:
+        for t in pages.tensors:
             if not ipc.is_shareable(t):
                 raise IPCError("kv_caches live in private memory the server cannot map; "
                                "allocate them with musacache.ipc.empty_shared(shape, dtype)")
@@ -391,7 +404,7 @@ class Client:
                 raise IPCError("kv_caches live in shared memory that is not sealed against "
                                "shrinking (share_memory_()), which the server refuses; "
                                "allocate them with musacache.ipc.empty_shared(shape, dtype)")
-        reg = _LocalRegistration(layout, kv_caches, tensors, paged)
+        reg = _LocalRegistration(pages)
         conn = await self._ensure()
         await self._register_remote(conn, reg)
         self._regs.append(reg)
@@ -406,9 +419,17 @@ class Client:
     def _find_reg(self, kv_caches: Any, layout: str | None, reg: int | None,
                   ) -> _LocalRegistration:
         if kv_caches is not None:
-            sig = _signature(_flatten(kv_caches, layout or "vllm"))
             for r in self._regs:
-                if r.signature == sig and (layout is None or r.layout == layout):
+                if r.pages is kv_caches:
+                    return r
+            if isinstance(kv_caches, transfer.Pages):
+                kv_caches, layout = kv_caches.kv_caches, layout or kv_caches.layout
+            # Raw caches: found by their tensors' addresses and shapes, read in each
+            # registration's layout (a registered match was checked when it was registered).
+            for r in self._regs:
+                flat = _flat(kv_caches, r.pages)
+                if (layout is None or r.layout == layout) and flat is not None and (
+                        _signature(flat) == r.signature):
                     return r
             raise InvalidInputError("these kv_caches are not registered: call "
                                     "register_kv_caches(kv_caches, layout) once first")
@@ -451,7 +472,7 @@ class Client:
         r = self._find_reg(kv_caches, layout, reg)
         toks = as_tokens(tokens)
         slots = transfer._as_slots(slot_mapping, len(toks))
-        transfer._check_slot_range(slots, r.paged.num_slots)
+        transfer._check_slot_range(slots, r.pages.num_slots)
         if isinstance(skip_prefix, bool) or not isinstance(skip_prefix, int) \
                 or not 0 <= skip_prefix <= len(toks):
             raise InvalidInputError(f"skip_prefix must be an int in [0, {len(toks)}], "
@@ -492,13 +513,6 @@ class Client:
     def _give_staging(self, buf: torch.Tensor) -> None:
         if len(self._staging) < 4:
             self._staging.append(buf)
-
-
-def _flatten(kv_caches: Any, layout: str) -> list[torch.Tensor]:
-    if layout == "sglang":
-        k, v = kv_caches
-        return list(k) + list(v)
-    return list(kv_caches)
 
 
 def _page_keys(keys: Any) -> list[bytes]:

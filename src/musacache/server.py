@@ -239,10 +239,8 @@ def _share_of(tier: Any, n: int) -> Any:
 
 @dataclass
 class _Registration:
-    layout: str
-    kv_caches: Any
+    pages: transfer.Pages
     imports: list[ipc.ImportedTensor]
-    paged: transfer.PagedKV
 
 
 @dataclass(eq=False)
@@ -574,14 +572,11 @@ class Server:
         try:
             for h in msg.handles:
                 imports.append(await peer.table.aopen_tensor(h, msgs.take_fds(fds, h.num_fds)))
-            tensors = [imp.tensor for imp in imports]
-            kv_caches: Any = tensors
-            if msg.layout == "sglang":
-                half = len(tensors) // 2
-                kv_caches = (tensors[:half], tensors[half:])
-            paged = transfer.describe(kv_caches, msg.layout)
-            if paged.spec() != cache.spec:
-                raise InvalidInputError(f"registered caches hold {paged.spec().describe()}, "
+            # The handles come in the order of Pages.tensors: described here once, then
+            # every store and retrieve on this registration reuses it.
+            pages = transfer.Pages.from_tensors([imp.tensor for imp in imports], msg.layout)
+            if pages.spec != cache.spec:
+                raise InvalidInputError(f"registered caches hold {pages.spec.describe()}, "
                                         f"this connection caches {cache.spec.describe()}")
         except BaseException:
             for imp in imports:
@@ -589,8 +584,8 @@ class Server:
             raise
         reg = peer.next_reg
         peer.next_reg += 1
-        peer.regs[reg] = _Registration(msg.layout, kv_caches, imports, paged)
-        return {"reg": reg, "num_slots": paged.num_slots}
+        peer.regs[reg] = _Registration(pages, imports)
+        return {"reg": reg, "num_slots": pages.num_slots}
 
     async def _op_unregister(self, peer: _Peer, msg: msgs.UnregisterMessage,
                              fds: list[int]) -> Any:
@@ -619,7 +614,7 @@ class Server:
         ready = self._open_event(peer, msg.ready, fds)
         try:
             n = await cache.store(
-                _tokens(msg.tokens), reg.kv_caches, _slots(msg.slots), layout=reg.layout,
+                _tokens(msg.tokens), reg.pages, _slots(msg.slots),
                 skip_prefix=msg.skip_prefix, ready=ready,
                 ready_timeout=self.config.ready_timeout)
             self.counters["bytes_copied"] += cache.spec.nbytes(max(0, n - msg.skip_prefix))
@@ -640,7 +635,7 @@ class Server:
             raise
         try:
             n = await cache.retrieve(
-                _tokens(msg.tokens), reg.kv_caches, _slots(msg.slots), layout=reg.layout,
+                _tokens(msg.tokens), reg.pages, _slots(msg.slots),
                 skip_prefix=msg.skip_prefix, ready=ready,
                 ready_timeout=self.config.ready_timeout)
             self.counters["bytes_copied"] += cache.spec.nbytes(max(0, n - msg.skip_prefix))
