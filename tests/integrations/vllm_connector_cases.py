@@ -100,8 +100,9 @@ def test_packed_vllm_pages_round_trip_against_torch(nb: int, h: int, bs: int, d:
 
     kv = [packed() for _ in range(layers)]
     spec = KVSpec(layers, h, d, torch.bfloat16)
-    pages, layout = _as_musacache_pages(kv, spec, kv_in)
-    assert transfer.describe(pages, layout).spec() == spec
+    pages = _as_musacache_pages(kv, spec, kv_in)
+    layout = pages.layout
+    assert pages.spec == spec and transfer.describe(pages).spec() == spec
     slots = torch.tensor(data.draw(st.lists(st.integers(-1, nb * bs - 1), min_size=1,
                                             max_size=3 * nb * bs)), dtype=torch.int64)
     out = torch.zeros(spec.shape(len(slots)), dtype=torch.bfloat16)
@@ -117,8 +118,8 @@ def test_packed_vllm_pages_round_trip_against_torch(nb: int, h: int, bs: int, d:
             assert torch.equal(out[i, 1, j], v[b, :, o])
     # Scatter writes back exactly the rows gathered (the last write of a repeated slot).
     back = [torch.zeros_like(t) for t in kv]
-    bpages, _ = _as_musacache_pages(back, spec, kv_in)
-    transfer.scatter(out, bpages, slots, layout)
+    bpages = _as_musacache_pages(back, spec, kv_in)
+    transfer.scatter(out, bpages, slots)
     last = {s: j for j, s in enumerate(slots.tolist()) if s >= 0}
     for i, t in enumerate(back):
         k, v = k_v(t)

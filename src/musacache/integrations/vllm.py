@@ -420,12 +420,11 @@ class _Worker:
         self.owner = owner
         self.spec = owner.spec
         self.settings = owner.settings
-        self._pages: list[torch.Tensor] = []   # per layer, in a musacache layout
-        self._layout = ""
+        self._pages: transfer.Pages | None = None   # vLLM's caches, opened once
         self._layer_index: dict[str, int] = {}
         self._direct = False                    # device pages registered by IPC
         self._staging: torch.Tensor | None = None   # (L, 2, S, H, D) or (L, S, D), shared
-        self._staging_pages: list[torch.Tensor] = []
+        self._staging_pages: transfer.Pages | None = None
         self._load_errors: set[int] = set()
         self._errors_lock = threading.Lock()
         self._layer_events: list[threading.Event] = []
@@ -442,27 +441,29 @@ class _Worker:
         tensors = [kv_caches[n] for n in names]
         self._layer_index = {n: i for i, n in enumerate(names)}
         kv_in = _kv_in(self.owner._vllm_config, names[0])
-        self._pages, self._layout = _as_musacache_pages(tensors, self.spec, kv_in)
-        info = transfer.describe(self._pages, self._layout)
-        if info.spec() != self.spec:
-            raise ConfigError(f"vLLM's KV caches hold {info.spec().describe()}, but its KV "
+        pages = _as_musacache_pages(tensors, self.spec, kv_in)
+        if pages.spec != self.spec:
+            raise ConfigError(f"vLLM's KV caches hold {pages.spec.describe()}, but its KV "
                               f"cache config says {self.spec.describe()}")
-        self._direct = info.device.type != "cpu"
+        self._pages = pages
+        self._direct = pages.device.type != "cpu"
         if not self._direct:
             s = self.settings.staging_tokens
             self._staging = ipc.empty_shared(self.spec.shape(s), self.spec.dtype)
+            # The staging tensor seen as pages with a block size of 1: slot t is token t.
             if self.spec.mla:
-                self._staging_pages = [self._staging[i].view(s, 1, self.spec.head_dim)
-                                       for i in range(self.spec.num_layers)]
+                self._staging_pages = transfer.Pages.open(
+                    [self._staging[i].view(s, 1, self.spec.head_dim)
+                     for i in range(self.spec.num_layers)], "sglang-mla")
             else:
-                self._staging_pages = [self._staging[i].view(2, s, 1, self.spec.num_kv_heads,
-                                                             self.spec.head_dim)
-                                       for i in range(self.spec.num_layers)]
+                self._staging_pages = transfer.Pages.open(
+                    [self._staging[i].view(2, s, 1, self.spec.num_kv_heads, self.spec.head_dim)
+                     for i in range(self.spec.num_layers)], "vllm")
         self._layer_events = [threading.Event() for _ in names]
         for ev in self._layer_events:
             ev.set()
         log.info("musacache: registered %d layers (%s, K/V in the %s, %s), %s", len(names),
-                 self._layout, kv_in, self.spec.describe(), "by IPC" if self._direct else
+                 pages.layout, kv_in, self.spec.describe(), "by IPC" if self._direct else
                  f"CPU staging of {self.settings.staging_tokens} tokens")
         try:  # connect early; a failure here is retried on the first load or save
             self.owner._loop.run(self.owner._server.get(), self.settings.timeout)
@@ -470,17 +471,15 @@ class _Worker:
             self.owner._warn("connect", "musacache: server not reachable yet: %s", e)
 
     async def _register_remote(self, client: Client) -> None:
-        if self._direct:
-            await client.register_kv_caches(self._pages, self._layout)
-        else:
-            await client.register_kv_caches(self._staging_pages,
-                                            "sglang-mla" if self.spec.mla else "vllm")
+        pages = self._pages if self._direct else self._staging_pages
+        if pages is not None:
+            await client.register_kv_caches(pages)
 
     # -- loads --------------------------------------------------------------------------------
 
     def start_load(self, ops: Sequence[RequestOp]) -> None:
         loads = [op for op in ops if op.loads]
-        if not loads or not self._pages:
+        if not loads or self._pages is None:
             return
         for ev in self._layer_events:
             ev.clear()
@@ -559,15 +558,15 @@ class _Worker:
     def _scatter_staging(self, op: RequestOp, start: int, end: int, layer: int | None) -> None:
         if end <= start:
             return
-        assert self._staging is not None
+        assert self._staging is not None and self._pages is not None  # registered: CPU pages
         n = end - start
         slots = torch.from_numpy(op.slot_mapping[start:end])
         td = self.spec.token_dim
         if layer is None:
-            transfer.scatter(self._staging.narrow(td, 0, n), self._pages, slots, self._layout)
+            transfer.scatter(self._staging.narrow(td, 0, n), self._pages, slots)
         else:
             transfer.scatter(self._staging[layer:layer + 1].narrow(td, 0, n),
-                             self._pages[layer:layer + 1], slots, self._layout)
+                             self._pages.layers(layer, layer + 1), slots)
 
     def _after_load(self, op: RequestOp, loaded_to: int) -> None:
         self._count("load_tokens", max(0, loaded_to - op.load_start))
@@ -591,7 +590,7 @@ class _Worker:
         """Layerwise mode: this layer's KV is written; hand it to the staging area now."""
         i = self._layer_index.get(layer_name)
         saves = [op for op in ops if op.saves]
-        if i is None or not saves or self._direct or not self._pages:
+        if i is None or not saves or self._direct or self._pages is None:
             return
         total = sum(op.save_end - op.save_start for op in saves)
         if total > self.settings.staging_tokens:
@@ -600,19 +599,17 @@ class _Worker:
             anyio.to_thread.run_sync(self._gather_layers, saves, i)))
 
     def _gather_layers(self, saves: Sequence[RequestOp], layer: int | None) -> None:
-        assert self._staging is not None
+        assert self._staging is not None and self._pages is not None  # registered: CPU pages
         td = self.spec.token_dim
         at = 0
         for op in saves:
             n = op.save_end - op.save_start
             slots = torch.from_numpy(op.slot_mapping[op.save_start:op.save_end])
             if layer is None:
-                transfer.gather(self._pages, slots, self._staging.narrow(td, at, n),
-                                self._layout)
+                transfer.gather(self._pages, slots, self._staging.narrow(td, at, n))
             else:
-                transfer.gather(self._pages[layer:layer + 1], slots,
-                                self._staging[layer:layer + 1].narrow(td, at, n),
-                                self._layout)
+                transfer.gather(self._pages.layers(layer, layer + 1), slots,
+                                self._staging[layer:layer + 1].narrow(td, at, n))
             at += n
 
     def save(self, ops: Sequence[RequestOp]) -> None:
@@ -622,12 +619,12 @@ class _Worker:
             self._finish_load(*self._pending_load)
         saves = [op for op in ops if op.saves]
         layer_saves, self._layer_saves = self._layer_saves, []
-        if not saves or not self._pages:
+        if not saves or self._pages is None:
             return
-        if self._direct and self._pages[0].device.type in ("cuda", "musa"):
+        if self._direct and self._pages.device.type in ("cuda", "musa"):
             # The pages are written by this step's kernels: the server may read them only
             # after they finish.
-            torch.cuda.synchronize() if self._pages[0].device.type == "cuda" else \
+            torch.cuda.synchronize() if self._pages.device.type == "cuda" else \
                 torch.musa.synchronize()  # type: ignore[attr-defined]
         staged = bool(layer_saves) and len(layer_saves) == self.spec.num_layers
         try:
@@ -693,8 +690,8 @@ class _Worker:
 
 
 def _as_musacache_pages(tensors: Sequence[torch.Tensor], spec: KVSpec, kv_in: str = "last-dim",
-                        ) -> tuple[list[torch.Tensor], str]:
-    """vLLM's per-layer KV tensors as views in a musacache paged layout.
+                        ) -> transfer.Pages:
+    """vLLM's per-layer KV tensors as :class:`transfer.Pages` (opened once, at register).
 
     vLLM 0.32's attention layers each hold one logical ``[num_blocks, H, block_size, 2*D]``
     tensor, read two ways:
@@ -712,15 +709,14 @@ def _as_musacache_pages(tensors: Sequence[torch.Tensor], spec: KVSpec, kv_in: st
     first = tensors[0]
     if spec.mla:
         if first.dim() == 4 and first.shape[1] == 1:
-            return [t.squeeze(1) for t in tensors], "vllm-mla"
-        return list(tensors), "vllm-mla"
+            return transfer.Pages.open([t.squeeze(1) for t in tensors], "vllm-mla")
+        return transfer.Pages.open(list(tensors), "vllm-mla")
     if first.dim() == 5 and first.shape[0] == 2:
-        return list(tensors), "vllm"
+        return transfer.Pages.open(list(tensors), "vllm")
     if first.dim() == 4 and first.shape[-1] == 2 * spec.head_dim:
-        if kv_in == "last-dim":
-            return list(tensors), "vllm-packed"
-        if kv_in == "block":
-            return list(tensors), "vllm-packed-cpu"
+        packed = {"last-dim": "vllm-packed", "block": "vllm-packed-cpu"}.get(kv_in)
+        if packed is not None:
+            return transfer.Pages.open(list(tensors), packed)
         raise ConfigError(f"kv_in must be 'last-dim' or 'block', got {kv_in!r}")
     raise ConfigError(f"MusaCacheConnector: vLLM KV cache tensor of shape {tuple(first.shape)} "
                       f"is not a known layout for {spec.describe()}")
