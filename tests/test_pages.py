@@ -1,0 +1,170 @@
+"""transfer.Pages: an engine's pages checked and described once, then passed around (issue 11,
+"One description of an engine's pages")."""
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+import musacache as mc
+from helpers import prefix_kv, small_spec
+from musacache import transfer
+from musacache._errors import DTypeError, LayoutError, ShapeError
+from test_store_retrieve import CH, flat, make_pages, random_slots, read_dense, write_dense
+
+LAYOUTS = ["vllm", "vllm-mla", "sglang", "sglang-mla"]
+
+
+def config(spec):
+    return mc.CacheConfig(spec, "pages", tiers=(mc.HostTier(spec.nbytes(CH) * 64),),
+                          chunk_size=CH)
+
+
+def test_pages_describes_the_caches_once():
+    spec = small_spec()
+    caches = make_pages(spec, "vllm", 8)
+    pages = transfer.Pages.open(caches, "vllm")
+    assert pages.layout == "vllm" and pages.spec == spec
+    assert pages.num_slots == 8 * 4 and pages.device == torch.device("cpu")
+    assert pages.info == transfer.describe(caches, "vllm") == transfer.describe(pages)
+    assert transfer.as_pages(pages) is pages and transfer.as_pages(pages, "vllm") is pages
+    assert len(pages.tensors) == spec.num_layers and len(pages.spans) == spec.num_layers
+    assert "Pages" in transfer.__all__ and "as_pages" in transfer.__all__
+
+
+def test_pages_is_frozen():
+    pages = transfer.Pages(make_pages(small_spec(), "vllm", 4), "vllm")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        pages.layout = "sglang"  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        del pages.info
+
+
+def test_sglang_pair_round_trips_through_the_flat_tensor_list():
+    spec = small_spec()
+    k, v = make_pages(spec, "sglang", 4)
+    pages = transfer.Pages.open((k, v), "sglang")
+    assert pages.tensors == (*k, *v)
+    again = transfer.Pages.from_tensors(list(pages.tensors), "sglang")
+    assert again.info == pages.info
+    k2, v2 = again.kv_caches
+    assert all(a is b for a, b in zip(k2 + v2, k + v, strict=True))
+    with pytest.raises(LayoutError, match="as many K as V"):
+        transfer.Pages.from_tensors(list(pages.tensors)[:-1], "sglang")
+
+
+@pytest.mark.parametrize(("make", "layout", "error", "match"), [
+    (lambda s: make_pages(s, "vllm", 4), "paged-attention", LayoutError, "unknown paged layout"),
+    (lambda s: make_pages(s, "vllm", 4)[:1], "sglang", LayoutError, "pair"),
+    (lambda s: make_pages(s, "vllm", 4)[0], "vllm", LayoutError, "list of per-layer tensors"),
+    (lambda s: [], "vllm", LayoutError, "at least one layer"),
+    (lambda s: [*make_pages(s, "vllm", 4)[:-1], torch.zeros(3)], "vllm", ShapeError, "shape"),
+    (lambda s: [*make_pages(s, "vllm", 4)[:-1], make_pages(s, "vllm", 4)[0].double()],
+     "vllm", DTypeError, "dtype"),
+    (lambda s: [torch.zeros(3, 4, 4, 2, 8)] * 2, "vllm", ShapeError, "K/V dim is 3"),
+    (lambda s: [torch.zeros(16, 2, 8)], "sglang-mla", ShapeError, "dim 1 must be 1"),
+    (lambda s: [torch.zeros(4, 2, 4, 8)], "vllm", ShapeError, "vllm-packed"),
+])
+def test_bad_pages_raise_typed_errors(make, layout, error, match):
+    with pytest.raises(error, match=match):
+        transfer.Pages.open(make(small_spec()), layout)
+
+
+def test_pages_and_a_different_layout_name_are_refused():
+    pages = transfer.Pages.open(make_pages(small_spec(), "vllm", 4), "vllm")
+    with pytest.raises(LayoutError, match="not 'flashinfer'"):
+        transfer.as_pages(pages, "flashinfer")
+    with pytest.raises(LayoutError, match="name the layout"):
+        transfer.gather(make_pages(small_spec(), "vllm", 4), [0],
+                        torch.zeros(small_spec().shape(1)))
+
+
+async def test_store_with_wrong_pages_writes_nothing():
+    spec = small_spec()
+    other = transfer.Pages.open(make_pages(small_spec(dtype=torch.float16), "vllm", 8), "vllm")
+    toks = list(range(2 * CH))
+    async with mc.Cache(config(spec)) as c:
+        with pytest.raises(ShapeError, match="this cache stores"):
+            await c.store(toks, other, torch.arange(2 * CH))
+        with pytest.raises(LayoutError):
+            await c.store(toks, other, torch.arange(2 * CH), layout="sglang")
+        assert await c.lookup(toks) == 0
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+async def test_pages_opened_once_match_raw_caches_byte_for_byte(layout):
+    rng = random.Random(11)
+    spec = small_spec(mla=layout.endswith("mla"))
+    toks = [rng.randrange(1000) for _ in range(5 * CH + 3)]
+    n = len(toks)
+    dense = prefix_kv(spec, toks)
+    src = make_pages(spec, layout, 64)
+    slots = random_slots(n, 64, rng)
+    write_dense(spec, layout, src, slots, dense)
+    src_pages = transfer.Pages.open(src, layout)
+    dst_raw, dst = make_pages(spec, layout, 64), make_pages(spec, layout, 64)
+    dst_pages = transfer.Pages.open(dst, layout)
+    out_slots = random_slots(n, 64, rng)
+    async with mc.Cache(config(spec)) as raw, mc.Cache(config(spec)) as opened:
+        assert await raw.store(toks, src, slots, layout=layout) == n
+        assert await opened.store(toks, src_pages, slots) == n
+        assert torch.equal((await raw.get(toks)).kv, (await opened.get(toks)).kv)
+        assert await raw.retrieve(toks, dst_raw, out_slots, layout=layout) == n
+        # The same Pages serves a second store and two retrieves.
+        assert await opened.store(toks[:CH] + [1, 2, 3], src_pages, slots[:CH + 3]) == CH + 3
+        assert await opened.retrieve(toks, dst_pages, out_slots) == n
+        assert await opened.retrieve(toks, dst_pages, out_slots, skip_prefix=CH) == n - CH
+    assert all(torch.equal(a, b) for a, b in zip(flat(dst_raw), flat(dst), strict=True))
+    assert torch.equal(read_dense(spec, layout, dst, out_slots), dense)
+
+
+def test_layers_of_pages_move_what_the_sliced_caches_move():
+    rng = random.Random(5)
+    spec = small_spec()
+    caches = make_pages(spec, "sglang", 16)
+    for t in caches[0] + caches[1]:
+        t.copy_(torch.randn(t.shape))
+    pages = transfer.Pages.open(caches, "sglang")
+    one = pages.layers(1, 2)
+    assert one.spec.num_layers == 1
+    slots = random_slots(20, 16, rng)
+    a = torch.zeros(dataclasses.replace(spec, num_layers=1).shape(20))
+    b = torch.zeros_like(a)
+    transfer.gather(one, slots, a)
+    transfer.gather((caches[0][1:2], caches[1][1:2]), slots, b, "sglang")
+    assert torch.equal(a, b) and a.abs().sum() > 0
+    with pytest.raises(mc.InvalidInputError):
+        pages.layers(1, 1)
+
+
+async def test_a_store_of_many_chunks_describes_the_pages_once(monkeypatch):
+    """Before transfer.Pages, every gather_chunks (and every scatter_chunks) of a store or
+    retrieve described the caches again after the boundary check had."""
+    rng = random.Random(2)
+    spec = small_spec()
+    calls = []
+    real = transfer._describe
+
+    def counting(tensors, layout):
+        calls.append(layout)
+        return real(tensors, layout)
+
+    monkeypatch.setattr(transfer, "_describe", counting)
+    n = 12 * CH
+    toks = [rng.randrange(1000) for _ in range(n)]
+    src = make_pages(spec, "vllm", 64)
+    slots = random_slots(n, 64, rng)
+    write_dense(spec, "vllm", src, slots, prefix_kv(spec, toks))
+    async with mc.Cache(config(spec)) as c:
+        assert await c.store(toks, src, slots, layout="vllm") == n
+        assert calls == ["vllm"]
+        calls.clear()
+        assert await c.retrieve(toks, make_pages(spec, "vllm", 64), slots) == n
+        assert calls == ["vllm"]
+        calls.clear()
+        pages = transfer.Pages.open(src, "vllm")
+        calls.clear()
+        assert await c.store(toks + [9] * CH, pages, torch.cat([slots, slots[:CH]])) == n + CH
+        assert await c.retrieve(toks, pages, slots) == n
+        assert calls == []
