@@ -8,6 +8,12 @@ tensor back into the paged cache. ``slot_mapping[t]`` is the slot of token ``t``
 Every check (layout, shapes, dtypes, devices, slot dtype, length and range, aliasing) runs
 before the first byte is written, so a call that raises leaves every tensor unchanged.
 
+An engine opens its caches once as :class:`Pages` (``Pages.open(kv_caches, layout)``): the
+caches checked, their layout's row of the layout table, what they hold (spec, ``num_slots``,
+device) and the byte spans, strides and plane table the native and device paths address
+them by. Every function here takes a ``Pages`` in place of ``kv_caches`` (and then no
+layout); raw caches with a layout are still accepted, opened once per call.
+
 Backends, chosen by the caches' device (:func:`backend_for`):
 
 - ``"native"`` (CPU): one C call covers all layers, K and V; runs of consecutive slots are
