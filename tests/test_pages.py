@@ -168,3 +168,38 @@ async def test_a_store_of_many_chunks_describes_the_pages_once(monkeypatch):
         assert await c.store(toks + [9] * CH, pages, torch.cat([slots, slots[:CH]])) == n + CH
         assert await c.retrieve(toks, pages, slots) == n
         assert calls == []
+
+
+def _random_caches(layout, layers=3, heads=2, dim=8, blocks=16, bs=4):
+    shapes = {
+        "vllm": (2, blocks, bs, heads, dim), "vllm-hnd": (2, blocks, heads, bs, dim),
+        "flashinfer": (blocks, 2, bs, heads, dim), "vllm-packed": (blocks, heads, bs, 2 * dim),
+        "vllm-packed-cpu": (blocks, heads, bs, 2 * dim), "vllm-mla": (blocks, bs, dim),
+        "sglang-mla": (blocks * bs, 1, dim),
+    }
+    if layout == "sglang":
+        return tuple([torch.randn(blocks * bs, heads, dim) for _ in range(layers)]
+                     for _ in range(2))
+    return [torch.randn(shapes[layout]) for _ in range(layers)]
+
+
+@pytest.mark.parametrize("layout", transfer.LAYOUTS)
+def test_torch_ops_path_reads_the_plane_table_as_the_native_path_does(layout):
+    """The device fallback (torch ops over staging windows), run on the CPU, moves the same
+    rows as the native path, whole and per layer range, for every row of the table."""
+    rng = random.Random(7)
+    pages = transfer.Pages.open(_random_caches(layout), layout)
+    slots = torch.tensor([*rng.sample(range(pages.num_slots), 20), -1, 3])
+    native, torch_ops = torch.zeros(pages.spec.shape(22)), torch.zeros(pages.spec.shape(22))
+    transfer.gather(pages, slots, native)
+    transfer._staged_transfer(transfer._prepare_chunks(pages, [torch_ops], "dsts", slots), True)
+    assert torch.equal(native, torch_ops)
+    part = torch.zeros(pages.layers(1, 3).spec.shape(22))
+    transfer.gather(pages.layers(1, 3), slots, part)
+    assert torch.equal(part, native[1:3])
+    a = transfer.Pages.open(_random_caches(layout), layout)
+    b = transfer.Pages.from_tensors([t.clone() for t in a.tensors], layout)
+    src = torch.randn(a.spec.shape(21))
+    transfer.scatter(src, a, slots[:21])
+    transfer._staged_transfer(transfer._prepare_chunks(b, [src], "srcs", slots[:21]), False)
+    assert all(torch.equal(x, y) for x, y in zip(a.tensors, b.tensors, strict=True))
