@@ -321,9 +321,7 @@ class Cache:
                     head = matches[-1]
                     eng.pin(head.entry)
                     head_data = await eng.read_entry(head.entry)
-            cached = None
-            if head is not None and head_data is not None:
-                cached = (head.start, head_data)
+            cached = None if head is None or head_data is None else (head.start, head_data)
             source = PagedSource(paged, slots, self.spec.token_dim, skip_prefix, cached)
             return await eng.put(toks[:valid], source, skip_prefix=skip_prefix,
                                  head_start=head.start if head_data is not None and head
