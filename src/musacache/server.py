@@ -261,6 +261,180 @@ class _Peer:
     held_fds: int = 0
 
 
+def _cache_of(peer: _Peer) -> Cache:
+    if peer.cache is None:  # unreachable past the monitor check; kept as a typed refusal
+        raise PermissionDeniedError("this connection has no cache")
+    return peer.cache
+
+
+class _DataOps:
+    """The data operations of a server, one method per op: each takes a peer that ``hello``
+    bound to a cache, the op's typed message and the request's fds. :class:`Server` owns
+    connections, peers, caches and the lifecycle, and dispatches to these."""
+
+    def __init__(self, config: ServerConfig, counters: dict[str, int]) -> None:
+        self.config = config
+        self.counters = counters  # the server's own dict: bytes are counted where they move
+
+    def _reg(self, peer: _Peer, number: int) -> _Registration:
+        reg = peer.regs.get(number)
+        if reg is None:
+            raise InvalidInputError(f"no registration {number}: call register_kv_caches")
+        return reg
+
+    def _open_event(self, peer: _Peer, wire: msgs.EventWire | None,
+                    fds: list[int]) -> ipc.IpcEvent | None:
+        if wire is None:
+            return None
+        return peer.table.open_event(wire.wire, msgs.take_fds(fds, wire.nfds))
+
+    async def _op_store(self, peer: _Peer, msg: msgs.PagedMessage, fds: list[int]) -> Any:
+        cache = _cache_of(peer)
+        reg = self._reg(peer, msg.reg)
+        ready = self._open_event(peer, msg.ready, fds)
+        try:
+            n = await cache.store(
+                _tokens(msg.tokens), reg.pages, _slots(msg.slots),
+                skip_prefix=msg.skip_prefix, ready=ready,
+                ready_timeout=self.config.ready_timeout)
+            self.counters["bytes_copied"] += cache.spec.nbytes(max(0, n - msg.skip_prefix))
+            return n
+        finally:
+            if ready is not None:
+                peer.table.close_event(ready)
+
+    async def _op_retrieve(self, peer: _Peer, msg: msgs.PagedMessage, fds: list[int]) -> Any:
+        cache = _cache_of(peer)
+        reg = self._reg(peer, msg.reg)
+        ready = self._open_event(peer, msg.ready, fds)
+        try:
+            done = self._open_event(peer, msg.done, fds)
+        except BaseException:
+            if ready is not None:
+                peer.table.close_event(ready)
+            raise
+        try:
+            n = await cache.retrieve(
+                _tokens(msg.tokens), reg.pages, _slots(msg.slots),
+                skip_prefix=msg.skip_prefix, ready=ready,
+                ready_timeout=self.config.ready_timeout)
+            self.counters["bytes_copied"] += cache.spec.nbytes(max(0, n - msg.skip_prefix))
+            if done is not None:
+                done.set()
+            return n
+        finally:
+            for ev in (ready, done):
+                if ev is not None:
+                    peer.table.close_event(ev)
+
+    async def _op_put(self, peer: _Peer, msg: msgs.DenseMessage, fds: list[int]) -> Any:
+        cache = _cache_of(peer)
+        imp = await peer.table.aopen_tensor(msg.handle, msgs.take_fds(fds, msg.nfds))
+        try:
+            n = await cache.put(_tokens(msg.tokens), imp.tensor)
+            # Counted from the answer, not from per-request stats() calls: the bytes of KV
+            # the put covered (chunks already cached are not copied again).
+            self.counters["bytes_copied"] += cache.spec.nbytes(n)
+            return n
+        finally:
+            imp.close()
+
+    async def _op_get(self, peer: _Peer, msg: msgs.DenseMessage, fds: list[int]) -> Any:
+        cache = _cache_of(peer)
+        imp = await peer.table.aopen_tensor(msg.handle, msgs.take_fds(fds, msg.nfds))
+        try:
+            hit = await cache.get(_tokens(msg.tokens), out=imp.tensor)
+            self.counters["bytes_copied"] += cache.spec.nbytes(hit.num_tokens)
+            return {"num_tokens": hit.num_tokens, "tiers": hit.tiers}
+        finally:
+            imp.close()
+
+    async def _op_lookup(self, peer: _Peer, msg: msgs.TokensMessage, fds: list[int]) -> Any:
+        return await _cache_of(peer).lookup(_tokens(msg.tokens))
+
+    async def _op_prefetch(self, peer: _Peer, msg: msgs.PrefetchMessage,
+                           fds: list[int]) -> Any:
+        return await _cache_of(peer).prefetch(_tokens(msg.tokens), timeout=msg.timeout)
+
+    async def _op_delete(self, peer: _Peer, msg: msgs.TokensMessage, fds: list[int]) -> Any:
+        return await _cache_of(peer).delete(_tokens(msg.tokens))
+
+    async def _op_clear(self, peer: _Peer, msg: msgs.EmptyMessage, fds: list[int]) -> Any:
+        await _cache_of(peer).clear()
+        return True
+
+    async def _op_flush(self, peer: _Peer, msg: msgs.EmptyMessage, fds: list[int]) -> Any:
+        await _cache_of(peer).flush()
+        return True
+
+    # The baseline byte path, kept for `musacache bench ipc`: the worker gathers its KV into a
+    # buffer and sends the bytes through the socket; the server copies them into a staging
+    # tensor and then puts that. Three copies of the payload, against one for `store`.
+    async def _op_stage_bytes(self, peer: _Peer, msg: msgs.StageBytesMessage,
+                              fds: list[int]) -> Any:
+        _cache_of(peer)
+        if peer.staged is None or peer.staged.numel() != msg.total:
+            peer.staged = None  # let go of the old buffer before the new one is allocated
+            peer.staged = torch.empty(msg.total, dtype=torch.uint8)
+        staged, offset, data = peer.staged, msg.offset, msg.data
+        if data:
+            src = np.frombuffer(data, dtype=np.uint8)
+            await anyio.to_thread.run_sync(
+                lambda: np.copyto(staged[offset:offset + len(data)].numpy(), src))
+        self.counters["bytes_received"] += len(data)
+        self.counters["bytes_copied"] += len(data)
+        return len(data)
+
+    async def _open_pages(self, peer: _Peer, msg: msgs.PagesMessage, cache: Cache,
+                          fds: list[int]) -> tuple[ipc.ImportedTensor, list[torch.Tensor]]:
+        assert msg.handle is not None
+        imp = await peer.table.aopen_tensor(msg.handle, msgs.take_fds(fds, msg.nfds))
+        t = imp.tensor
+        if t.dim() != 2 or t.shape[0] != len(msg.keys):
+            imp.close()
+            raise InvalidInputError(f"pages: a [{len(msg.keys)}, page elements] tensor is "
+                                    f"needed, got shape {tuple(t.shape)}")
+        return imp, [t[i] for i in range(t.shape[0])]
+
+    async def _op_put_pages(self, peer: _Peer, msg: msgs.PagesMessage, fds: list[int]) -> Any:
+        cache = _cache_of(peer)
+        imp, pages = await self._open_pages(peer, msg, cache, fds)
+        try:
+            n = await cache.put_pages(msg.keys, pages, after=msg.after)
+            self.counters["bytes_copied"] += cache.spec.nbytes(n * cache.config.chunk_size)
+            return n
+        finally:
+            imp.close()
+
+    async def _op_get_pages(self, peer: _Peer, msg: msgs.PagesMessage, fds: list[int]) -> Any:
+        cache = _cache_of(peer)
+        imp, outs = await self._open_pages(peer, msg, cache, fds)
+        try:
+            found = await cache.get_pages(msg.keys, outs)
+            self.counters["bytes_copied"] += cache.spec.nbytes(
+                sum(found) * cache.config.chunk_size)
+            return found
+        finally:
+            imp.close()
+
+    async def _op_exists_pages(self, peer: _Peer, msg: msgs.PagesMessage,
+                               fds: list[int]) -> Any:
+        return await _cache_of(peer).exists_pages(msg.keys)
+
+    async def _op_put_staged(self, peer: _Peer, msg: msgs.PutStagedMessage,
+                             fds: list[int]) -> Any:
+        cache = _cache_of(peer)
+        toks = _tokens(msg.tokens)
+        spec = cache.spec
+        if peer.staged is None or peer.staged.numel() != spec.nbytes(len(toks)):
+            raise InvalidInputError("put_staged: the staged bytes do not hold these tokens")
+        kv = peer.staged.view(spec.dtype).view(spec.shape(len(toks)))
+        n = await cache.put(toks, kv)
+        self.counters["bytes_copied"] += spec.nbytes(n)
+        peer.staged = None
+        return n
+
+
 class Server:
     """Run with ``async with Server(config) as server: await server.serve_forever()``."""
 
@@ -276,6 +450,7 @@ class Server:
         self.counters = dict.fromkeys(
             ("connections", "refused", "requests", "errors", "bad_frames", "limited",
              "accept_backoffs", "bytes_copied", "bytes_received"), 0)
+        self._data = _DataOps(config, self.counters)
         #: What :meth:`aclose` did (for ``musacache serve`` to report): per cache, chunks
         #: held and chunks written to storage while closing.
         self.close_report: list[dict[str, Any]] = []
@@ -476,7 +651,10 @@ class Server:
                     if peer.monitor and req.op not in MONITOR_OPS:
                         raise PermissionDeniedError(
                             f"{req.op}: a monitor connection may only read stats")
-                result = await getattr(self, f"_op_{req.op}")(peer, msg, fds)
+                # decode_args admitted only known ops, each handled here or by _DataOps.
+                handler = getattr(self, f"_op_{req.op}", None) or getattr(
+                    self._data, f"_op_{req.op}")
+                result = await handler(peer, msg, fds)
             finally:
                 ipc.close_fds(fds)  # whatever a handler did not take
         except MusaCacheError as e:
@@ -531,12 +709,6 @@ class Server:
                      Fingerprint(namespace, spec, chunk).describe(), _tenant_tag(tenant))
             return cache
 
-    @staticmethod
-    def _cache_of(peer: _Peer) -> Cache:
-        if peer.cache is None:  # unreachable past the monitor check; kept as a typed refusal
-            raise PermissionDeniedError("this connection has no cache")
-        return peer.cache
-
     # -- ops --------------------------------------------------------------------------------
 
     async def _op_hello(self, peer: _Peer, msg: msgs.HelloMessage, fds: list[int]) -> Any:
@@ -567,7 +739,7 @@ class Server:
 
     async def _op_register(self, peer: _Peer, msg: msgs.RegisterMessage,
                            fds: list[int]) -> Any:
-        cache = self._cache_of(peer)
+        cache = _cache_of(peer)
         imports: list[ipc.ImportedTensor] = []
         try:
             for h in msg.handles:
@@ -596,168 +768,10 @@ class Server:
             imp.close()
         return True
 
-    def _reg(self, peer: _Peer, number: int) -> _Registration:
-        reg = peer.regs.get(number)
-        if reg is None:
-            raise InvalidInputError(f"no registration {number}: call register_kv_caches")
-        return reg
-
-    def _open_event(self, peer: _Peer, wire: msgs.EventWire | None,
-                    fds: list[int]) -> ipc.IpcEvent | None:
-        if wire is None:
-            return None
-        return peer.table.open_event(wire.wire, msgs.take_fds(fds, wire.nfds))
-
-    async def _op_store(self, peer: _Peer, msg: msgs.PagedMessage, fds: list[int]) -> Any:
-        cache = self._cache_of(peer)
-        reg = self._reg(peer, msg.reg)
-        ready = self._open_event(peer, msg.ready, fds)
-        try:
-            n = await cache.store(
-                _tokens(msg.tokens), reg.pages, _slots(msg.slots),
-                skip_prefix=msg.skip_prefix, ready=ready,
-                ready_timeout=self.config.ready_timeout)
-            self.counters["bytes_copied"] += cache.spec.nbytes(max(0, n - msg.skip_prefix))
-            return n
-        finally:
-            if ready is not None:
-                peer.table.close_event(ready)
-
-    async def _op_retrieve(self, peer: _Peer, msg: msgs.PagedMessage, fds: list[int]) -> Any:
-        cache = self._cache_of(peer)
-        reg = self._reg(peer, msg.reg)
-        ready = self._open_event(peer, msg.ready, fds)
-        try:
-            done = self._open_event(peer, msg.done, fds)
-        except BaseException:
-            if ready is not None:
-                peer.table.close_event(ready)
-            raise
-        try:
-            n = await cache.retrieve(
-                _tokens(msg.tokens), reg.pages, _slots(msg.slots),
-                skip_prefix=msg.skip_prefix, ready=ready,
-                ready_timeout=self.config.ready_timeout)
-            self.counters["bytes_copied"] += cache.spec.nbytes(max(0, n - msg.skip_prefix))
-            if done is not None:
-                done.set()
-            return n
-        finally:
-            for ev in (ready, done):
-                if ev is not None:
-                    peer.table.close_event(ev)
-
-    async def _op_put(self, peer: _Peer, msg: msgs.DenseMessage, fds: list[int]) -> Any:
-        cache = self._cache_of(peer)
-        imp = await peer.table.aopen_tensor(msg.handle, msgs.take_fds(fds, msg.nfds))
-        try:
-            n = await cache.put(_tokens(msg.tokens), imp.tensor)
-            # Counted from the answer, not from per-request stats() calls: the bytes of KV
-            # the put covered (chunks already cached are not copied again).
-            self.counters["bytes_copied"] += cache.spec.nbytes(n)
-            return n
-        finally:
-            imp.close()
-
-    async def _op_get(self, peer: _Peer, msg: msgs.DenseMessage, fds: list[int]) -> Any:
-        cache = self._cache_of(peer)
-        imp = await peer.table.aopen_tensor(msg.handle, msgs.take_fds(fds, msg.nfds))
-        try:
-            hit = await cache.get(_tokens(msg.tokens), out=imp.tensor)
-            self.counters["bytes_copied"] += cache.spec.nbytes(hit.num_tokens)
-            return {"num_tokens": hit.num_tokens, "tiers": hit.tiers}
-        finally:
-            imp.close()
-
-    async def _op_lookup(self, peer: _Peer, msg: msgs.TokensMessage, fds: list[int]) -> Any:
-        return await self._cache_of(peer).lookup(_tokens(msg.tokens))
-
-    async def _op_prefetch(self, peer: _Peer, msg: msgs.PrefetchMessage,
-                           fds: list[int]) -> Any:
-        return await self._cache_of(peer).prefetch(_tokens(msg.tokens), timeout=msg.timeout)
-
-    async def _op_delete(self, peer: _Peer, msg: msgs.TokensMessage, fds: list[int]) -> Any:
-        return await self._cache_of(peer).delete(_tokens(msg.tokens))
-
-    async def _op_clear(self, peer: _Peer, msg: msgs.EmptyMessage, fds: list[int]) -> Any:
-        await self._cache_of(peer).clear()
-        return True
-
-    async def _op_flush(self, peer: _Peer, msg: msgs.EmptyMessage, fds: list[int]) -> Any:
-        await self._cache_of(peer).flush()
-        return True
-
     async def _op_stats(self, peer: _Peer, msg: msgs.EmptyMessage, fds: list[int]) -> Any:
         if peer.cache is None:
             return await self.stats()
         return {**(await peer.cache.stats()), "server": self._server_stats()}
-
-    # The baseline byte path, kept for `musacache bench ipc`: the worker gathers its KV into a
-    # buffer and sends the bytes through the socket; the server copies them into a staging
-    # tensor and then puts that. Three copies of the payload, against one for `store`.
-    async def _op_stage_bytes(self, peer: _Peer, msg: msgs.StageBytesMessage,
-                              fds: list[int]) -> Any:
-        self._cache_of(peer)
-        if peer.staged is None or peer.staged.numel() != msg.total:
-            peer.staged = None  # let go of the old buffer before the new one is allocated
-            peer.staged = torch.empty(msg.total, dtype=torch.uint8)
-        staged, offset, data = peer.staged, msg.offset, msg.data
-        if data:
-            src = np.frombuffer(data, dtype=np.uint8)
-            await anyio.to_thread.run_sync(
-                lambda: np.copyto(staged[offset:offset + len(data)].numpy(), src))
-        self.counters["bytes_received"] += len(data)
-        self.counters["bytes_copied"] += len(data)
-        return len(data)
-
-    async def _open_pages(self, peer: _Peer, msg: msgs.PagesMessage, cache: Cache,
-                          fds: list[int]) -> tuple[ipc.ImportedTensor, list[torch.Tensor]]:
-        assert msg.handle is not None
-        imp = await peer.table.aopen_tensor(msg.handle, msgs.take_fds(fds, msg.nfds))
-        t = imp.tensor
-        if t.dim() != 2 or t.shape[0] != len(msg.keys):
-            imp.close()
-            raise InvalidInputError(f"pages: a [{len(msg.keys)}, page elements] tensor is "
-                                    f"needed, got shape {tuple(t.shape)}")
-        return imp, [t[i] for i in range(t.shape[0])]
-
-    async def _op_put_pages(self, peer: _Peer, msg: msgs.PagesMessage, fds: list[int]) -> Any:
-        cache = self._cache_of(peer)
-        imp, pages = await self._open_pages(peer, msg, cache, fds)
-        try:
-            n = await cache.put_pages(msg.keys, pages, after=msg.after)
-            self.counters["bytes_copied"] += cache.spec.nbytes(n * cache.config.chunk_size)
-            return n
-        finally:
-            imp.close()
-
-    async def _op_get_pages(self, peer: _Peer, msg: msgs.PagesMessage, fds: list[int]) -> Any:
-        cache = self._cache_of(peer)
-        imp, outs = await self._open_pages(peer, msg, cache, fds)
-        try:
-            found = await cache.get_pages(msg.keys, outs)
-            self.counters["bytes_copied"] += cache.spec.nbytes(
-                sum(found) * cache.config.chunk_size)
-            return found
-        finally:
-            imp.close()
-
-    async def _op_exists_pages(self, peer: _Peer, msg: msgs.PagesMessage,
-                               fds: list[int]) -> Any:
-        return await self._cache_of(peer).exists_pages(msg.keys)
-
-    async def _op_put_staged(self, peer: _Peer, msg: msgs.PutStagedMessage,
-                             fds: list[int]) -> Any:
-        cache = self._cache_of(peer)
-        toks = _tokens(msg.tokens)
-        spec = cache.spec
-        if peer.staged is None or peer.staged.numel() != spec.nbytes(len(toks)):
-            raise InvalidInputError("put_staged: the staged bytes do not hold these tokens")
-        kv = peer.staged.view(spec.dtype).view(spec.shape(len(toks)))
-        n = await cache.put(toks, kv)
-        self.counters["bytes_copied"] += spec.nbytes(n)
-        peer.staged = None
-        return n
 
     # -- stats ------------------------------------------------------------------------------
 
