@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ._children import Siblings, common_tokens
 from ._keys import KEY_BYTES, KeyChain
 from .tiers.memory import Slot
 
@@ -26,13 +27,14 @@ class Entry:
                  "pins", "raw_bytes", "stored", "tokens")
 
     def __init__(self, key: bytes, parent: bytes, num_tokens: int, raw_bytes: int,
-                 tokens: np.ndarray | None) -> None:
+                 tokens: np.ndarray | bytes | None) -> None:
         self.key = key
         self.parent = parent
         self.num_tokens = num_tokens
         self.raw_bytes = raw_bytes
-        # The chunk's own token ids, when known: lets a lookup match a *prefix* of the chunk.
-        self.tokens = tokens
+        # The chunk's own token ids (int32 bytes), when known: lets a lookup match a *prefix*
+        # of the chunk. Bytes, not an array: 33 bytes of header instead of about 130.
+        self.tokens = tokens.tobytes() if isinstance(tokens, np.ndarray) else tokens
         self.blocks: dict[int, Slot] = {}   # memory tier index -> slot holding the KV
         self.stored: dict[int, int] = {}    # storage tier index -> stored object bytes
         self.pending: set[int] = set()      # storage tiers with a write in flight
@@ -65,7 +67,8 @@ class Directory:
     def __init__(self, chain: KeyChain) -> None:
         self.chain = chain
         self.entries: dict[bytes, Entry] = {}
-        self.children: dict[bytes, set[bytes]] = {}
+        # parent key -> its only child, or an index of its children (see ``_children``).
+        self.children: dict[bytes, Entry | Siblings] = {}
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -75,23 +78,54 @@ class Directory:
         return None if e is None or e.dead else e
 
     def add(self, e: Entry) -> None:
+        old = self.entries.get(e.key)
+        if old is not None and old is not e:
+            self._unlink(old)
         self.entries[e.key] = e
-        self.children.setdefault(e.parent, set()).add(e.key)
+        if old is e:
+            return
+        kids = self.children
+        have = kids.get(e.parent)
+        if have is None:
+            kids[e.parent] = e
+        elif isinstance(have, Siblings):
+            have.add(e)
+        else:
+            sib = Siblings()
+            sib.add(have)
+            sib.add(e)
+            kids[e.parent] = sib
 
     def remove(self, e: Entry) -> None:
         if self.entries.get(e.key) is e:
             del self.entries[e.key]
-            kids = self.children.get(e.parent)
-            if kids is not None:
-                kids.discard(e.key)
-                if not kids:
-                    del self.children[e.parent]
+            self._unlink(e)
+
+    def _unlink(self, e: Entry) -> None:
+        kids = self.children
+        have = kids.get(e.parent)
+        if have is e:
+            del kids[e.parent]
+        elif isinstance(have, Siblings) and have.discard(e):
+            if len(have) == 1:
+                kids[e.parent] = have.only()
+
+    def _learn_tokens(self, e: Entry, tokens: bytes) -> None:
+        """Give a chunk learned from a listing its token ids (the key proved them)."""
+        have = self.children.get(e.parent)
+        if isinstance(have, Siblings) and have.discard(e):
+            e.tokens = tokens
+            have.add(e)
+        else:
+            e.tokens = tokens
 
     def child_entries(self, key: bytes) -> Iterator[Entry]:
-        for ck in self.children.get(key, ()):
-            c = self.entries.get(ck)
-            if c is not None:
-                yield c
+        have = self.children.get(key)
+        if have is None:
+            return iter(())
+        if isinstance(have, Siblings):
+            return iter(have)
+        return iter((have,))
 
     def descendants(self, e: Entry) -> list[Entry]:
         out: list[Entry] = []
@@ -127,8 +161,8 @@ class Directory:
             key = h.digest()
             e = entries.get(key)
             if e is not None and not e.dead:
-                if e.tokens is None:
-                    e.tokens = tokens[start:end].copy()  # the key proves these are its tokens
+                if e.tokens is None:  # the key proves these are its tokens
+                    self._learn_tokens(e, view[start * 4 : end * 4].tobytes())
                 out.append(Match(start, end - start, e))
                 parent = key
                 continue
@@ -140,27 +174,35 @@ class Directory:
 
     def _best_prefix_child(self, parent: bytes, tokens: np.ndarray, start: int,
                            end: int) -> Match | None:
-        want = tokens[start:end]
+        """The child of ``parent`` whose token ids share the longest prefix with
+        ``tokens[start:end]``, found through the index of ``parent``'s children (no scan)."""
+        have = self.children.get(parent)
+        if have is None:
+            return None
+        want = tokens[start:end].tobytes()
         best: Entry | None = None
         best_len = 0
-        for c in self.child_entries(parent):
-            if c.dead:
-                continue
-            if c.tokens is not None:
-                k = min(len(c.tokens), len(want))
-                if k <= best_len:
+        if isinstance(have, Siblings):
+            best, best_len = have.longest(want)
+            for n in have.tokenless_lengths():
+                if n <= best_len:
+                    break
+                if n * 4 > len(want):
                     continue
-                diff = np.flatnonzero(c.tokens[:k] != want[:k])
-                m = int(diff[0]) if diff.size else k
-            else:
                 # A chunk learned from a storage listing: only its whole token run can be
                 # checked, by hashing the prompt's tokens of that length.
-                m = c.num_tokens
-                if m > len(want) or m <= best_len:
-                    continue
-                if KeyChain.child(parent, want[:m].tobytes()) != c.key:
-                    continue
-                c.tokens = want[:m].copy()
-            if m > best_len:
-                best, best_len = c, m
-        return Match(start, best_len, best) if best is not None else None
+                c = have.tokenless(n, KeyChain.child(parent, want[: n * 4]))
+                if c is not None and not c.dead:
+                    self._learn_tokens(c, want[: n * 4])
+                    best, best_len = c, n
+        elif not have.dead:
+            if have.tokens is not None:
+                best_len = common_tokens(have.tokens, want)
+            elif have.num_tokens * 4 <= len(want) and \
+                    KeyChain.child(parent, want[: have.num_tokens * 4]) == have.key:
+                best_len = have.num_tokens
+                self._learn_tokens(have, want[: best_len * 4])
+            best = have
+        if best is None or best_len == 0:
+            return None
+        return Match(start, best_len, best)
