@@ -45,7 +45,8 @@ async def test_a_chunk_being_read_is_not_evicted_under_its_reader(spec):
         a = list(range(32))
         await c.put(a, prefix_kv(spec, a))
         gate, entered = anyio.Event(), anyio.Event()
-        real = c._copy_many
+        mover = c._engine.mover
+        real = mover.copy
 
         async def slow_copy(pairs):
             if any(s.data_ptr() != d.data_ptr() for d, s in pairs) and not gate.is_set():
@@ -53,7 +54,7 @@ async def test_a_chunk_being_read_is_not_evicted_under_its_reader(spec):
                 await gate.wait()
             await real(pairs)
 
-        c._copy_many = slow_copy
+        mover.copy = slow_copy
         result = {}
 
         async def reader():
@@ -64,7 +65,7 @@ async def test_a_chunk_being_read_is_not_evicted_under_its_reader(spec):
             await entered.wait()
             # The tier is full and both chunks are pinned by the reader: nothing can go.
             b = list(range(500, 532))
-            c._copy_many = real
+            mover.copy = real
             assert await c.put(b, prefix_kv(spec, b)) == 0
             assert c.stats()["pins"] == 2
             gate.set()
@@ -79,14 +80,15 @@ async def test_deleted_while_read_is_freed_after_the_reader(spec):
         a = list(range(32))
         await c.put(a, prefix_kv(spec, a))
         gate, entered = anyio.Event(), anyio.Event()
-        real = c._copy_many
+        mover = c._engine.mover
+        real = mover.copy
 
         async def slow_copy(pairs):
             entered.set()
             await gate.wait()
             await real(pairs)
 
-        c._copy_many = slow_copy
+        mover.copy = slow_copy
         out = {}
         async with anyio.create_task_group() as tg:
             async def reader():
@@ -96,7 +98,7 @@ async def test_deleted_while_read_is_freed_after_the_reader(spec):
             await c.delete(a)
             assert c.stats()["tiers"]["host"]["bytes_used"] == spec.nbytes(CH) * 2  # still held
             gate.set()
-        c._copy_many = real
+        mover.copy = real
         assert torch.equal(out["hit"].kv, prefix_kv(spec, a))
         assert c.stats()["tiers"]["host"]["bytes_used"] == 0
 
@@ -131,7 +133,7 @@ async def test_random_cancellation_leaks_nothing(spec):
         assert all(v == 0 for k, v in st["in_flight"].items()), st["in_flight"]
         # Every slot in use belongs to a chunk the directory knows: no leaked memory.
         for mt in c._mem:
-            held = sum(1 for e in c._dir.entries.values() if mt.idx in e.blocks)
+            held = sum(1 for e in c._engine.dir.entries.values() if mt.idx in e.blocks)
             assert mt.pool.slots_in_use == held, (mt.name, mt.pool.slots_in_use, held)
             assert len(mt.lru) == held
         for b in bases:

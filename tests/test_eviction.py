@@ -94,12 +94,10 @@ async def test_evicted_chunks_are_demoted_and_promoted_back(spec):
 
 
 async def push_top_tier_down(c):
-    """Demote every chunk of the top tier by hand and drop it there, as eviction would."""
+    """Evict every chunk of the top tier (demoting it to the next), as a full tier would."""
     mt = c._mem[0]
-    for e in list(mt.lru.values()):
-        await c._demote(e, 1, c._entry_view(mt, e))
-        mt.pool.release(e.blocks.pop(mt.idx).index)
-        mt.lru.pop(e.key)
+    await c._engine.evict(mt, len(mt.lru))
+    assert not mt.lru
 
 
 async def test_concurrent_gets_join_one_promotion(spec):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,42 +20,14 @@ from typing import TYPE_CHECKING, Any, Literal, Union
 
 from ._errors import ConfigError
 from ._spec import KVSpec
+from ._validate import parse_size
 
 if TYPE_CHECKING:
     from .tiers.base import StorageTier
 
 __all__ = ["CacheConfig", "DeviceTier", "HostTier", "TierConfig", "parse_size"]
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1}
-for _i, _p in enumerate("kmgtp", start=1):
-    _UNITS[_p] = _UNITS[_p + "b"] = 1000**_i
-    _UNITS[_p + "i"] = _UNITS[_p + "ib"] = 1024**_i
-
 DEFAULT_SEGMENT_BYTES = 256 * 1024**2
-
-
-def parse_size(value: int | str, *, what: str = "size") -> int:
-    """``"8GiB"`` -> 8589934592. Negative sizes are a ConfigError."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{what} must be a byte count, got {value!r}")
-    if isinstance(value, int):
-        n = value
-    elif isinstance(value, float) and value.is_integer():
-        n = int(value)
-    elif isinstance(value, str):
-        stripped = value.strip()
-        if stripped.startswith("-"):
-            raise ConfigError(f"{what} must not be negative, got {value!r}")
-        m = _SIZE_RE.match(stripped)
-        if not m:
-            raise ConfigError(f"{what}: cannot read {value!r} as a size (e.g. 512MiB, 8GiB)")
-        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
-    else:
-        raise ConfigError(f"{what} must be a byte count, got {type(value).__name__}")
-    if n < 0:
-        raise ConfigError(f"{what} must not be negative, got {value!r}")
-    return n
 
 
 @dataclass(frozen=True)
@@ -71,6 +42,9 @@ class HostTier:
     pinned: bool | Literal["auto"] = "auto"
     segment_bytes: int | str = DEFAULT_SEGMENT_BYTES
     name: str = "host"
+    #: Bytes allocated (and pinned) at ``open()``, for servers that want no growth on the
+    #: request path; the rest still grows lazily, ahead of need.
+    prealloc: int | str = 0
     kind: Literal["host"] = field(default="host", init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -78,6 +52,11 @@ class HostTier:
                            parse_size(self.capacity_bytes, what=f"{self.name}.capacity_bytes"))
         object.__setattr__(self, "segment_bytes",
                            parse_size(self.segment_bytes, what=f"{self.name}.segment_bytes"))
+        object.__setattr__(self, "prealloc",
+                           parse_size(self.prealloc, what=f"{self.name}.prealloc"))
+        if int(self.prealloc) > int(self.capacity_bytes):
+            raise ConfigError(f"{self.name}.prealloc ({self.prealloc} bytes) is more than its "
+                              f"capacity_bytes ({self.capacity_bytes})")
         if self.pinned not in (True, False, "auto"):
             raise ConfigError(
                 f"{self.name}.pinned must be true, false or 'auto', got {self.pinned!r}")
@@ -136,6 +115,13 @@ class CacheConfig:
     #: On ``aclose()``, write chunks held only in memory down to the first storage tier, so a
     #: restarted cache on the same disk or bucket finds them (costs encode + write time).
     persist_on_close: bool = True
+    #: Where ``get`` returns KV (``Hit.kv``): ``"auto"`` is the hottest memory tier's device;
+    #: or ``"cpu"``, ``"cuda[:n]"``, ``"musa[:n]"`` (a host-only cache can return device
+    #: tensors).
+    device: str = "auto"
+    #: Seconds ``aclose()`` may spend persisting chunks and finishing queued writes; what is
+    #: left after it is counted (``stats()["close"]``), not waited for.
+    close_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.spec, KVSpec):
@@ -160,6 +146,14 @@ class CacheConfig:
                            parse_size(self.write_queue_bytes, what="write_queue_bytes"))
         if self.refresh_interval < 0:
             raise ConfigError("refresh_interval must not be negative")
+        if not isinstance(self.device, str) or not self.device:
+            raise ConfigError(f"device must be 'auto', 'cpu', 'cuda[:n]' or 'musa[:n]', "
+                              f"got {self.device!r}")
+        if isinstance(self.close_timeout, bool) or not isinstance(self.close_timeout,
+                                                                  (int, float)) \
+                or not self.close_timeout >= 0:
+            raise ConfigError(f"close_timeout must be a number of seconds >= 0, "
+                              f"got {self.close_timeout!r}")
         if not isinstance(self.persist_on_close, bool):
             raise ConfigError(
                 f"persist_on_close must be true or false, got {self.persist_on_close!r}")
@@ -191,6 +185,8 @@ class CacheConfig:
             data["copy_threads"] = _as_int(data["copy_threads"], "copy_threads")
         if "refresh_interval" in data:
             data["refresh_interval"] = _as_float(data["refresh_interval"], "refresh_interval")
+        if "close_timeout" in data:
+            data["close_timeout"] = _as_float(data["close_timeout"], "close_timeout")
         return cls(spec=KVSpec.from_dict(_coerce_spec(spec_data)), tiers=tiers, **data)
 
     @classmethod

@@ -8,6 +8,7 @@ deleted one keeps its memory until the last reader unpins it (``dead``).
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -23,12 +24,17 @@ __all__ = ["Directory", "Entry", "Match"]
 class Entry:
     """One chunk: its place in the chain, and its residency in each tier."""
 
-    __slots__ = ("blocks", "dead", "detached", "key", "num_tokens", "parent", "pending",
+    __slots__ = ("blocks", "dead", "detached", "gen", "key", "num_tokens", "parent", "pending",
                  "pins", "raw_bytes", "stored", "tokens")
+
+    _generations = itertools.count(1)
 
     def __init__(self, key: bytes, parent: bytes, num_tokens: int, raw_bytes: int,
                  tokens: np.ndarray | bytes | None) -> None:
         self.key = key
+        # A chunk deleted and put again is a new entry with a new generation: every storage
+        # operation names the generation it is for, never the bare key.
+        self.gen = next(Entry._generations)
         self.parent = parent
         self.num_tokens = num_tokens
         self.raw_bytes = raw_bytes
@@ -128,13 +134,21 @@ class Directory:
         return iter((have,))
 
     def descendants(self, e: Entry) -> list[Entry]:
+        return self.subtree([e.key])
+
+    def subtree(self, roots: list[bytes]) -> list[Entry]:
+        """Every entry that extends one of ``roots`` (by parent links, whether or not the
+        root itself is known), each once."""
         out: list[Entry] = []
-        stack = [e]
+        seen: set[bytes] = set(roots)
+        stack = list(roots)
         while stack:
             cur = stack.pop()
-            for c in self.child_entries(cur.key):
-                out.append(c)
-                stack.append(c)
+            for c in self.child_entries(cur):
+                if c.key not in seen:
+                    seen.add(c.key)
+                    out.append(c)
+                    stack.append(c.key)
         return out
 
     # -- matching -------------------------------------------------------------------------

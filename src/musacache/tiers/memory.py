@@ -83,6 +83,10 @@ class MemoryPool:
         self._in_use += 1
         return idx
 
+    @property
+    def free_slots(self) -> int:
+        return self.max_slots - self._in_use
+
     def release(self, index: int) -> None:
         self._in_use -= 1
         self._free.append(index)
@@ -94,13 +98,37 @@ class MemoryPool:
         seg_no, off = divmod(index, self.slots_per_segment)
         seg = self._segments.get(seg_no)
         if seg is None:
-            async with self._grow_lock:
-                seg = self._segments.get(seg_no)
-                if seg is None:
-                    seg = await self._allocate_segment(seg_no)
-                    self._segments[seg_no] = seg
+            seg = await self.ensure_segment(seg_no)
         start = off * self.slot_bytes
         return Slot(index, seg[start : start + self.slot_bytes])
+
+    async def ensure_segment(self, seg_no: int) -> torch.Tensor:
+        async with self._grow_lock:
+            seg = self._segments.get(seg_no)
+            if seg is None:
+                seg = await self._allocate_segment(seg_no)
+                self._segments[seg_no] = seg
+            return seg
+
+    def segment_to_grow(self) -> int | None:
+        """The next segment worth allocating ahead of need: the one after the highest slot
+        handed out so far, once that slot is past the middle of its own segment. Growing it
+        in the background keeps allocation (and pinning, about 2 GB/s) off the request path."""
+        if self._next == 0:
+            return None  # start-up allocates nothing
+        seg_no, off = divmod(self._next - 1, self.slots_per_segment)
+        nxt = seg_no + 1
+        if off * 2 + 1 < self.slots_per_segment or nxt * self.slots_per_segment >= self.max_slots:
+            return None
+        return None if nxt in self._segments else nxt
+
+    async def prealloc(self, nbytes: int) -> None:
+        """Allocate (and pin) segments covering ``nbytes`` now."""
+        seg_bytes = self.slots_per_segment * self.slot_bytes
+        count = min(-(-nbytes // seg_bytes) if seg_bytes else 0,
+                    -(-self.max_slots // self.slots_per_segment))
+        for seg_no in range(count):
+            await self.ensure_segment(seg_no)
 
     async def _allocate_segment(self, seg_no: int) -> torch.Tensor:
         first = seg_no * self.slots_per_segment

@@ -1,0 +1,280 @@
+"""The storage tiers' side of the engine: reads, write-behind, deletes, capacity, refresh.
+
+Every write and delete of a key on a storage tier takes its place in that key's operation
+chain when it is scheduled and runs after the one before it (``StoreTier.chain_link``), and
+names the entry (so its generation) it is for. Reads of a queued object are served from the
+queue. Every fault here is a counted miss or a counted drop, never an exception to the caller.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import anyio
+import torch
+
+from ._directory import Entry
+from ._errors import FingerprintMismatchError, MusaCacheError
+from ._log import RateLimitedLog
+from ._placement import victims
+from ._tierstate import StoreTier
+from .tiers.base import ChunkMeta
+
+if TYPE_CHECKING:
+    from ._core import Engine
+
+__all__ = ["ColdPath"]
+
+log = logging.getLogger("musacache")
+
+
+class ColdPath:
+    def __init__(self, engine: Engine) -> None:
+        self.eng = engine
+        self.errlog = RateLimitedLog(log)
+
+    # -- reads ----------------------------------------------------------------------------
+
+    async def read(self, t: StoreTier, e: Entry) -> torch.Tensor | None:
+        """``e``'s KV from ``t`` (a host tensor), or None: absent, a fault, a timeout, or an
+        object that cannot be read here (corrupt, another model's, another format version).
+        Each is counted under its own name and is a miss, never an exception."""
+        from .codec import decode_chunk
+
+        eng = self.eng
+        obj = t.pending_obj(e)
+        meta = t.meta(e)
+        if obj is None:
+            if t.idx not in e.stored:
+                return None
+            try:
+                async with t.sem:
+                    with anyio.fail_after(t.store.timeout):
+                        obj = await t.store.read(meta)
+            except TimeoutError:
+                self._count(t, "timeouts", "faults", "misses")
+                self.errlog.warn(t.name, "timeout", f"read took over {t.store.timeout} s")
+                return None
+            except Exception as exc:  # TierError, or anything a plug-in tier lets escape
+                self._count(t, "faults", "misses")
+                self.errlog.warn(t.name, "read fault", repr(exc))
+                return None
+            if obj is None:
+                t.c["misses"] += 1
+                self.forget(t, e)
+                return None
+        try:
+            _, data = await eng.mover.in_thread(
+                lambda: decode_chunk(eng.fingerprint, obj, expect=meta))
+        except FingerprintMismatchError as exc:
+            # Another model's, layout's or format version's object under our key: a miss, and
+            # the message names both sides. It is not ours to delete.
+            self._count(t, "foreign", "misses")
+            self.errlog.warn(t.name, "foreign chunk", f"{e.key.hex()}: {exc}")
+            self.forget(t, e)
+            return None
+        except MusaCacheError as exc:
+            self._count(t, "corrupt", "misses")
+            self.errlog.warn(t.name, "corrupt chunk", f"{e.key.hex()}: {exc}")
+            was_current = not e.dead
+            self.forget(t, e)
+            if was_current:  # a dead entry may be reading a newer entry's object: keep it
+                self.schedule_delete(t, e.key)
+            return None
+        t.c["bytes_out"] += len(obj)
+        return data
+
+    @staticmethod
+    def _count(t: StoreTier, *names: str) -> None:
+        for n in names:
+            t.c[n] += 1
+
+    def forget(self, t: StoreTier, e: Entry) -> None:
+        """``t`` no longer holds ``e``; an entry held nowhere leaves the directory."""
+        t.drop(e)
+        if not e.resident and not e.dead:
+            self.eng.dir.remove(e)
+
+    # -- writes ----------------------------------------------------------------------------
+
+    async def encode(self, t: StoreTier, items: Sequence[tuple[Entry, torch.Tensor]],
+                     ) -> list[bytes]:
+        """Encode every item for ``t`` in one worker-thread hop (host data only)."""
+        from .codec import encode_chunk
+
+        eng = self.eng
+        metas = [ChunkMeta(e.key, e.parent, e.num_tokens, e.raw_bytes) for e, _ in items]
+        datas = [d for _, d in items]
+
+        def run() -> list[bytes]:
+            return [encode_chunk(eng.fingerprint, m, d if d.is_contiguous() else d.contiguous(),
+                                 t.store.codec) for m, d in zip(metas, datas, strict=True)]
+
+        out: list[bytes] = await eng.mover.in_thread(run)
+        return out
+
+    async def place(self, t: StoreTier, e: Entry, obj: bytes) -> bool:
+        """Queue ``obj`` for ``t`` (capacity made first, then room in the queue). False if
+        ``t`` cannot take it: too big, full of pinned chunks, or shed by a failing tier."""
+        size = len(obj)
+        if t.capacity is not None and (size > t.capacity or not await self.make_room(t, size)):
+            t.c["write_drops"] += 1
+            return False
+        if not await t.admit(size):
+            return False
+        if t.holds(e) or e.dead:
+            return True  # written by another task while we waited, or deleted: nothing to do
+        t.enqueue(e, obj)
+        before, mine = t.chain_link(e.key)
+        self.eng.tasks.spawn(self._write_job, t, e, obj, before, mine)
+        return True
+
+    async def _write_job(self, t: StoreTier, e: Entry, obj: bytes, before: anyio.Event | None,
+                         mine: anyio.Event) -> None:
+        eng = self.eng
+        eng.inflight["writes"] += 1
+        ok = False
+        try:
+            if before is not None:
+                await before.wait()
+            async with t.sem:
+                await t.store.write(t.meta(e), obj)
+            ok = True
+            t.last_write_failed = False
+            t.c["writes"] += 1
+            t.c["bytes_in"] += len(obj)
+        except Exception as exc:  # retries are the tier's; after them, drop and count
+            t.last_write_failed = True
+            t.c["write_drops"] += 1
+            self.errlog.warn(t.name, "write dropped", repr(exc))
+        finally:
+            eng.inflight["writes"] -= 1
+            t.dequeue(e, obj)
+            t.chain_done(e.key, mine)
+            if ok and not e.dead:
+                t.commit_stored(e, len(obj))
+            else:
+                # Not stored, or stored for an entry deleted meanwhile: its delete was
+                # chained after this write when it was deleted.
+                t.used -= len(obj)
+                if not e.resident and not e.dead:
+                    eng.dir.remove(e)
+
+    def schedule_delete(self, t: StoreTier, key: bytes) -> None:
+        """Delete ``key`` on ``t`` after every operation on it scheduled so far."""
+        before, mine = t.chain_link(key)
+        self.eng.tasks.spawn(self._delete_job, t, key, before, mine)
+
+    async def _delete_job(self, t: StoreTier, key: bytes, before: anyio.Event | None,
+                          mine: anyio.Event) -> None:
+        try:
+            if before is not None:
+                await before.wait()
+            with anyio.fail_after(t.store.timeout):
+                await t.store.delete(key)
+            t.c["deletes"] += 1
+        except Exception as exc:
+            t.c["faults"] += 1
+            self.errlog.warn(t.name, "delete fault", repr(exc))
+        finally:
+            t.chain_done(key, mine)
+
+    async def make_room(self, t: StoreTier, size: int) -> bool:
+        """Evict from a bounded storage tier (leaves first, demoting below) until ``size``
+        more bytes fit; False if only pinned or queued chunks are left."""
+        eng = self.eng
+        cap = t.capacity if t.capacity is not None else 0
+        while t.used + size > cap:
+            found = victims(t, eng.dir, 1)
+            if not found:
+                return False
+            e = found[0]
+            eng.pin(e)
+            try:
+                if t.idx in e.stored and not any(x.holds(e) for x in eng.tiers[t.idx + 1:]) \
+                        and t.idx + 1 < len(eng.tiers):
+                    data = await self.read(t, e)
+                    if data is not None and not e.dead:
+                        await eng.relocate([(e, data)], t.idx + 1, counter="demotions")
+            finally:
+                eng.unpin(e)
+            if t.drop(e):
+                t.c["evictions"] += 1
+                self.schedule_delete(t, e.key)
+                if not e.resident and not e.dead:
+                    eng.dir.remove(e)
+        return True
+
+    def write_through(self, e: Entry) -> None:
+        for t in self.eng.stores:
+            if t.store.write_through and not t.holds(e):
+                self.eng.tasks.spawn(self._write_through, t, e)
+
+    async def _write_through(self, t: StoreTier, e: Entry) -> None:
+        eng = self.eng
+        async with eng.wt_sem:
+            if e.dead or t.holds(e):
+                return
+            mt = eng.hottest_mem(e)
+            if mt is None:
+                return
+            eng.pin(e)
+            try:
+                host = await eng.host_copy(eng.view(mt, e))
+                obj, = await self.encode(t, [(e, host)])
+            finally:
+                eng.unpin(e)
+            await self.place(t, e, obj)
+
+    # -- what storage already holds ----------------------------------------------------------
+
+    async def refresh(self, parent: bytes) -> bool:
+        """Ask shared storage tiers for chunks under ``parent`` that other nodes wrote.
+
+        Follows the chain down while it finds more, each parent at most once per
+        ``refresh_interval``, all within the tier's timeout. True if anything was learned.
+        """
+        eng = self.eng
+        learned = False
+        for st in eng.stores:
+            if not st.store.shared:
+                continue
+            cur: bytes | None = parent
+            with anyio.move_on_after(st.store.timeout):
+                while cur is not None:
+                    if st.asked_recently(cur, eng.config.refresh_interval):
+                        break
+                    try:
+                        metas = await st.store.refresh(cur)
+                    except Exception as exc:
+                        st.c["faults"] += 1
+                        self.errlog.warn(st.name, "refresh", repr(exc))
+                        break
+                    st.c["refreshes"] += 1
+                    new = self.learn(st, metas)
+                    learned = learned or bool(new)
+                    # Keep walking down a single new child: that is a longer cached prefix.
+                    cur = new[0].key if len(new) == 1 else None
+        return learned
+
+    def learn(self, st: StoreTier, metas: Iterable[ChunkMeta]) -> list[Entry]:
+        """Record chunks a storage tier reports; returns the entries that were new to it."""
+        eng = self.eng
+        new: list[Entry] = []
+        for m in sorted(metas, key=lambda m: m.last_used):
+            if m.raw_bytes != eng.spec.nbytes(m.num_tokens) or not (
+                    0 < m.num_tokens <= eng.config.chunk_size):
+                continue  # not a chunk of this spec: never serve it
+            e = eng.dir.get(m.key)
+            if e is None:
+                e = Entry(m.key, m.parent, m.num_tokens, m.raw_bytes, None)
+                eng.dir.add(e)
+            if not st.holds(e):
+                e.stored[st.idx] = m.stored_bytes
+                st.used += m.stored_bytes
+                st.lru[m.key] = e
+                new.append(e)
+        return new
+

@@ -1,0 +1,613 @@
+"""The engine behind :class:`~musacache.Cache`: plan, move, commit.
+
+Every request runs in three steps:
+
+1. **plan**, synchronously on the loop: match keys, pin what is read, reserve slots, pick
+   victims. No await separates a decision from the bookkeeping that records it.
+2. **move**, one batched data movement for the whole request (``_move.Mover``): one worker-
+   thread hop, and on a device one event wait.
+3. **commit**, synchronously: re-check that nothing was deleted meanwhile, make the new
+   residency visible, release what was not used.
+
+Eviction, demotion, promotion and persist-on-close all go through :meth:`Engine.relocate`,
+the one place that allocates, copies, re-checks ``dead`` and commits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import anyio
+import numpy as np
+import torch
+
+from ._coldpath import ColdPath
+from ._config import CacheConfig
+from ._directory import Directory, Entry, Match
+from ._keys import Fingerprint, KeyChain
+from ._move import Mover, accelerator_of, gather_chunks
+from ._placement import delete_set, persist_order, victims
+from ._tasks import TaskOwner
+from ._tierstate import MemTier, StoreTier, Tier, counters
+from .tiers.memory import Slot
+
+__all__ = ["ChunkSource", "DenseSource", "Engine", "PagedSource"]
+
+# Chunks encoded per batch when persisting on close (bounds the encoded bytes held at once).
+_PERSIST_BATCH = 16
+
+
+class ChunkSource(Protocol):
+    """Where a put's bytes come from: ``move`` fills ``dst`` with tokens ``[start,
+    start+n)`` of the request for every ``(start, n, dst)``, as one move."""
+
+    async def move(self, mover: Mover, parts: Sequence[tuple[int, int, torch.Tensor]]) -> None:
+        ...
+
+
+class DenseSource:
+    """A dense ``spec.shape(T)`` tensor (``put``)."""
+
+    def __init__(self, kv: torch.Tensor, token_dim: int) -> None:
+        self.kv = kv
+        self.td = token_dim
+
+    async def move(self, mover: Mover, parts: Sequence[tuple[int, int, torch.Tensor]]) -> None:
+        await mover.copy([(dst, self.kv.narrow(self.td, s, n)) for s, n, dst in parts])
+
+
+class PagedSource:
+    """An engine's paged KV (``store``): one ``gather_chunks`` over every new chunk. A chunk
+    that starts inside the skipped prefix takes its head from the cached chunk ``head``."""
+
+    def __init__(self, kv_caches: Any, slots: torch.Tensor, layout: str, token_dim: int,
+                 pages_device: torch.device, skip_prefix: int = 0,
+                 head: tuple[int, torch.Tensor] | None = None) -> None:
+        self.kv_caches = kv_caches
+        self.slots = slots
+        self.layout = layout
+        self.td = token_dim
+        self.pages_device = pages_device
+        self.skip = skip_prefix
+        self.head = head
+
+    async def move(self, mover: Mover, parts: Sequence[tuple[int, int, torch.Tensor]]) -> None:
+        td = self.td
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        dsts: list[torch.Tensor] = []
+        runs: list[torch.Tensor] = []
+        for s, n, dst in parts:
+            if self.head is not None and s == self.head[0] and s < self.skip:
+                k = self.skip - s
+                copies.append((dst.narrow(td, 0, k), self.head[1].narrow(td, 0, k)))
+                if n > k:
+                    dsts.append(dst.narrow(td, k, n - k))
+                    runs.append(self.slots[self.skip : s + n])
+            else:
+                dsts.append(dst)
+                runs.append(self.slots[s : s + n])
+        slots = runs[0] if len(runs) == 1 else torch.cat(runs) if runs else self.slots[:0]
+        pages = [torch.empty(0, device=self.pages_device)]
+        device = accelerator_of([*pages, *dsts, *(t for p in copies for t in p)])
+        nbytes = sum(d.numel() * d.element_size() for d in dsts)
+
+        def work(stream: Any) -> None:
+            for d, src in copies:
+                d.copy_(src, non_blocking=stream is not None)
+            if dsts:
+                gather_chunks(self.kv_caches, slots, dsts, self.layout, stream=stream)
+
+        await mover.run(work, device=device, nbytes=max(nbytes, mover.inline_bytes))
+
+
+@dataclass(eq=False)
+class _New:
+    """A chunk a put places: where it goes, until its commit."""
+
+    start: int
+    end: int
+    entry: Entry
+    flight: anyio.Event
+    tier: MemTier | None = None
+    index: int | None = None
+    slot: Slot | None = None
+    done: bool = False
+
+
+class Flight:
+    """A promotion in flight; gets and prefetches of the same chunk join it."""
+
+    def __init__(self) -> None:
+        self.done = anyio.Event()
+        self.tensor: torch.Tensor | None = None
+        self.source = ""
+
+
+class Engine:
+    def __init__(self, config: CacheConfig, fingerprint: Fingerprint, chain: KeyChain,
+                 tiers: list[Tier], mover: Mover, tasks: TaskOwner) -> None:
+        self.config = config
+        self.spec = config.spec
+        self.fingerprint = fingerprint
+        self.chain = chain
+        self.dir = Directory(chain)
+        self.tiers = tiers
+        self.mem = [t for t in tiers if isinstance(t, MemTier)]
+        self.stores = [t for t in tiers if isinstance(t, StoreTier)]
+        # Memory tiers a put may place into: those before the first storage tier.
+        lead = next((i for i, t in enumerate(tiers) if isinstance(t, StoreTier)), len(tiers))
+        self.put_mem = [t for t in tiers[:lead] if isinstance(t, MemTier)]
+        self.mover = mover
+        self.tasks = tasks
+        self.cold = ColdPath(self)
+        self.wt_sem = anyio.Semaphore(max(2, config.copy_threads * 2))
+        self.flights: dict[bytes, Flight] = {}
+        self.put_flights: dict[bytes, anyio.Event] = {}
+        self.inflight = counters("puts", "gets", "lookups", "prefetches", "promotions", "writes")
+        self.tok = counters("hit_tokens", "miss_tokens", "put_tokens", "stored_tokens")
+
+    # -- views, pins, recency --------------------------------------------------------------
+
+    def block_view(self, slot: Slot, n: int) -> torch.Tensor:
+        return slot.view(self.spec.dtype, self.spec.shape(n))
+
+    def view(self, t: MemTier, e: Entry) -> torch.Tensor:
+        return self.block_view(e.blocks[t.idx], e.num_tokens)
+
+    def hottest_mem(self, e: Entry) -> MemTier | None:
+        return next((t for t in self.mem if t.holds(e)), None)
+
+    def pin(self, e: Entry) -> None:
+        e.pins += 1
+
+    def unpin(self, e: Entry) -> None:
+        e.pins -= 1
+        if e.pins == 0:
+            self._free_detached(e)
+
+    def _free_detached(self, e: Entry) -> None:
+        while e.detached:
+            idx, slot = e.detached.pop()
+            t = self.tiers[idx]
+            if isinstance(t, MemTier):
+                t.pool.release(slot.index)
+        if e.dead:
+            for idx in list(e.blocks):
+                slot = e.blocks.pop(idx)
+                t = self.tiers[idx]
+                if isinstance(t, MemTier):
+                    t.pool.release(slot.index)
+
+    def touch(self, entries: Sequence[Entry]) -> None:
+        # Children first, parents last: the parents end up most recent, so LRU order alone
+        # already puts leaves ahead of their prefixes.
+        for e in reversed(entries):
+            for t in self.tiers:
+                if e.key in t.lru:
+                    t.lru.move_to_end(e.key)
+
+    async def host_copy(self, data: torch.Tensor) -> torch.Tensor:
+        if data.device.type == "cpu":
+            return data
+        host = torch.empty(data.shape, dtype=data.dtype)
+        await self.mover.copy([(host, data)])
+        return host
+
+    def grow_ahead(self, t: MemTier) -> None:
+        seg = t.pool.segment_to_grow()
+        if seg is not None and seg not in t.growing:
+            t.growing.add(seg)
+            self.tasks.spawn(self._grow, t, seg)
+
+    async def _grow(self, t: MemTier, seg: int) -> None:
+        try:
+            await t.pool.ensure_segment(seg)
+        finally:
+            t.growing.discard(seg)
+
+    # -- put: plan, move, commit ----------------------------------------------------------------
+
+    async def put(self, toks: np.ndarray, source: ChunkSource, *, skip_prefix: int = 0,
+                  head_start: int | None = None) -> int:
+        """Place each chunk of ``toks`` not yet cached; return the cached prefix length."""
+        keys = self.chain.keys(toks)
+        # Every chunk of this prompt stays pinned until the put ends: placing its tail must
+        # never evict its own head (the head is what other prompts share).
+        held: list[Entry] = []
+        stored_to = 0
+        pos = 0
+        try:
+            while pos < len(keys):
+                items, pos, wait, stop, reached = self._plan_put(toks, keys, pos, held,
+                                                                 skip_prefix, head_start)
+                stored_to = max(stored_to, reached)
+                if items:
+                    try:
+                        failed_at = await self._place(items, source, held)
+                    finally:
+                        for it in items:
+                            self._abandon(it)
+                    if failed_at is not None:
+                        stored_to = failed_at
+                        break
+                    stored_to = items[-1].end
+                if wait is not None:
+                    await wait.wait()  # another put places that chunk; then plan again
+                    continue
+                if stop:
+                    break
+        finally:
+            for e in held:
+                self.unpin(e)
+        self.tok["stored_tokens"] += stored_to
+        return stored_to
+
+    def _plan_put(self, toks: np.ndarray, keys: list[tuple[int, int, bytes, bytes]], pos: int,
+                  held: list[Entry], skip_prefix: int, head_start: int | None,
+                  ) -> tuple[list[_New], int, anyio.Event | None, bool, int]:
+        """Synchronous: walk keys from ``pos``; pin the cached chunks before the first new
+        one, then claim and reserve a top-tier slot for each new chunk of the run. Stops
+        before a chunk another put is placing (returned, to wait on), before a cached chunk
+        after the run, or at a chunk whose tokens may not be read (``stop``). Also returns
+        the end of the last cached chunk pinned."""
+        items: list[_New] = []
+        reached = 0
+        top = self.put_mem[0] if self.put_mem else None
+        while pos < len(keys):
+            start, end, parent, key = keys[pos]
+            e = self.dir.get(key)
+            if e is not None:
+                if items:
+                    break  # commit the new run first; the next round pins this one
+                self.touch([e])
+                self.pin(e)
+                held.append(e)
+                reached = end
+                pos += 1
+                continue
+            flight = self.put_flights.get(key)
+            if flight is not None:
+                return items, pos, flight, False, reached
+            if start < skip_prefix and start != head_start:
+                # The caller said not to read these tokens, and we do not hold them: nothing
+                # after them can be chained.
+                return items, pos, None, True, reached
+            fl = anyio.Event()
+            self.put_flights[key] = fl
+            n = end - start
+            it = _New(start, end, Entry(key, parent, n, self.spec.nbytes(n),
+                                        toks[start:end].copy()), fl)
+            if top is not None:
+                idx = top.pool.reserve()
+                if idx is not None:
+                    it.tier, it.index = top, idx
+            items.append(it)
+            pos += 1
+        return items, pos, None, False, reached
+
+    async def _place(self, items: list[_New], source: ChunkSource,
+                     held: list[Entry]) -> int | None:
+        """Move and commit ``items``. Returns None if all were placed, else the token
+        where placement stopped."""
+        if not items:
+            return None
+        for mt in self.put_mem:  # make room: evict (demote) from the hottest tier first
+            missing = [it for it in items if it.index is None]
+            if not missing:
+                break
+            short = len(missing) - mt.pool.free_slots
+            if short > 0:
+                await self.evict(mt, short)
+            for it in missing:
+                idx = mt.pool.reserve()
+                if idx is None:
+                    break
+                it.tier, it.index = mt, idx
+        for mt in self.put_mem:
+            self.grow_ahead(mt)
+        parts: list[tuple[int, int, torch.Tensor]] = []
+        staged: list[tuple[_New, torch.Tensor]] = []
+        for it in items:
+            n = it.end - it.start
+            if it.tier is not None and it.index is not None:
+                it.slot = await it.tier.pool.materialize(it.index)
+                parts.append((it.start, n, self.block_view(it.slot, n)))
+            else:  # no memory tier has room: staged on the host, encoded for storage
+                host = torch.empty(self.spec.shape(n), dtype=self.spec.dtype)
+                staged.append((it, host))
+                parts.append((it.start, n, host))
+        await source.move(self.mover, parts)
+        committed: list[Entry] = []
+        for it in items:  # commit, in prompt order: only now can a new chunk be found
+            if it.tier is None or it.slot is None:
+                break
+            it.tier.commit(it.entry, it.slot)
+            self._commit_new(it, held)
+            committed.append(it.entry)
+        self.touch(committed)
+        if staged:
+            placed = await self._place_in_storage(staged, held)
+            if placed < len(staged):
+                return staged[placed][0].start
+        return None
+
+    def _commit_new(self, it: _New, held: list[Entry]) -> None:
+        e = it.entry
+        self.dir.add(e)
+        it.done = True
+        self.put_flights.pop(e.key, None)
+        it.flight.set()
+        self.pin(e)
+        held.append(e)
+        self.tok["put_tokens"] += e.num_tokens
+        self.cold.write_through(e)
+
+    async def _place_in_storage(self, staged: list[tuple[_New, torch.Tensor]],
+                                held: list[Entry]) -> int:
+        for st in self.stores:
+            objs = await self.cold.encode(st, [(it.entry, d) for it, d in staged])
+            for i, ((it, _), obj) in enumerate(zip(staged, objs, strict=True)):
+                self.dir.add(it.entry)
+                if not await self.cold.place(st, it.entry, obj):
+                    self.dir.remove(it.entry)
+                    return i
+                self._commit_new(it, held)
+            return len(staged)
+        return 0
+
+    def _abandon(self, it: _New) -> None:
+        """Release what an uncommitted item holds (after a failure, or a stop)."""
+        if it.done:
+            return
+        it.done = True
+        if it.tier is not None and it.index is not None:
+            it.tier.pool.release(it.index)
+        if self.put_flights.get(it.entry.key) is it.flight:
+            del self.put_flights[it.entry.key]
+        it.flight.set()
+
+    # -- relocation: allocate, copy, re-check dead, commit -------------------------------
+
+    async def evict(self, t: MemTier, count: int) -> int:
+        """Evict up to ``count`` chunks from ``t``, demoting each to the next tier that takes
+        it. Returns how many left ``t``."""
+        chosen = victims(t, self.dir, count)
+        for e in chosen:
+            self.pin(e)
+        try:
+            await self.relocate([(e, self.view(t, e)) for e in chosen], t.idx + 1,
+                                counter="demotions")
+        finally:
+            for e in chosen:
+                if t.holds(e):
+                    t.detach(e)
+                    t.c["evictions"] += 1
+                self.unpin(e)
+                if not e.resident and not e.dead:
+                    self.dir.remove(e)
+        return len(chosen)
+
+    async def relocate(self, items: Sequence[tuple[Entry, torch.Tensor]], dest_from: int,
+                       dest_to: int | None = None, *, counter: str) -> list[Tier | None]:
+        """Keep a copy of each ``(entry, data)`` in the first tier of ``tiers[dest_from:
+        dest_to]`` that takes it: allocate there (evicting further down if needed), copy as
+        one move, re-check that the entry was not deleted meanwhile, commit. Returns where
+        each landed (None: nowhere)."""
+        where: list[Tier | None] = [None] * len(items)
+        todo = list(range(len(items)))
+        for t in self.tiers[dest_from:dest_to]:
+            todo = [i for i in todo if not items[i][0].dead]
+            for i in [i for i in todo if t.holds(items[i][0])]:
+                where[i] = t
+            todo = [i for i in todo if where[i] is None]
+            if not todo:
+                break
+            if isinstance(t, MemTier):
+                todo = await self._relocate_mem(t, items, todo, where, counter)
+            else:
+                host = [await self.host_copy(items[i][1]) for i in todo]
+                objs = await self.cold.encode(t, [(items[i][0], h)
+                                                  for i, h in zip(todo, host, strict=True)])
+                for i, obj in zip(todo, objs, strict=True):
+                    if await self.cold.place(t, items[i][0], obj):
+                        t.c[counter] += 1
+                        where[i] = t
+                todo = [i for i in todo if where[i] is None]
+        if todo and dest_from > 0 and counter == "demotions":
+            self.tiers[dest_from - 1].c["drops"] += len(todo)  # nowhere had room: data gone
+        return where
+
+    async def _relocate_mem(self, t: MemTier, items: Sequence[tuple[Entry, torch.Tensor]],
+                            todo: list[int], where: list[Tier | None], counter: str,
+                            ) -> list[int]:
+        short = len(todo) - t.pool.free_slots
+        if short > 0:
+            await self.evict(t, short)
+        got: list[tuple[int, int]] = []
+        for i in todo:
+            idx = t.pool.reserve()
+            if idx is None:
+                break
+            got.append((i, idx))
+        if not got:
+            return todo
+        committed: set[int] = set()
+        try:
+            slots = [await t.pool.materialize(idx) for _, idx in got]
+            await self.mover.copy([(self.block_view(s, items[i][0].num_tokens), items[i][1])
+                                   for (i, _), s in zip(got, slots, strict=True)])
+            for (i, _idx), slot in zip(got, slots, strict=True):
+                e = items[i][0]
+                if e.dead or t.holds(e):
+                    continue  # deleted (or placed by another task) while we copied
+                t.commit(e, slot)
+                t.c[counter] += 1
+                where[i] = t
+                committed.add(i)
+        finally:
+            for i, idx in got:
+                if i not in committed:
+                    t.pool.release(idx)
+        done = {i for i, _ in got}
+        return [i for i in todo if i not in done]
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def top_view(self, e: Entry) -> tuple[torch.Tensor, str] | None:
+        """``e``'s block in the top tier, counted as a hit there; None (a miss there) if it
+        lives only lower down."""
+        t = self.tiers[0]
+        if isinstance(t, MemTier) and t.holds(e):
+            t.c["hits"] += 1
+            return self.view(t, e), t.name
+        t.c["misses"] += 1
+        return None
+
+    async def sources(self, matches: Sequence[Match]) -> list[tuple[Match, torch.Tensor, str]]:
+        """The data of each match (the caller holds pins), up to the first that cannot be
+        read. Chunks below the top tier are fetched concurrently, promoting them."""
+        found: list[tuple[torch.Tensor | None, str]] = []
+        slow: list[int] = []
+        for i, m in enumerate(matches):
+            top = self.top_view(m.entry)
+            found.append(top if top is not None else (None, ""))
+            if top is None:
+                slow.append(i)
+        if slow:
+            async def fetch(i: int) -> None:
+                found[i] = await self.fetch(matches[i].entry)
+
+            async with anyio.create_task_group() as tg:
+                for i in slow:
+                    tg.start_soon(fetch, i)
+        out: list[tuple[Match, torch.Tensor, str]] = []
+        for m, (src, name) in zip(matches, found, strict=True):
+            if src is None:
+                break
+            out.append((m, src, name))
+        return out
+
+    async def fetch(self, e: Entry) -> tuple[torch.Tensor | None, str]:
+        """Data of ``e`` from below the top tier, promoting it on the way (single-flight)."""
+        flight = self.promotion(e)
+        await flight.done.wait()
+        return flight.tensor, flight.source
+
+    def promotion(self, e: Entry) -> Flight:
+        """Join or start the promotion of ``e`` into the top tier."""
+        top = self.tiers[0]
+        if isinstance(top, MemTier) and top.holds(e):
+            f = Flight()
+            f.tensor, f.source = self.view(top, e), top.name
+            f.done.set()
+            return f
+        joined = self.flights.get(e.key)
+        if joined is not None:
+            return joined
+        f = Flight()
+        self.flights[e.key] = f
+        self.tasks.spawn(self._promote, e, f)
+        return f
+
+    async def _promote(self, e: Entry, f: Flight) -> None:
+        self.pin(e)
+        self.inflight["promotions"] += 1
+        try:
+            data, src = await self.read_lower(e)
+            f.tensor = data
+            top = self.tiers[0]
+            if data is not None and isinstance(top, MemTier) and not e.dead \
+                    and not top.holds(e):
+                where = await self.relocate([(e, data)], 0, 1, counter="promotions")
+                if where[0] is top:
+                    f.tensor = self.view(top, e)
+            if src is not None:
+                src.c["hits"] += 1
+                f.source = src.name
+        except Exception as exc:  # a fault below the top tier is a miss, never a crash
+            self.cold.errlog.warn("engine", "promotion", repr(exc))
+            f.tensor = None
+        finally:
+            self.inflight["promotions"] -= 1
+            self.flights.pop(e.key, None)
+            f.done.set()
+            self.unpin(e)
+
+    async def read_lower(self, e: Entry) -> tuple[torch.Tensor | None, Tier | None]:
+        """The data of ``e`` from the hottest tier that can produce it."""
+        for t in self.tiers:
+            if isinstance(t, MemTier):
+                if t.holds(e):
+                    return self.view(t, e), t
+            elif t.holds(e):
+                data = await self.cold.read(t, e)
+                if data is not None:
+                    return data, t
+        return None, None
+
+    async def read_entry(self, e: Entry) -> torch.Tensor | None:
+        top = self.top_view(e)
+        return top[0] if top is not None else (await self.fetch(e))[0]
+
+    # -- matching, removal, persisting -----------------------------------------------------
+
+    async def match(self, toks: np.ndarray) -> list[Match]:
+        matches, stop_parent = self.dir.match(toks)
+        covered = sum(m.num_tokens for m in matches)
+        if covered < len(toks) and stop_parent is not None \
+                and await self.cold.refresh(stop_parent):
+            matches, _ = self.dir.match(toks)
+        return matches
+
+    def delete(self, toks: np.ndarray) -> int:
+        doomed, keys = delete_set(self.dir, self.chain, toks)
+        self.remove(doomed)
+        known = {e.key for e in doomed}
+        for st in self.stores:  # another node may have written the prompt's chunks
+            if st.store.shared:
+                for k in keys:
+                    if k not in known:
+                        self.cold.schedule_delete(st, k)
+        return len(doomed)
+
+    def remove(self, doomed: Sequence[Entry]) -> None:
+        """Forget ``doomed`` in every tier now; storage deletes are chained after any write
+        of the same entries still queued."""
+        for e in doomed:
+            if e.dead:
+                continue
+            e.dead = True
+            self.dir.remove(e)
+            for mt in self.mem:
+                mt.detach(e)
+            for st in self.stores:
+                if st.holds(e):
+                    st.drop(e)
+                    self.cold.schedule_delete(st, e.key)
+            if e.pins == 0:
+                self._free_detached(e)
+
+    async def persist(self, progress: dict[str, int]) -> None:
+        """Write chunks held only in memory down to the first storage tier, parents first,
+        so the chain a restarted cache rebuilds is whole. ``progress`` counts as it goes."""
+        if not self.stores:
+            return
+        first = self.stores[0]
+        todo = persist_order([e for e in self.dir.entries.values()
+                              if e.blocks and not any(t.holds(e) for t in self.stores)],
+                             self.dir)
+        progress["to_persist"] += len(todo)
+        for i in range(0, len(todo), _PERSIST_BATCH):
+            batch = [(e, mt) for e in todo[i : i + _PERSIST_BATCH]
+                     if not e.dead and (mt := self.hottest_mem(e)) is not None]
+            for e, _ in batch:
+                self.pin(e)
+            try:
+                where = await self.relocate([(e, self.view(mt, e)) for e, mt in batch],
+                                            first.idx, first.idx + 1, counter="demotions")
+            finally:
+                for e, _ in batch:
+                    self.unpin(e)
+            progress["persisted"] += sum(w is not None for w in where)

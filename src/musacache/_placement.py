@@ -1,0 +1,105 @@
+"""Placement decisions: which chunks to evict, where a chunk goes, what a delete removes.
+
+Pure functions over the directory and the tier states: no I/O and no awaits, so a decision
+and the bookkeeping that records it happen in one step on the event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from ._directory import Directory, Entry
+from ._keys import KeyChain
+from ._tierstate import MemTier, StoreTier, Tier
+
+__all__ = ["delete_set", "persist_order", "reserve_slot", "victims"]
+
+
+def victims(t: Tier, directory: Directory, count: int) -> list[Entry]:
+    """Up to ``count`` chunks to evict from ``t``: least recently used first, leaves first
+    (a chunk whose child is still held here goes after that child), never a pinned one nor
+    one whose write to ``t`` is still queued."""
+    out: list[Entry] = []
+    chosen: set[bytes] = set()
+    progress = True
+    while progress and len(out) < count:
+        # Several passes: a parent becomes a leaf once its children here are chosen.
+        progress = False
+        for key, e in t.lru.items():
+            if len(out) >= count:
+                break
+            if key in chosen or e.pins or (isinstance(t, StoreTier)
+                                           and t.pending_obj(e) is not None):
+                continue
+            if any(t.holds(c) and c.key not in chosen for c in directory.child_entries(key)):
+                continue  # a suffix is worthless without its prefix
+            out.append(e)
+            chosen.add(key)
+            progress = True
+    return out
+
+
+def reserve_slot(mem: Sequence[MemTier], start: int = 0) -> tuple[MemTier, int] | None:
+    """A free slot index in the hottest memory tier (from ``start``) that has one."""
+    for t in mem[start:]:
+        idx = t.pool.reserve()
+        if idx is not None:
+            return t, idx
+    return None
+
+
+def persist_order(entries: Iterable[Entry], directory: Directory) -> list[Entry]:
+    """``entries`` parents first, so a restarted cache finds whole chains."""
+    depth: dict[bytes, int] = {}
+
+    def depth_of(e: Entry) -> int:
+        chain: list[Entry] = []
+        cur: Entry | None = e
+        while cur is not None and cur.key not in depth:
+            chain.append(cur)
+            cur = directory.get(cur.parent)
+        base = depth[cur.key] if cur is not None else 0
+        for i, x in enumerate(reversed(chain)):
+            depth[x.key] = base + i + 1
+        return depth[e.key]
+
+    return sorted(entries, key=depth_of)
+
+
+def delete_set(directory: Directory, chain: KeyChain, toks: np.ndarray,
+               ) -> tuple[list[Entry], list[bytes]]:
+    """What ``delete(toks)`` removes: every chunk of the prompt and every chunk that extends
+    them, and the prompt's chain keys (to delete in storage even where unknown here).
+
+    The prompt's chunks are those keyed on its chain, plus, at the first position the chain
+    is not cached whole, the chunks after the same prefix whose tokens are a prefix of the
+    prompt's there or extend them (a cached partial tail, or a longer chunk that starts with
+    the prompt's tail). Every chunk under any of these, to any depth, goes too: the prompt's
+    first chunk is the root of everything deleted, so nothing built on it stays reachable.
+    """
+    keys = [key for _s, _e, _p, key in chain.iter_keys(toks)]
+    roots: list[bytes] = []
+    for start, end, parent, key in chain.iter_keys(toks):
+        if directory.get(key) is not None:
+            roots.append(key)
+            continue
+        want = toks[start:end]
+        for c in directory.child_entries(parent):
+            have = c.tokens
+            if have is None:
+                continue
+            k = min(len(have), len(want))
+            if np.array_equal(have[:k], want[:k]):
+                roots.append(c.key)
+    # Orphans keyed on the chain (their parent was lost) are the prompt's chunks too.
+    roots.extend(key for key in keys if directory.get(key) is not None and key not in roots)
+    doomed: dict[bytes, Entry] = {}
+    for root in roots:
+        found = directory.get(root)
+        if found is not None:
+            doomed[root] = found
+    for e in directory.subtree(roots + keys):
+        doomed.setdefault(e.key, e)
+    return list(doomed.values()), keys

@@ -1,0 +1,229 @@
+"""Per-tier state: what one tier holds, its LRU, its slots or write queue, and its counters.
+
+Every method here is synchronous bookkeeping (it never awaits), except the few marked async
+that wait on the tier itself (a storage tier's queue, its per-key operation chain). The engine
+decides *what* to do; these objects keep each tier's state consistent while it is done.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Any
+
+import anyio
+import torch
+
+from . import devices
+from ._config import DeviceTier, HostTier
+from ._directory import Entry
+from ._errors import ConfigError
+from .tiers.base import ChunkMeta, StorageTier
+from .tiers.memory import MemoryPool, Slot
+
+__all__ = ["MemTier", "StoreTier", "Tier", "holds"]
+
+# Parents remembered per storage tier as "asked recently" (refresh on a miss). Older ones are
+# also dropped once ``refresh_interval`` has passed, as they would be asked again anyway.
+REFRESH_MEMORY = 4096
+
+
+def counters(*names: str) -> dict[str, int]:
+    return dict.fromkeys(names, 0)
+
+
+class MemTier:
+    """A memory tier (device or host): slots in a pool, and an LRU of the chunks in them."""
+
+    kind = "memory"
+
+    def __init__(self, idx: int, cfg: HostTier | DeviceTier, slot_bytes: int) -> None:
+        self.idx = idx
+        self.name = cfg.name
+        prealloc = 0
+        if isinstance(cfg, HostTier):
+            self.device = torch.device("cpu")
+            pinned = devices.has_accelerator() if cfg.pinned == "auto" else bool(cfg.pinned)
+            if pinned and not devices.has_accelerator():
+                raise ConfigError(f"{cfg.name}: pinned=True needs a cuda or musa device; "
+                                  "use pinned='auto'")
+            prealloc = int(cfg.prealloc)
+        else:
+            self.device = devices.resolve(cfg.device)
+            pinned = False
+        self.pool = MemoryPool(capacity_bytes=int(cfg.capacity_bytes), slot_bytes=slot_bytes,
+                               device=self.device, pinned=pinned,
+                               segment_bytes=int(cfg.segment_bytes))
+        self.prealloc_bytes = prealloc
+        self.growing: set[int] = set()  # segments being allocated ahead of need
+        self.capacity_bytes = int(cfg.capacity_bytes)
+        self.lru: OrderedDict[bytes, Entry] = OrderedDict()
+        self.c = counters("hits", "misses", "bytes_in", "bytes_out", "evictions", "promotions",
+                          "demotions", "drops")
+
+    def holds(self, e: Entry) -> bool:
+        return self.idx in e.blocks
+
+    def commit(self, e: Entry, slot: Slot) -> None:
+        """``e``'s bytes are in ``slot``: from now on this tier serves it."""
+        e.blocks[self.idx] = slot
+        self.lru[e.key] = e
+        self.c["bytes_in"] += e.raw_bytes
+
+    def detach(self, e: Entry) -> None:
+        """Forget ``e`` here. Its slot is freed now, or by the last reader's unpin."""
+        slot = e.blocks.pop(self.idx, None)
+        self.lru.pop(e.key, None)
+        if slot is not None:
+            e.detached.append((self.idx, slot))
+
+    def stats(self) -> dict[str, Any]:
+        return {"kind": "device" if self.device.type != "cpu" or self.name == "device" else "host",
+                "device": str(self.device), "pinned": self.pool.pinned, **self.c,
+                "bytes_used": self.pool.bytes_used, "bytes_allocated": self.pool.bytes_allocated,
+                "capacity_bytes": self.capacity_bytes, "chunks": len(self.lru),
+                "slot_bytes": self.pool.slot_bytes}
+
+
+class StoreTier:
+    """A storage tier: the objects it holds, its write-behind queue, and its key chains.
+
+    Operations on one key (writes and deletes) run in the order they were scheduled, each
+    after the previous one finished: a delete of an old generation of a chunk can then never
+    remove a newer one written after it (issue 10, item 1).
+    """
+
+    kind = "storage"
+
+    def __init__(self, idx: int, store: StorageTier, queue_bytes: int) -> None:
+        self.idx = idx
+        self.store = store
+        self.name = store.name
+        self.capacity: int | None = store.capacity_bytes
+        self.used = 0
+        self.lru: OrderedDict[bytes, Entry] = OrderedDict()
+        # Objects waiting to be written, readable meanwhile; by (key, generation).
+        self.pending: OrderedDict[tuple[bytes, int], tuple[bytes, float]] = OrderedDict()
+        self.pending_bytes = 0
+        self.queue_bytes = queue_bytes
+        self.drained = anyio.Event()
+        self.sem = anyio.Semaphore(max(1, int(store.max_concurrency)))
+        self.refreshed: OrderedDict[bytes | None, float] = OrderedDict()
+        self._chains: dict[bytes, anyio.Event] = {}
+        self.last_write_failed = False
+        self.c = counters("hits", "misses", "bytes_in", "bytes_out", "evictions", "faults",
+                          "timeouts", "corrupt", "foreign", "writes", "write_drops",
+                          "write_sheds", "promotions", "demotions", "refreshes", "drops",
+                          "deletes")
+
+    def holds(self, e: Entry) -> bool:
+        return self.idx in e.stored or self.idx in e.pending
+
+    def pending_obj(self, e: Entry) -> bytes | None:
+        got = self.pending.get((e.key, e.gen))
+        return got[0] if got is not None else None
+
+    def meta(self, e: Entry) -> ChunkMeta:
+        return ChunkMeta(e.key, e.parent, e.num_tokens, e.raw_bytes, e.stored.get(self.idx, 0))
+
+    # -- per-key ordering ---------------------------------------------------------------------
+
+    def chain_link(self, key: bytes) -> tuple[anyio.Event | None, anyio.Event]:
+        """Take the next place in ``key``'s operation chain, synchronously (so the order is
+        the order of scheduling): the event to wait for, and the one to set when done."""
+        before = self._chains.get(key)
+        mine = anyio.Event()
+        self._chains[key] = mine
+        return before, mine
+
+    def chain_done(self, key: bytes, mine: anyio.Event) -> None:
+        mine.set()
+        if self._chains.get(key) is mine:
+            del self._chains[key]
+
+    # -- the write queue ----------------------------------------------------------------------
+
+    def failing(self) -> bool:
+        """The last write failed, or the oldest queued write has waited past the tier's
+        timeout: the tier is not keeping up, so a full queue sheds instead of waiting."""
+        if self.last_write_failed:
+            return True
+        if not self.pending:
+            return False
+        oldest = next(iter(self.pending.values()))[1]
+        return time.monotonic() - oldest > float(self.store.timeout)
+
+    async def admit(self, size: int) -> bool:
+        """Wait for room in the queue for ``size`` bytes (backpressure). False: shed it,
+        because the queue is full and the tier is failing. The wait is bounded by the tier's
+        timeout: a hung tier turns into a failing one, and puts go on at memory speed."""
+        while self.pending_bytes and self.pending_bytes + size > self.queue_bytes:
+            if self.failing():
+                self.c["write_sheds"] += 1
+                return False
+            oldest = next(iter(self.pending.values()))[1]
+            left = max(0.001, oldest + float(self.store.timeout) - time.monotonic())
+            if self.drained.is_set():
+                self.drained = anyio.Event()
+            with anyio.move_on_after(left):
+                await self.drained.wait()
+        return True
+
+    def enqueue(self, e: Entry, obj: bytes) -> None:
+        self.used += len(obj)
+        self.pending[(e.key, e.gen)] = (obj, time.monotonic())
+        self.pending_bytes += len(obj)
+        e.pending.add(self.idx)
+
+    def dequeue(self, e: Entry, obj: bytes) -> None:
+        self.pending.pop((e.key, e.gen), None)
+        self.pending_bytes -= len(obj)
+        e.pending.discard(self.idx)
+        self.drained.set()
+
+    def commit_stored(self, e: Entry, size: int, coldest: bool = True) -> None:
+        e.stored[self.idx] = size
+        self.lru[e.key] = e
+        if coldest:
+            self.lru.move_to_end(e.key, last=False)  # demoted data is the coldest here
+
+    def drop(self, e: Entry) -> bool:
+        """Forget ``e``'s object here (the caller deletes it). True if it was stored."""
+        size = e.stored.pop(self.idx, None)
+        if size is None:
+            return False
+        self.used -= size
+        self.lru.pop(e.key, None)
+        return True
+
+    # -- refresh bookkeeping ------------------------------------------------------------------
+
+    def asked_recently(self, parent: bytes | None, interval: float) -> bool:
+        now = time.monotonic()
+        last = self.refreshed.get(parent)
+        if last is not None and now - last < interval:
+            return True
+        self.refreshed[parent] = now
+        self.refreshed.move_to_end(parent)
+        # Bounded: an LRU of at most REFRESH_MEMORY parents, and none older than the interval.
+        while self.refreshed:
+            first, t = next(iter(self.refreshed.items()))
+            if len(self.refreshed) > REFRESH_MEMORY or (now - t >= interval and first != parent):
+                self.refreshed.popitem(last=False)
+            else:
+                break
+        return False
+
+    def stats(self) -> dict[str, Any]:
+        return {"kind": type(self.store).__name__, **self.c, "bytes_used": self.used,
+                "capacity_bytes": self.capacity, "chunks": len(self.lru),
+                "pending_writes": len(self.pending), "pending_bytes": self.pending_bytes,
+                "codec": self.store.codec, "write_through": self.store.write_through,
+                **{f"store_{k}": v for k, v in self.store.stats().items()}}
+
+
+Tier = MemTier | StoreTier
+
+
+def holds(t: Tier, e: Entry) -> bool:
+    return t.holds(e)
