@@ -76,6 +76,10 @@ def test_sibling_index_matches_plain_scan(operations, queries):
         assert sorted(c.key for c in d.child_entries(parent)) == sorted(x.key for x in live)
     for q in queries:
         want = np.asarray(q, dtype="<i4")
+        wb = want.tobytes()
+        along = [x.key for x in live if x.tokens is not None
+                 and (wb.startswith(x.tokens) or x.tokens.startswith(wb))]
+        assert sorted(c.key for c in d.children_along(parent, wb)) == sorted(along)
         expect = _plain_scan(d, parent, want)
         got = d._best_prefix_child(parent, want, 0, len(want))
         if expect == 0:

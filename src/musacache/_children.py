@@ -139,6 +139,35 @@ class Siblings:
                     best, best_len = c, m
         return best, best_len
 
+    def along(self, want: bytes) -> list[Entry]:
+        """The children with token ids that are a prefix of ``want`` or start with it."""
+        out: list[Entry] = []
+        runs = self._runs
+        for k in range(4, len(want), 4):  # proper prefixes: one bisection each
+            e = self._find(want[:k])
+            if e is not None:
+                out.append(e)
+        r = bisect_left(self._maxes, want)
+        p = bisect_left(runs[r], want, key=_tokens_of) if r < len(runs) else 0
+        while r < len(runs):  # those starting with ``want`` follow it in sorted order
+            run = runs[r]
+            while p < len(run):
+                if not run[p].tokens.startswith(want):  # type: ignore[union-attr]
+                    return out
+                out.append(run[p])
+                p += 1
+            r += 1
+            p = 0
+        return out
+
+    def _find(self, tokens: bytes) -> Entry | None:
+        r = bisect_left(self._maxes, tokens)
+        if r == len(self._runs):
+            return None
+        run = self._runs[r]
+        p = bisect_left(run, tokens, key=_tokens_of)
+        return run[p] if p < len(run) and run[p].tokens == tokens else None
+
     def _step(self, r: int, p: int, direction: int) -> Entry | None:
         """The first live child at or after (``direction`` 0) or before (-1) run ``r``,
         position ``p``."""

@@ -133,6 +133,17 @@ class Directory:
             return iter(have)
         return iter((have,))
 
+    def children_along(self, parent: bytes, want: bytes) -> list[Entry]:
+        """The children of ``parent`` whose token ids (int32 bytes) are a prefix of ``want``
+        or start with it; children without token ids are not among them."""
+        have = self.children.get(parent)
+        if have is None:
+            return []
+        if isinstance(have, Siblings):
+            return have.along(want)
+        t = have.tokens
+        return [have] if t is not None and (want.startswith(t) or t.startswith(want)) else []
+
     def descendants(self, e: Entry) -> list[Entry]:
         return self.subtree([e.key])
 

@@ -85,14 +85,8 @@ def delete_set(directory: Directory, chain: KeyChain, toks: np.ndarray,
         if directory.get(key) is not None:
             roots.append(key)
             continue
-        want = toks[start:end]
-        for c in directory.child_entries(parent):
-            have = c.tokens
-            if have is None:
-                continue
-            k = min(len(have), len(want))
-            if np.array_equal(have[:k], want[:k]):
-                roots.append(c.key)
+        roots.extend(c.key for c in directory.children_along(parent,
+                                                             toks[start:end].tobytes()))
     # Orphans keyed on the chain (their parent was lost) are the prompt's chunks too.
     roots.extend(key for key in keys if directory.get(key) is not None and key not in roots)
     doomed: dict[bytes, Entry] = {}
