@@ -47,7 +47,7 @@ class ColdPath:
         obj = t.pending_obj(e)
         meta = t.meta(e)
         if obj is None:
-            if t.idx not in e.stored:
+            if e.stored_size(t.idx) is None:
                 return None
             try:
                 async with t.sem:
@@ -193,7 +193,8 @@ class ColdPath:
             e = found[0]
             eng.pin(e)
             try:
-                if t.idx in e.stored and not any(x.holds(e) for x in eng.tiers[t.idx + 1:]) \
+                if e.stored_size(t.idx) is not None \
+                        and not any(x.holds(e) for x in eng.tiers[t.idx + 1:]) \
                         and t.idx + 1 < len(eng.tiers):
                     data = await self.read(t, e)
                     if data is not None and not e.dead:
@@ -272,7 +273,7 @@ class ColdPath:
                 e = Entry(m.key, m.parent, m.num_tokens, m.raw_bytes, None)
                 eng.dir.add(e)
             if not st.holds(e):
-                e.stored[st.idx] = m.stored_bytes
+                e.set_stored(st.idx, m.stored_bytes)
                 st.used += m.stored_bytes
                 st.lru[m.key] = e
                 new.append(e)

@@ -147,6 +147,8 @@ class Engine:
         self.put_flights: dict[bytes, anyio.Event] = {}
         self.inflight = counters("puts", "gets", "lookups", "prefetches", "promotions", "writes")
         self.tok = counters("hit_tokens", "miss_tokens", "put_tokens", "stored_tokens")
+        # Pins held over all entries, kept as they change: stats() never walks the directory.
+        self.pins_held = 0
 
     # -- views, pins, recency --------------------------------------------------------------
 
@@ -154,28 +156,33 @@ class Engine:
         return slot.view(self.spec.dtype, self.spec.shape(n))
 
     def view(self, t: MemTier, e: Entry) -> torch.Tensor:
-        return self.block_view(e.blocks[t.idx], e.num_tokens)
+        slot = e.slot(t.idx)
+        if slot is None:
+            raise KeyError(f"{t.name} does not hold {e!r}")
+        return self.block_view(slot, e.num_tokens)
 
     def hottest_mem(self, e: Entry) -> MemTier | None:
         return next((t for t in self.mem if t.holds(e)), None)
 
     def pin(self, e: Entry) -> None:
         e.pins += 1
+        self.pins_held += 1
 
     def unpin(self, e: Entry) -> None:
         e.pins -= 1
+        self.pins_held -= 1
         if e.pins == 0:
             self._free_detached(e)
 
     def _free_detached(self, e: Entry) -> None:
-        while e.detached:
-            idx, slot = e.detached.pop()
+        detached, e.detached = e.detached, ()
+        for idx, slot in detached:
             t = self.tiers[idx]
             if isinstance(t, MemTier):
                 t.pool.release(slot.index)
         if e.dead:
-            for idx in list(e.blocks):
-                slot = e.blocks.pop(idx)
+            for idx, slot in e.slots():
+                e.pop_slot(idx)
                 t = self.tiers[idx]
                 if isinstance(t, MemTier):
                     t.pool.release(slot.index)
@@ -596,7 +603,7 @@ class Engine:
             return
         first = self.stores[0]
         todo = persist_order([e for e in self.dir.entries.values()
-                              if e.blocks and not any(t.holds(e) for t in self.stores)],
+                              if e.in_memory and not any(t.holds(e) for t in self.stores)],
                              self.dir)
         progress["to_persist"] += len(todo)
         for i in range(0, len(todo), _PERSIST_BATCH):

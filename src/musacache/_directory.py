@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -21,11 +21,19 @@ from .tiers.memory import Slot
 __all__ = ["Directory", "Entry", "Match"]
 
 
+# Residency is kept in flat tuples, not a dict and a set per entry: most chunks live in one
+# tier, and an empty tuple is a shared constant. A directory of a million chunks is a million
+# of these, so every field counts (issue 12: at most 400 bytes per entry beyond its data).
+_NONE: tuple[Any, ...] = ()
+# One int object per distinct chunk size, shared by every entry of that size.
+_SIZES: dict[int, int] = {}
+
+
 class Entry:
     """One chunk: its place in the chain, and its residency in each tier."""
 
-    __slots__ = ("blocks", "dead", "detached", "gen", "key", "num_tokens", "parent", "pending",
-                 "pins", "raw_bytes", "stored", "tokens")
+    __slots__ = ("_mem", "_stored", "dead", "detached", "gen", "key", "num_tokens", "parent",
+                 "pending", "pins", "raw_bytes", "tokens")
 
     _generations = itertools.count(1)
 
@@ -37,24 +45,88 @@ class Entry:
         self.gen = next(Entry._generations)
         self.parent = parent
         self.num_tokens = num_tokens
-        self.raw_bytes = raw_bytes
+        self.raw_bytes = _SIZES.setdefault(raw_bytes, raw_bytes)
         # The chunk's own token ids (int32 bytes), when known: lets a lookup match a *prefix*
         # of the chunk. Bytes, not an array: 33 bytes of header instead of about 130.
         self.tokens = tokens.tobytes() if isinstance(tokens, np.ndarray) else tokens
-        self.blocks: dict[int, Slot] = {}   # memory tier index -> slot holding the KV
-        self.stored: dict[int, int] = {}    # storage tier index -> stored object bytes
-        self.pending: set[int] = set()      # storage tiers with a write in flight
-        self.detached: list[tuple[int, Slot]] = []  # blocks dropped while pinned
+        self._mem: tuple[Any, ...] = _NONE     # (memory tier index, slot) pairs, flattened
+        self._stored: tuple[int, ...] = _NONE  # (storage tier index, object bytes), flattened
+        self.pending = 0                       # bit i: a write to storage tier i is in flight
+        self.detached: tuple[tuple[int, Slot], ...] = _NONE  # blocks dropped while pinned
         self.pins = 0
         self.dead = False
 
+    # -- memory tiers ----------------------------------------------------------------------
+
+    def slot(self, idx: int) -> Slot | None:
+        m = self._mem
+        for i in range(0, len(m), 2):
+            if m[i] == idx:
+                return m[i + 1]
+        return None
+
+    def set_slot(self, idx: int, slot: Slot) -> None:
+        self.pop_slot(idx)
+        self._mem = (*self._mem, idx, slot)
+
+    def pop_slot(self, idx: int) -> Slot | None:
+        m = self._mem
+        for i in range(0, len(m), 2):
+            if m[i] == idx:
+                self._mem = m[:i] + m[i + 2 :]
+                return m[i + 1]
+        return None
+
+    def slots(self) -> list[tuple[int, Slot]]:
+        m = self._mem
+        return [(m[i], m[i + 1]) for i in range(0, len(m), 2)]
+
+    @property
+    def in_memory(self) -> bool:
+        return bool(self._mem)
+
+    @property
+    def blocks(self) -> dict[int, Slot]:
+        """A snapshot: memory tier index -> slot (for inspection; change it with set_slot)."""
+        return dict(self.slots())
+
+    # -- storage tiers ---------------------------------------------------------------------
+
+    def stored_size(self, idx: int) -> int | None:
+        s = self._stored
+        for i in range(0, len(s), 2):
+            if s[i] == idx:
+                return s[i + 1]
+        return None
+
+    def set_stored(self, idx: int, size: int) -> None:
+        self.pop_stored(idx)
+        self._stored = (*self._stored, idx, size)
+
+    def pop_stored(self, idx: int) -> int | None:
+        s = self._stored
+        for i in range(0, len(s), 2):
+            if s[i] == idx:
+                self._stored = s[:i] + s[i + 2 :]
+                return s[i + 1]
+        return None
+
+    @property
+    def stored(self) -> dict[int, int]:
+        """A snapshot: storage tier index -> stored object bytes."""
+        s = self._stored
+        return {s[i]: s[i + 1] for i in range(0, len(s), 2)}
+
+    def is_pending(self, idx: int) -> bool:
+        return bool(self.pending >> idx & 1)
+
     @property
     def resident(self) -> bool:
-        return bool(self.blocks or self.stored or self.pending)
+        return bool(self._mem or self._stored or self.pending)
 
     def __repr__(self) -> str:
         return (f"Entry({self.key.hex()[:8]}, n={self.num_tokens}, blocks={sorted(self.blocks)}, "
-                f"stored={sorted(self.stored)}, pending={sorted(self.pending)}, pins={self.pins})")
+                f"stored={sorted(self.stored)}, pending={self.pending:b}, pins={self.pins})")
 
 
 class Match(NamedTuple):

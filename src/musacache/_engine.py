@@ -411,7 +411,7 @@ class Cache:
             "device": str(self._device),
             "state": self._state,
             "chunks": len(eng.dir) if eng else 0,
-            "pins": sum(e.pins for e in eng.dir.entries.values()) if eng else 0,
+            "pins": eng.pins_held if eng else 0,
             "tiers": {t.name: t.stats() for t in eng.tiers} if eng else {},
             "ops": dict(self._ops),
             "in_flight": {**(eng.inflight if eng else {}), "background": self._tasks.running},

@@ -15,8 +15,6 @@ keeps the pool free of fragmentation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import anyio
 import torch
 
@@ -25,19 +23,30 @@ from .. import devices
 __all__ = ["MemoryPool", "Slot"]
 
 
-@dataclass(eq=False)
 class Slot:
-    """One slot: ``index`` in the pool, and its bytes as a uint8 tensor."""
+    """One slot: ``index`` in its pool. Holds no tensor: a view of its bytes is made when
+    asked for, so a million cached chunks are not a million torch views (about 600 bytes
+    each)."""
 
-    index: int
-    buf: torch.Tensor
+    __slots__ = ("index", "pool")
+
+    def __init__(self, index: int, pool: MemoryPool) -> None:
+        self.index = index
+        self.pool = pool
+
+    @property
+    def buf(self) -> torch.Tensor:
+        """The slot's bytes, as a uint8 tensor."""
+        return self.pool.slot_bytes_view(self.index, self.pool.slot_bytes)
 
     def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        n = 1
+        n = dtype.itemsize
         for s in shape:
             n *= s
-        nbytes = n * torch.empty((), dtype=dtype).element_size()
-        return self.buf[:nbytes].view(dtype).view(shape)
+        return self.pool.slot_bytes_view(self.index, n).view(dtype).view(shape)
+
+    def __repr__(self) -> str:
+        return f"Slot({self.index})"
 
 
 class MemoryPool:
@@ -95,12 +104,16 @@ class MemoryPool:
 
     async def materialize(self, index: int) -> Slot:
         """The memory of a reserved slot, allocating its segment on first use."""
+        seg_no = index // self.slots_per_segment
+        if seg_no not in self._segments:
+            await self.ensure_segment(seg_no)
+        return Slot(index, self)
+
+    def slot_bytes_view(self, index: int, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` of slot ``index`` (materialized) as a uint8 tensor."""
         seg_no, off = divmod(index, self.slots_per_segment)
-        seg = self._segments.get(seg_no)
-        if seg is None:
-            seg = await self.ensure_segment(seg_no)
         start = off * self.slot_bytes
-        return Slot(index, seg[start : start + self.slot_bytes])
+        return self._segments[seg_no][start : start + nbytes]
 
     async def ensure_segment(self, seg_no: int) -> torch.Tensor:
         async with self._grow_lock:
