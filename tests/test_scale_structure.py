@@ -53,7 +53,7 @@ async def test_a_cached_chunk_holds_no_tensor_dict_or_set(spec):
             assert not hasattr(e, "__dict__")
             values = [getattr(e, name) for name in type(e).__slots__]
             assert not any(isinstance(v, (dict, set, list, torch.Tensor)) for v in values), e
-            (idx, slot), = e.slots()
+            (_idx, slot), = e.slots()
             assert not hasattr(slot, "__dict__")
             assert not any(isinstance(getattr(slot, n), torch.Tensor) for n in slot.__slots__)
             assert isinstance(e.tokens, bytes) and len(e.tokens) == 4 * e.num_tokens
