@@ -53,12 +53,16 @@ async def test_a_cached_chunk_holds_no_tensor_dict_or_set(spec):
             assert not hasattr(e, "__dict__")
             values = [getattr(e, name) for name in type(e).__slots__]
             assert not any(isinstance(v, (dict, set, list, torch.Tensor)) for v in values), e
-            (_idx, slot), = e.slots()
-            assert not hasattr(slot, "__dict__")
-            assert not any(isinstance(getattr(slot, n), torch.Tensor) for n in slot.__slots__)
+            # One memory tier holds it: its residency is one int (slot index and tier).
+            assert isinstance(e._mem, int)
+            (idx, index), = e.slots()
+            assert isinstance(index, int)
             assert isinstance(e.tokens, bytes) and len(e.tokens) == 4 * e.num_tokens
             # The slot's bytes are still reachable, as a view made on demand.
-            assert slot.view(spec.dtype, spec.shape(CH)).shape == spec.shape(CH)
+            view = c._engine.view(c._mem[idx], e)
+            assert view.shape == spec.shape(CH)
         sizes = {id(e.raw_bytes) for e in c._engine.dir.entries.values()}
         assert len(sizes) == 1  # one shared int per chunk size
         assert sys.getsizeof(next(iter(c._engine.dir.entries.values()))) <= 160
+        # The tier's recency list is linked through slot indices: no node per chunk.
+        assert not hasattr(c._mem[0].lru, "__dict__")

@@ -156,10 +156,10 @@ class Engine:
         return slot.view(self.spec.dtype, self.spec.shape(n))
 
     def view(self, t: MemTier, e: Entry) -> torch.Tensor:
-        slot = e.slot(t.idx)
-        if slot is None:
+        index = e.slot_index(t.idx)
+        if index is None:
             raise KeyError(f"{t.name} does not hold {e!r}")
-        return self.block_view(slot, e.num_tokens)
+        return t.pool.view(index, self.spec.dtype, self.spec.shape(e.num_tokens))
 
     def hottest_mem(self, e: Entry) -> MemTier | None:
         return next((t for t in self.mem if t.holds(e)), None)
@@ -176,24 +176,24 @@ class Engine:
 
     def _free_detached(self, e: Entry) -> None:
         detached, e.detached = e.detached, ()
-        for idx, slot in detached:
+        for idx, index in detached:
             t = self.tiers[idx]
             if isinstance(t, MemTier):
-                t.pool.release(slot.index)
+                t.pool.release(index)
         if e.dead:
-            for idx, slot in e.slots():
+            for idx, index in e.slots():
                 e.pop_slot(idx)
                 t = self.tiers[idx]
                 if isinstance(t, MemTier):
-                    t.pool.release(slot.index)
+                    t.lru.remove(index, e)
+                    t.pool.release(index)
 
     def touch(self, entries: Sequence[Entry]) -> None:
         # Children first, parents last: the parents end up most recent, so LRU order alone
         # already puts leaves ahead of their prefixes.
         for e in reversed(entries):
             for t in self.tiers:
-                if e.key in t.lru:
-                    t.lru.move_to_end(e.key)
+                t.touch(e)
 
     async def host_copy(self, data: torch.Tensor) -> torch.Tensor:
         if data.device.type == "cpu":

@@ -10,29 +10,66 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
 from ._children import Siblings, common_tokens
 from ._keys import KEY_BYTES, KeyChain
-from .tiers.memory import Slot
 
 __all__ = ["Directory", "Entry", "Match"]
 
 
-# Residency is kept in flat tuples, not a dict and a set per entry: most chunks live in one
-# tier, and an empty tuple is a shared constant. A directory of a million chunks is a million
-# of these, so every field counts (issue 12: at most 400 bytes per entry beyond its data).
-_NONE: tuple[Any, ...] = ()
+# Residency is packed into ints: ``slot index << 8 | tier index`` for a memory tier,
+# ``object bytes << 8 | tier index`` for a storage tier. Most chunks live in one tier of each
+# kind, so each is one int (a tuple of them otherwise), not a dict and a set per entry. A
+# directory of a million chunks is a million of these: every field counts (issue 12: at most
+# 400 bytes per entry beyond its data).
+_TIER_BITS = 8
+_TIER_MASK = (1 << _TIER_BITS) - 1
 # One int object per distinct chunk size, shared by every entry of that size.
 _SIZES: dict[int, int] = {}
+
+_Packed = int | tuple[int, ...] | None
+
+
+def _find(packed: _Packed, idx: int) -> int | None:
+    if packed is None:
+        return None
+    if isinstance(packed, int):
+        return packed >> _TIER_BITS if packed & _TIER_MASK == idx else None
+    for code in packed:
+        if code & _TIER_MASK == idx:
+            return code >> _TIER_BITS
+    return None
+
+
+def _without(packed: _Packed, idx: int) -> _Packed:
+    if packed is None or isinstance(packed, int):
+        return None if packed is None or packed & _TIER_MASK == idx else packed
+    rest = tuple(c for c in packed if c & _TIER_MASK != idx)
+    return rest[0] if len(rest) == 1 else rest or None
+
+
+def _with(packed: _Packed, idx: int, value: int) -> _Packed:
+    code = value << _TIER_BITS | idx
+    packed = _without(packed, idx)
+    if packed is None:
+        return code
+    return (packed, code) if isinstance(packed, int) else (*packed, code)
+
+
+def _pairs(packed: _Packed) -> list[tuple[int, int]]:
+    if packed is None:
+        return []
+    codes = (packed,) if isinstance(packed, int) else packed
+    return [(c & _TIER_MASK, c >> _TIER_BITS) for c in codes]
 
 
 class Entry:
     """One chunk: its place in the chain, and its residency in each tier."""
 
-    __slots__ = ("_mem", "_stored", "dead", "detached", "gen", "key", "num_tokens", "parent",
+    __slots__ = ("_gen", "_mem", "_stored", "dead", "detached", "key", "num_tokens", "parent",
                  "pending", "pins", "raw_bytes", "tokens")
 
     _generations = itertools.count(1)
@@ -40,93 +77,87 @@ class Entry:
     def __init__(self, key: bytes, parent: bytes, num_tokens: int, raw_bytes: int,
                  tokens: np.ndarray | bytes | None) -> None:
         self.key = key
-        # A chunk deleted and put again is a new entry with a new generation: every storage
-        # operation names the generation it is for, never the bare key.
-        self.gen = next(Entry._generations)
+        self._gen = 0
         self.parent = parent
         self.num_tokens = num_tokens
         self.raw_bytes = _SIZES.setdefault(raw_bytes, raw_bytes)
         # The chunk's own token ids (int32 bytes), when known: lets a lookup match a *prefix*
         # of the chunk. Bytes, not an array: 33 bytes of header instead of about 130.
         self.tokens = tokens.tobytes() if isinstance(tokens, np.ndarray) else tokens
-        self._mem: tuple[Any, ...] = _NONE     # (memory tier index, slot) pairs, flattened
-        self._stored: tuple[int, ...] = _NONE  # (storage tier index, object bytes), flattened
-        self.pending = 0                       # bit i: a write to storage tier i is in flight
-        self.detached: tuple[tuple[int, Slot], ...] = _NONE  # blocks dropped while pinned
+        self._mem: _Packed = None      # memory tiers: slot index per tier
+        self._stored: _Packed = None   # storage tiers: stored object bytes per tier
+        self.pending = 0               # bit i: a write to storage tier i is in flight
+        self.detached: tuple[tuple[int, int], ...] = ()  # (tier, slot) dropped while pinned
         self.pins = 0
         self.dead = False
 
+    @property
+    def gen(self) -> int:
+        """A chunk deleted and put again is a new entry with a new generation: every storage
+        operation names the generation it is for, never the bare key. Drawn on first use (a
+        chunk that never reaches storage never needs one)."""
+        if not self._gen:
+            self._gen = next(Entry._generations)
+        return self._gen
+
     # -- memory tiers ----------------------------------------------------------------------
 
-    def slot(self, idx: int) -> Slot | None:
-        m = self._mem
-        for i in range(0, len(m), 2):
-            if m[i] == idx:
-                return m[i + 1]
-        return None
+    def slot_index(self, idx: int) -> int | None:
+        """The slot holding this chunk in memory tier ``idx``, or None."""
+        return _find(self._mem, idx)
 
-    def set_slot(self, idx: int, slot: Slot) -> None:
-        self.pop_slot(idx)
-        self._mem = (*self._mem, idx, slot)
+    def set_slot(self, idx: int, index: int) -> None:
+        self._mem = _with(self._mem, idx, index)
 
-    def pop_slot(self, idx: int) -> Slot | None:
-        m = self._mem
-        for i in range(0, len(m), 2):
-            if m[i] == idx:
-                self._mem = m[:i] + m[i + 2 :]
-                return m[i + 1]
-        return None
+    def pop_slot(self, idx: int) -> int | None:
+        index = _find(self._mem, idx)
+        if index is not None:
+            self._mem = _without(self._mem, idx)
+        return index
 
-    def slots(self) -> list[tuple[int, Slot]]:
-        m = self._mem
-        return [(m[i], m[i + 1]) for i in range(0, len(m), 2)]
+    def slots(self) -> list[tuple[int, int]]:
+        """``(memory tier index, slot index)`` for every memory tier holding this chunk."""
+        return _pairs(self._mem)
 
     @property
     def in_memory(self) -> bool:
-        return bool(self._mem)
+        return self._mem is not None
 
     @property
-    def blocks(self) -> dict[int, Slot]:
-        """A snapshot: memory tier index -> slot (for inspection; change it with set_slot)."""
+    def blocks(self) -> dict[int, int]:
+        """A snapshot, memory tier index -> slot index (for inspection)."""
         return dict(self.slots())
 
     # -- storage tiers ---------------------------------------------------------------------
 
     def stored_size(self, idx: int) -> int | None:
-        s = self._stored
-        for i in range(0, len(s), 2):
-            if s[i] == idx:
-                return s[i + 1]
-        return None
+        """The bytes of this chunk's object in storage tier ``idx``, or None."""
+        return _find(self._stored, idx)
 
     def set_stored(self, idx: int, size: int) -> None:
-        self.pop_stored(idx)
-        self._stored = (*self._stored, idx, size)
+        self._stored = _with(self._stored, idx, size)
 
     def pop_stored(self, idx: int) -> int | None:
-        s = self._stored
-        for i in range(0, len(s), 2):
-            if s[i] == idx:
-                self._stored = s[:i] + s[i + 2 :]
-                return s[i + 1]
-        return None
+        size = _find(self._stored, idx)
+        if size is not None:
+            self._stored = _without(self._stored, idx)
+        return size
 
     @property
     def stored(self) -> dict[int, int]:
-        """A snapshot: storage tier index -> stored object bytes."""
-        s = self._stored
-        return {s[i]: s[i + 1] for i in range(0, len(s), 2)}
+        """A snapshot, storage tier index -> stored object bytes."""
+        return dict(_pairs(self._stored))
 
     def is_pending(self, idx: int) -> bool:
         return bool(self.pending >> idx & 1)
 
     @property
     def resident(self) -> bool:
-        return bool(self._mem or self._stored or self.pending)
+        return self._mem is not None or self._stored is not None or bool(self.pending)
 
     def __repr__(self) -> str:
-        return (f"Entry({self.key.hex()[:8]}, n={self.num_tokens}, blocks={sorted(self.blocks)}, "
-                f"stored={sorted(self.stored)}, pending={self.pending:b}, pins={self.pins})")
+        return (f"Entry({self.key.hex()[:8]}, n={self.num_tokens}, blocks={self.blocks}, "
+                f"stored={self.stored}, pending={self.pending:b}, pins={self.pins})")
 
 
 class Match(NamedTuple):

@@ -20,24 +20,41 @@ __all__ = ["delete_set", "persist_order", "reserve_slot", "victims"]
 def victims(t: Tier, directory: Directory, count: int) -> list[Entry]:
     """Up to ``count`` chunks to evict from ``t``: least recently used first, leaves first
     (a chunk whose child is still held here goes after that child), never a pinned one nor
-    one whose write to ``t`` is still queued."""
+    one whose write to ``t`` is still queued.
+
+    Amortised O(1) per victim. Recency already puts a prompt's parents after its children (a
+    touch moves the chain leaf first, root last), so the oldest entry is nearly always a
+    leaf. One that is not (a prefix some later put extended) is moved to the newest end
+    when it is passed over, so the next eviction does not walk past it again; and when a
+    victim's parent was passed over earlier in this walk, the parent follows it at once (a
+    chain is evicted leaf to root in one walk).
+    """
     out: list[Entry] = []
     chosen: set[bytes] = set()
-    progress = True
-    while progress and len(out) < count:
-        # Several passes: a parent becomes a leaf once its children here are chosen.
-        progress = False
-        for key, e in t.lru.items():
-            if len(out) >= count:
-                break
-            if key in chosen or e.pins or (isinstance(t, StoreTier)
-                                           and t.pending_obj(e) is not None):
-                continue
-            if any(t.holds(c) and c.key not in chosen for c in directory.child_entries(key)):
-                continue  # a suffix is worthless without its prefix
-            out.append(e)
-            chosen.add(key)
-            progress = True
+    passed: dict[bytes, Entry] = {}  # skipped because a child was still held here
+
+    def held_child(key: bytes) -> bool:
+        return any(t.holds(c) and c.key not in chosen for c in directory.child_entries(key))
+
+    for key, e in t.lru.items():
+        if len(out) >= count:
+            break
+        if key in chosen or e.pins or (isinstance(t, StoreTier)
+                                       and t.pending_obj(e) is not None):
+            continue  # pinned by a reader, or its write to this tier is still queued
+        if held_child(key):
+            passed[key] = e  # a suffix is worthless without its prefix
+            continue
+        out.append(e)
+        chosen.add(key)
+        parent = passed.get(e.parent)
+        while parent is not None and len(out) < count and not held_child(parent.key):
+            del passed[parent.key]
+            out.append(parent)
+            chosen.add(parent.key)
+            parent = passed.get(parent.parent)
+    for e in passed.values():
+        t.touch(e)
     return out
 
 

@@ -18,6 +18,7 @@ from . import devices
 from ._config import DeviceTier, HostTier
 from ._directory import Entry
 from ._errors import ConfigError
+from ._lru import SlotLRU
 from .tiers.base import ChunkMeta, StorageTier
 from .tiers.memory import MemoryPool, Slot
 
@@ -57,25 +58,30 @@ class MemTier:
         self.prealloc_bytes = prealloc
         self.growing: set[int] = set()  # segments being allocated ahead of need
         self.capacity_bytes = int(cfg.capacity_bytes)
-        self.lru: OrderedDict[bytes, Entry] = OrderedDict()
+        self.lru = SlotLRU()
         self.c = counters("hits", "misses", "bytes_in", "bytes_out", "evictions", "promotions",
                           "demotions", "drops")
 
     def holds(self, e: Entry) -> bool:
-        return e.slot(self.idx) is not None
+        return e.slot_index(self.idx) is not None
+
+    def touch(self, e: Entry) -> None:
+        index = e.slot_index(self.idx)
+        if index is not None:
+            self.lru.touch(index)
 
     def commit(self, e: Entry, slot: Slot) -> None:
         """``e``'s bytes are in ``slot``: from now on this tier serves it."""
-        e.set_slot(self.idx, slot)
-        self.lru[e.key] = e
+        e.set_slot(self.idx, slot.index)
+        self.lru.add(slot.index, e)
         self.c["bytes_in"] += e.raw_bytes
 
     def detach(self, e: Entry) -> None:
         """Forget ``e`` here. Its slot is freed now, or by the last reader's unpin."""
-        slot = e.pop_slot(self.idx)
-        self.lru.pop(e.key, None)
-        if slot is not None:
-            e.detached = (*e.detached, (self.idx, slot))
+        index = e.pop_slot(self.idx)
+        if index is not None:
+            self.lru.remove(index, e)
+            e.detached = (*e.detached, (self.idx, index))
 
     def stats(self) -> dict[str, Any]:
         return {"kind": "device" if self.device.type != "cpu" or self.name == "device" else "host",
@@ -118,6 +124,10 @@ class StoreTier:
 
     def holds(self, e: Entry) -> bool:
         return e.stored_size(self.idx) is not None or e.is_pending(self.idx)
+
+    def touch(self, e: Entry) -> None:
+        if e.key in self.lru:
+            self.lru.move_to_end(e.key)
 
     def pending_obj(self, e: Entry) -> bytes | None:
         got = self.pending.get((e.key, e.gen))

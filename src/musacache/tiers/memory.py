@@ -40,10 +40,7 @@ class Slot:
         return self.pool.slot_bytes_view(self.index, self.pool.slot_bytes)
 
     def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        n = dtype.itemsize
-        for s in shape:
-            n *= s
-        return self.pool.slot_bytes_view(self.index, n).view(dtype).view(shape)
+        return self.pool.view(self.index, dtype, shape)
 
     def __repr__(self) -> str:
         return f"Slot({self.index})"
@@ -108,6 +105,13 @@ class MemoryPool:
         if seg_no not in self._segments:
             await self.ensure_segment(seg_no)
         return Slot(index, self)
+
+    def view(self, index: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """Slot ``index`` (materialized) as a ``dtype`` tensor of ``shape``."""
+        n = dtype.itemsize  # an attribute: no 0-d tensor allocated to learn an element size
+        for s in shape:
+            n *= s
+        return self.slot_bytes_view(index, n).view(dtype).view(shape)
 
     def slot_bytes_view(self, index: int, nbytes: int) -> torch.Tensor:
         """The first ``nbytes`` of slot ``index`` (materialized) as a uint8 tensor."""
