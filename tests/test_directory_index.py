@@ -140,3 +140,34 @@ def test_indexed_match_equals_scanning_match_on_random_tries(stored, listed, que
         for m in got:
             have = np.frombuffer(m.entry.tokens, dtype="<i4")
             assert np.array_equal(have[: m.num_tokens], arr[m.start : m.start + m.num_tokens])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.lists(st.sampled_from([0, 1]), min_size=1,
+                                                  max_size=3 * CHUNK)), min_size=1,
+                max_size=40),
+       st.lists(st.integers(0, 10**6), max_size=20))
+def test_children_stay_findable_as_parents_come_and_go(steps, removals):
+    """Children live on their parent's entry, or in the directory while the parent is
+    absent (learned first, or removed before them): each is always found by its parent key."""
+    chain = KeyChain(Fingerprint("idx", SPEC, CHUNK))
+    d = Directory(chain)
+    model: dict[bytes, Entry] = {}
+    for listed, p in steps:
+        arr = np.asarray(p, dtype="<i4")
+        keys = chain.keys(arr)
+        # Add the prompt's chunks leaf first, so children often come before their parent.
+        for start, end, parent, key in reversed(keys):
+            if key not in model:
+                e = Entry(key, parent, end - start, SPEC.nbytes(end - start),
+                          None if listed else arr[start:end])
+                d.add(e)
+                model[key] = e
+        for r in removals[: len(model) // 2]:
+            victim = sorted(model)[r % len(model)]
+            d.remove(model.pop(victim))
+    parents = {e.parent for e in model.values()} | set(model)
+    for k in parents:
+        want = sorted(e.key for e in model.values() if e.parent == k)
+        assert sorted(c.key for c in d.child_entries(k)) == want
+    assert set(d.entries) == set(model)

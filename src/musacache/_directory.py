@@ -69,8 +69,8 @@ def _pairs(packed: _Packed) -> list[tuple[int, int]]:
 class Entry:
     """One chunk: its place in the chain, and its residency in each tier."""
 
-    __slots__ = ("_gen", "_mem", "_stored", "dead", "detached", "key", "num_tokens", "parent",
-                 "pending", "pins", "raw_bytes", "tokens")
+    __slots__ = ("_gen", "_mem", "_stored", "dead", "detached", "key", "kids", "num_tokens",
+                 "parent", "pending", "pins", "raw_bytes", "tokens")
 
     _generations = itertools.count(1)
 
@@ -90,6 +90,8 @@ class Entry:
         self.detached: tuple[tuple[int, int], ...] = ()  # (tier, slot) dropped while pinned
         self.pins = 0
         self.dead = False
+        # This chunk's children, kept by the directory: the only one, or an index of them.
+        self.kids: Entry | Siblings | None = None
 
     @property
     def gen(self) -> int:
@@ -176,7 +178,11 @@ class Directory:
     def __init__(self, chain: KeyChain) -> None:
         self.chain = chain
         self.entries: dict[bytes, Entry] = {}
-        # parent key -> its only child, or an index of its children (see ``_children``).
+        # The children of a parent are kept on the parent's entry (``Entry.kids``): a chain
+        # of chunks needs no dict entry per link. Here only those of parents without an
+        # entry: the chain's seed, and the parents of orphans (learned before, or kept
+        # after, their parent). Either way: the only child, or an index of the children
+        # (see ``_children``).
         self.children: dict[bytes, Entry | Siblings] = {}
 
     def __len__(self) -> int:
@@ -186,42 +192,58 @@ class Directory:
         e = self.entries.get(key)
         return None if e is None or e.dead else e
 
+    def _kids(self, parent: bytes) -> Entry | Siblings | None:
+        p = self.entries.get(parent)
+        return p.kids if p is not None else self.children.get(parent)
+
+    def _set_kids(self, parent: bytes, kids: Entry | Siblings | None) -> None:
+        p = self.entries.get(parent)
+        if p is not None:
+            p.kids = kids
+        elif kids is not None:
+            self.children[parent] = kids
+        else:
+            self.children.pop(parent, None)
+
     def add(self, e: Entry) -> None:
         old = self.entries.get(e.key)
-        if old is not None and old is not e:
-            self._unlink(old)
-        self.entries[e.key] = e
         if old is e:
             return
-        kids = self.children
-        have = kids.get(e.parent)
+        if old is not None:
+            self._unlink(old)
+            e.kids, old.kids = old.kids, None
+        else:
+            e.kids = self.children.pop(e.key, None)  # orphans waiting for this parent
+        self.entries[e.key] = e
+        have = self._kids(e.parent)
         if have is None:
-            kids[e.parent] = e
+            self._set_kids(e.parent, e)
         elif isinstance(have, Siblings):
             have.add(e)
         else:
             sib = Siblings()
             sib.add(have)
             sib.add(e)
-            kids[e.parent] = sib
+            self._set_kids(e.parent, sib)
 
     def remove(self, e: Entry) -> None:
         if self.entries.get(e.key) is e:
-            del self.entries[e.key]
             self._unlink(e)
+            del self.entries[e.key]
+            if e.kids is not None:  # they stay findable by their parent key
+                self.children[e.key] = e.kids
+                e.kids = None
 
     def _unlink(self, e: Entry) -> None:
-        kids = self.children
-        have = kids.get(e.parent)
+        have = self._kids(e.parent)
         if have is e:
-            del kids[e.parent]
-        elif isinstance(have, Siblings) and have.discard(e):
-            if len(have) == 1:
-                kids[e.parent] = have.only()
+            self._set_kids(e.parent, None)
+        elif isinstance(have, Siblings) and have.discard(e) and len(have) == 1:
+            self._set_kids(e.parent, have.only())
 
     def _learn_tokens(self, e: Entry, tokens: bytes) -> None:
         """Give a chunk learned from a listing its token ids (the key proved them)."""
-        have = self.children.get(e.parent)
+        have = self._kids(e.parent)
         if isinstance(have, Siblings) and have.discard(e):
             e.tokens = tokens
             have.add(e)
@@ -229,7 +251,7 @@ class Directory:
             e.tokens = tokens
 
     def child_entries(self, key: bytes) -> Iterator[Entry]:
-        have = self.children.get(key)
+        have = self._kids(key)
         if have is None:
             return iter(())
         if isinstance(have, Siblings):
@@ -239,7 +261,7 @@ class Directory:
     def children_along(self, parent: bytes, want: bytes) -> list[Entry]:
         """The children of ``parent`` whose token ids (int32 bytes) are a prefix of ``want``
         or start with it; children without token ids are not among them."""
-        have = self.children.get(parent)
+        have = self._kids(parent)
         if have is None:
             return []
         if isinstance(have, Siblings):
@@ -304,7 +326,7 @@ class Directory:
                            end: int) -> Match | None:
         """The child of ``parent`` whose token ids share the longest prefix with
         ``tokens[start:end]``, found through the index of ``parent``'s children (no scan)."""
-        have = self.children.get(parent)
+        have = self._kids(parent)
         if have is None:
             return None
         want = tokens[start:end].tobytes()
