@@ -3,12 +3,17 @@ and what a stats() call may touch. Speed itself is shown by ``musacache bench sc
 
 from __future__ import annotations
 
+import asyncio
 import sys
 
+import numpy as np
 import torch
 
 import musacache as mc
 from helpers import prefix_kv
+from musacache._core import BATCH
+from musacache._keys import Fingerprint, KeyChain
+from musacache.tiers.base import ChunkMeta, StorageTier, TierContext
 
 CH = 16
 
@@ -66,3 +71,127 @@ async def test_a_cached_chunk_holds_no_tensor_dict_or_set(spec):
         assert sys.getsizeof(next(iter(c._engine.dir.entries.values()))) <= 160
         # The tier's recency list is linked through slot indices: no node per chunk.
         assert not hasattr(c._mem[0].lru, "__dict__")
+
+
+class _Sampler:
+    """Samples the directory size every time the loop runs another task."""
+
+    def __init__(self, c: mc.Cache, what) -> None:  # type: ignore[no-untyped-def]
+        self.c = c
+        self.what = what
+        self.sizes: list[int] = []
+        self.running = True
+
+    async def run(self) -> None:
+        while self.running:
+            eng = self.c._eng
+            if eng is not None:
+                self.sizes.append(self.what(eng))
+            await asyncio.sleep(0)
+
+    def between(self, lo: int, hi: int) -> bool:
+        return any(lo < n < hi for n in self.sizes)
+
+
+async def _sampled(c: mc.Cache, op, what=lambda eng: len(eng.dir)):  # type: ignore[no-untyped-def]
+    s = _Sampler(c, what)
+    task = asyncio.create_task(s.run())
+    await asyncio.sleep(0)
+    try:
+        await op()
+    finally:
+        s.running = False
+        await task
+    return s
+
+
+async def test_long_directory_work_lets_the_loop_run(spec):
+    """Puts, deletes and clears of many chunks are done in batches: other tasks run while
+    they are under way (the directory is seen half done), so the loop never stalls."""
+    n = 4 * BATCH
+    async with mc.Cache(_cfg(spec, 2 * n + 8)) as c:
+        base = list(range(CH))
+        await c.put(base, prefix_kv(spec, base))
+        long = base + list(range(10**6, 10**6 + n * CH))
+        s = await _sampled(c, lambda: c.put(long, prefix_kv(spec, long)))
+        assert s.between(1, n + 1)
+        # Many conversations after one shared prefix: deleting the prefix removes them all.
+        for i in range(n):
+            p = base + [2 * 10**6 + i] * CH
+            await c.put(p, prefix_kv(spec, p))
+        total = len(c._engine.dir)
+        s = await _sampled(c, lambda: c.delete(base))
+        assert s.between(0, total)
+        assert len(c._engine.dir) == 0
+        for i in range(n):
+            p = [3 * 10**6 + i] * CH
+            await c.put(p, prefix_kv(spec, p))
+        # Nothing can be found from the start of a clear; memory is freed in batches.
+        s = await _sampled(c, c.clear, lambda eng: len(eng.mem[0].lru))
+        assert s.between(0, n)
+        assert len(c._engine.dir) == 0 and c.stats()["tiers"]["host"]["bytes_used"] == 0
+
+
+class _Listing(StorageTier):
+    """A storage tier that reports a listing and holds nothing else."""
+
+    name = "listing"
+
+    def __init__(self, metas: list[ChunkMeta]) -> None:
+        self.metas = metas
+
+    async def start(self, ctx: TierContext) -> list[ChunkMeta]:
+        return self.metas
+
+    async def write(self, meta: ChunkMeta, obj: bytes) -> None:
+        pass
+
+    async def read(self, meta: ChunkMeta) -> bytes | None:
+        return None
+
+    async def delete(self, key: bytes) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def test_learning_a_large_listing_lets_the_loop_run(spec, monkeypatch):
+    from musacache._coldpath import ColdPath
+
+    chain = KeyChain(Fingerprint("scale", spec, CH))
+    n = 4 * BATCH
+    metas, parent = [], chain.seed
+    for i in range(n):
+        key = KeyChain.child(parent, np.full(CH, i, dtype="<i4").tobytes())
+        metas.append(ChunkMeta(key, parent, CH, spec.nbytes(CH), 100, float(i)))
+        parent = key
+    cfg = mc.CacheConfig(spec, "scale", chunk_size=CH, tiers=(_Listing(metas),))
+    ticks = [0]
+    seen: list[int] = []  # the loop's tick count at each call learning part of the listing
+    learn = ColdPath.learn
+
+    def spy(self, st, part, *args, **kw):  # type: ignore[no-untyped-def]
+        seen.append(ticks[0])
+        return learn(self, st, part, *args, **kw)
+
+    monkeypatch.setattr(ColdPath, "learn", spy)
+    running = True
+
+    async def tick() -> None:
+        while running:
+            ticks[0] += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(tick())
+    c = mc.Cache(cfg)
+    try:
+        await c.open()
+    finally:
+        running = False
+        await task
+    try:
+        assert len(c._engine.dir) == n
+        assert len(seen) > 1 and seen[-1] > seen[0]  # other tasks ran between the parts
+    finally:
+        await c.aclose()

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import anyio
+import anyio.lowlevel
 import torch
 
 from ._directory import Entry
@@ -260,11 +261,26 @@ class ColdPath:
                     cur = new[0].key if len(new) == 1 else None
         return learned
 
-    def learn(self, st: StoreTier, metas: Iterable[ChunkMeta]) -> list[Entry]:
-        """Record chunks a storage tier reports; returns the entries that were new to it."""
+    async def learn_all(self, st: StoreTier, metas: list[ChunkMeta], batch: int) -> None:
+        """Learn a whole listing (a restart): ``batch`` chunks at a time, with the loop free
+        in between, and sorted in a worker thread. A listing of a million objects never
+        stalls the loop."""
+        if len(metas) > batch:
+            # The key is a Python function, so the sorting thread gives the GIL back to the
+            # loop every switch interval.
+            metas = await self.eng.mover.in_thread(
+                lambda: sorted(metas, key=lambda m: m.last_used))
+        for i in range(0, len(metas), batch):
+            self.learn(st, metas[i : i + batch], ordered=True)
+            await anyio.lowlevel.checkpoint()
+
+    def learn(self, st: StoreTier, metas: Iterable[ChunkMeta],
+              ordered: bool = False) -> list[Entry]:
+        """Record chunks a storage tier reports (oldest first if ``ordered``); returns the
+        entries that were new to it."""
         eng = self.eng
         new: list[Entry] = []
-        for m in sorted(metas, key=lambda m: m.last_used):
+        for m in metas if ordered else sorted(metas, key=lambda m: m.last_used):
             if m.raw_bytes != eng.spec.nbytes(m.num_tokens) or not (
                     0 < m.num_tokens <= eng.config.chunk_size):
                 continue  # not a chunk of this spec: never serve it

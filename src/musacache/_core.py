@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import torch
 
@@ -28,13 +29,16 @@ from ._config import CacheConfig
 from ._directory import Directory, Entry, Match
 from ._keys import Fingerprint, KeyChain
 from ._move import Mover, accelerator_of, gather_chunks
-from ._placement import delete_set, persist_order, victims
+from ._placement import delete_roots, persist_order, subtree_batches, victims
 from ._tasks import TaskOwner
 from ._tierstate import MemTier, StoreTier, Tier, counters
 from .tiers.memory import Slot
 
 __all__ = ["ChunkSource", "DenseSource", "Engine", "PagedSource"]
 
+# Directory work on many entries (delete, clear, learning a listing, planning a long put)
+# is done this many at a time, letting other tasks run in between: about a millisecond each.
+BATCH = 256
 # Chunks encoded per batch when persisting on close (bounds the encoded bytes held at once).
 _PERSIST_BATCH = 16
 
@@ -245,6 +249,8 @@ class Engine:
                     continue
                 if stop:
                     break
+                if pos < len(keys):
+                    await anyio.lowlevel.checkpoint()  # between rounds of a long prompt
         finally:
             for e in held:
                 self.unpin(e)
@@ -292,6 +298,8 @@ class Engine:
                     it.tier, it.index = top, idx
             items.append(it)
             pos += 1
+            if len(items) >= BATCH:
+                break  # a long prompt is planned and placed in rounds: the loop runs between
         return items, pos, None, False, reached
 
     async def _place(self, items: list[_New], source: ChunkSource,
@@ -568,16 +576,38 @@ class Engine:
             matches, _ = self.dir.match(toks)
         return matches
 
-    def delete(self, toks: np.ndarray) -> int:
-        doomed, keys = delete_set(self.dir, self.chain, toks)
-        self.remove(doomed)
-        known = {e.key for e in doomed}
+    async def delete(self, toks: np.ndarray) -> int:
+        """Remove the prompt's chunks at once (so nothing of it can be found), then what
+        extends them, ``BATCH`` at a time with the loop free in between: a prompt with a
+        million descendants never stalls the loop."""
+        roots, keys = delete_roots(self.dir, self.chain, toks)
+        first = [e for k in roots if (e := self.dir.get(k)) is not None]
+        self.remove(first)
+        known = {e.key for e in first}
+        removed = len(first)
+        for part in subtree_batches(self.dir, roots + keys, BATCH):
+            live = [e for e in part if not e.dead]
+            self.remove(live)
+            removed += len(live)
+            known.update(e.key for e in live)
+            # Shielded: a cancelled delete or clear still finishes what it started.
+            await anyio.lowlevel.cancel_shielded_checkpoint()
         for st in self.stores:  # another node may have written the prompt's chunks
             if st.store.shared:
                 for k in keys:
                     if k not in known:
                         self.cold.schedule_delete(st, k)
-        return len(doomed)
+        return removed
+
+    async def clear(self) -> None:
+        """Forget every chunk. The directory is swapped for an empty one at once (nothing
+        can be found from then on); the old entries are freed ``BATCH`` at a time."""
+        entries = self.dir.entries
+        self.dir = Directory(self.chain)
+        while entries:
+            part = [entries.popitem()[1] for _ in range(min(BATCH, len(entries)))]
+            self.remove(part)
+            await anyio.lowlevel.cancel_shielded_checkpoint()
 
     def remove(self, doomed: Sequence[Entry]) -> None:
         """Forget ``doomed`` in every tier now; storage deletes are chained after any write

@@ -15,6 +15,7 @@ import torch
 
 from . import devices
 from ._config import CacheConfig, DeviceTier, HostTier
+from ._core import BATCH as _LEARN_BATCH
 from ._core import DenseSource, Engine, PagedSource
 from ._directory import Match
 from ._errors import CacheClosedError, ConfigError, DeviceError, InvalidInputError, ShapeError
@@ -120,7 +121,7 @@ class Cache:
             for st in eng.stores:
                 metas = await st.store.start(ctx)
                 started.append(st.store)
-                eng.cold.learn(st, metas)
+                await eng.cold.learn_all(st, list(metas), _LEARN_BATCH)
             for mt in eng.mem:
                 if mt.prealloc_bytes:
                     await mt.pool.prealloc(mt.prealloc_bytes)
@@ -388,12 +389,12 @@ class Cache:
         eng = self._check_open()
         toks = as_tokens(tokens)
         self._ops["deletes"] += 1
-        return eng.delete(toks)
+        return await eng.delete(toks)
 
     async def clear(self) -> None:
         """Forget every chunk in every tier (storage objects of this fingerprint included)."""
         eng = self._check_open()
-        eng.remove(list(eng.dir.entries.values()))
+        await eng.clear()
 
     async def flush(self) -> None:
         """Wait until every background write and delete (write-behind, write-through) has

@@ -6,7 +6,7 @@ and the bookkeeping that records it happen in one step on the event loop.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -14,7 +14,8 @@ from ._directory import Directory, Entry
 from ._keys import KeyChain
 from ._tierstate import MemTier, StoreTier, Tier
 
-__all__ = ["delete_set", "persist_order", "reserve_slot", "victims"]
+__all__ = ["delete_roots", "delete_set", "persist_order", "reserve_slot", "subtree_batches",
+           "victims"]
 
 
 def victims(t: Tier, directory: Directory, count: int) -> list[Entry]:
@@ -85,16 +86,16 @@ def persist_order(entries: Iterable[Entry], directory: Directory) -> list[Entry]
     return sorted(entries, key=depth_of)
 
 
-def delete_set(directory: Directory, chain: KeyChain, toks: np.ndarray,
-               ) -> tuple[list[Entry], list[bytes]]:
-    """What ``delete(toks)`` removes: every chunk of the prompt and every chunk that extends
-    them, and the prompt's chain keys (to delete in storage even where unknown here).
+def delete_roots(directory: Directory, chain: KeyChain, toks: np.ndarray,
+                 ) -> tuple[list[bytes], list[bytes]]:
+    """The roots of what ``delete(toks)`` removes, and the prompt's chain keys.
 
     The prompt's chunks are those keyed on its chain, plus, at the first position the chain
     is not cached whole, the chunks after the same prefix whose tokens are a prefix of the
     prompt's there or extend them (a cached partial tail, or a longer chunk that starts with
-    the prompt's tail). Every chunk under any of these, to any depth, goes too: the prompt's
-    first chunk is the root of everything deleted, so nothing built on it stays reachable.
+    the prompt's tail). Every chunk under a root or a chain key, to any depth, goes too
+    (:func:`subtree_batches`): the prompt's first chunk is the root of everything deleted,
+    so nothing built on it stays reachable.
     """
     keys = [key for _s, _e, _p, key in chain.iter_keys(toks)]
     roots: list[bytes] = []
@@ -106,11 +107,44 @@ def delete_set(directory: Directory, chain: KeyChain, toks: np.ndarray,
                                                              toks[start:end].tobytes()))
     # Orphans keyed on the chain (their parent was lost) are the prompt's chunks too.
     roots.extend(key for key in keys if directory.get(key) is not None and key not in roots)
+    return roots, keys
+
+
+def subtree_batches(directory: Directory, roots: list[bytes],
+                    batch: int) -> Iterator[list[Entry]]:
+    """Every entry under ``roots`` (by parent links, to any depth), ``batch`` at a time.
+
+    The caller removes each batch before asking for the next, and may let other tasks run
+    in between: a removed entry's children stay findable by its key."""
+    seen: set[bytes] = set(roots)
+    stack = list(dict.fromkeys(roots))
+    out: list[Entry] = []
+    while stack:
+        cur = stack.pop()
+        for c in list(directory.child_entries(cur)):
+            if c.key in seen:
+                continue
+            seen.add(c.key)
+            out.append(c)
+            stack.append(c.key)
+            if len(out) >= batch:
+                yield out
+                out = []
+    if out:
+        yield out
+
+
+def delete_set(directory: Directory, chain: KeyChain, toks: np.ndarray,
+               ) -> tuple[list[Entry], list[bytes]]:
+    """Everything ``delete(toks)`` removes, in one list (see :func:`delete_roots`), and the
+    prompt's chain keys."""
+    roots, keys = delete_roots(directory, chain, toks)
     doomed: dict[bytes, Entry] = {}
     for root in roots:
         found = directory.get(root)
         if found is not None:
             doomed[root] = found
-    for e in directory.subtree(roots + keys):
-        doomed.setdefault(e.key, e)
+    for part in subtree_batches(directory, roots + keys, 1 << 30):
+        for e in part:
+            doomed.setdefault(e.key, e)
     return list(doomed.values()), keys
