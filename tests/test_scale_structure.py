@@ -195,3 +195,37 @@ async def test_learning_a_large_listing_lets_the_loop_run(spec, monkeypatch):
         assert len(seen) > 1 and seen[-1] > seen[0]  # other tasks ran between the parts
     finally:
         await c.aclose()
+
+
+async def test_a_long_put_leaves_its_leaf_oldest_and_its_root_newest(spec):
+    n = 3 * BATCH + 5  # several planning rounds
+    async with mc.Cache(_cfg(spec, 2 * n)) as c:
+        toks = list(range(n * CH))
+        await c.put(toks, prefix_kv(spec, toks))
+        keys = [k for *_, k in c._engine.chain.keys(np.asarray(toks, dtype="<i4"))]
+        order = [key for key, _e in c._mem[0].lru.items()]
+        assert order == keys[::-1]
+
+
+async def test_evicting_a_long_prompt_walks_the_lru_once(spec, monkeypatch):
+    """Eviction is amortised O(1) per chunk: making room for a prompt of n chunks visits
+    O(n) entries of the recency list, not O(n) per chunk."""
+    from musacache._lru import SlotLRU
+
+    visited = [0]
+    items = SlotLRU.items
+
+    def counting(self):  # type: ignore[no-untyped-def]
+        for kv in items(self):
+            visited[0] += 1
+            yield kv
+
+    n = 16 * BATCH
+    async with mc.Cache(_cfg(spec, n)) as c:
+        a = list(range(n * CH))
+        b = list(range(10**6, 10**6 + n * CH))
+        await c.put(a, prefix_kv(spec, a))
+        monkeypatch.setattr(SlotLRU, "items", counting)
+        assert await c.put(b, prefix_kv(spec, b)) == n * CH
+        assert c.stats()["tiers"]["host"]["evictions"] == n
+        assert visited[0] <= 3 * n, visited[0]

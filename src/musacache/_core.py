@@ -37,8 +37,9 @@ from .tiers.memory import Slot
 __all__ = ["ChunkSource", "DenseSource", "Engine", "PagedSource"]
 
 # Directory work on many entries (delete, clear, learning a listing, planning a long put)
-# is done this many at a time, letting other tasks run in between: about a millisecond each.
-BATCH = 256
+# is done this many at a time, letting other tasks run in between (well under a millisecond
+# each on an idle core).
+BATCH = 64
 # Chunks encoded per batch when persisting on close (bounds the encoded bytes held at once).
 _PERSIST_BATCH = 16
 
@@ -104,6 +105,24 @@ class PagedSource:
                 gather_chunks(self.kv_caches, slots, dsts, self.layout, stream=stream)
 
         await mover.run(work, device=device, nbytes=max(nbytes, mover.inline_bytes))
+
+
+class _LazyKeys:
+    """A prompt's chunk keys, hashed as planning reaches them (a long prompt's keys are
+    not all hashed in one step of the loop)."""
+
+    def __init__(self, chain: KeyChain, toks: np.ndarray) -> None:
+        self._it = chain.iter_keys(toks)
+        self._done: list[tuple[int, int, bytes, bytes]] = []
+        self._n = -(-len(toks) // chain.chunk_size)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: int) -> tuple[int, int, bytes, bytes]:
+        while len(self._done) <= i:
+            self._done.append(next(self._it))
+        return self._done[i]
 
 
 @dataclass(eq=False)
@@ -223,7 +242,7 @@ class Engine:
     async def put(self, toks: np.ndarray, source: ChunkSource, *, skip_prefix: int = 0,
                   head_start: int | None = None) -> int:
         """Place each chunk of ``toks`` not yet cached; return the cached prefix length."""
-        keys = self.chain.keys(toks)
+        keys = _LazyKeys(self.chain, toks)
         # Every chunk of this prompt stays pinned until the put ends: placing its tail must
         # never evict its own head (the head is what other prompts share).
         held: list[Entry] = []
@@ -252,12 +271,20 @@ class Engine:
                 if pos < len(keys):
                     await anyio.lowlevel.checkpoint()  # between rounds of a long prompt
         finally:
+            # Once, for the whole prompt, leaf first and root last: every prefix ends up more
+            # recent than what extends it, so eviction finds leaves at the old end (touching
+            # round by round would leave each round's parents older than the next round).
+            # In batches, the loop free in between (shielded: this must finish).
+            for hi in range(len(held), 0, -BATCH):
+                self.touch(held[max(0, hi - BATCH) : hi])
+                if hi > BATCH:
+                    await anyio.lowlevel.cancel_shielded_checkpoint()
             for e in held:
                 self.unpin(e)
         self.tok["stored_tokens"] += stored_to
         return stored_to
 
-    def _plan_put(self, toks: np.ndarray, keys: list[tuple[int, int, bytes, bytes]], pos: int,
+    def _plan_put(self, toks: np.ndarray, keys: _LazyKeys, pos: int,
                   held: list[Entry], skip_prefix: int, head_start: int | None,
                   ) -> tuple[list[_New], int, anyio.Event | None, bool, int]:
         """Synchronous: walk keys from ``pos``; pin the cached chunks before the first new
@@ -274,7 +301,6 @@ class Engine:
             if e is not None:
                 if items:
                     break  # commit the new run first; the next round pins this one
-                self.touch([e])
                 self.pin(e)
                 held.append(e)
                 reached = end
@@ -334,14 +360,11 @@ class Engine:
                 staged.append((it, host))
                 parts.append((it.start, n, host))
         await source.move(self.mover, parts)
-        committed: list[Entry] = []
         for it in items:  # commit, in prompt order: only now can a new chunk be found
             if it.tier is None or it.slot is None:
                 break
             it.tier.commit(it.entry, it.slot)
             self._commit_new(it, held)
-            committed.append(it.entry)
-        self.touch(committed)
         if staged:
             placed = await self._place_in_storage(staged, held)
             if placed < len(staged):
