@@ -1,4 +1,5 @@
-"""Developer sessions: ``nox -s tests``, ``nox -s lint``, ``nox -s typecheck``, ``nox -s demo``.
+"""Developer sessions: ``nox -s tests``, ``nox -s lint``, ``nox -s typecheck``, ``nox -s demo``,
+``nox -s lowest`` (the suite at the lowest torch that pyproject.toml declares).
 
 torch is installed first and pinned to the CPU build that this project's machines carry on disk;
 an unpinned torch in a fresh environment would download a multi-GB CUDA build. The package's
@@ -27,6 +28,13 @@ def tests(session: nox.Session) -> None:
     """The test suite (GPU tests are deselected; run them with `-m gpu` on a GPU machine)."""
     _install(session, "test")
     session.run("pytest", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def lowest(session: nox.Session) -> None:
+    """The torch-dependent tests at torch 2.7.1, the lowest torch declared: .ci/torch-lowest.sh
+    (its own venv; PyPI has only the CUDA build of 2.7.1, about 2.8 GB the first time)."""
+    session.run("bash", ".ci/torch-lowest.sh", *session.posargs, external=True)
 
 
 @nox.session

@@ -308,7 +308,7 @@ async def node_server(config_toml: str, startup_timeout: float = 120.0) -> Async
                 proc.terminate()
                 try:
                     await asyncio.wait_for(proc.wait(), 10)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     proc.kill()
                     await proc.wait()
 

@@ -29,10 +29,16 @@ ops = st.lists(st.tuples(st.sampled_from(["put", "get", "lookup"]), base_seqs),
                min_size=1, max_size=25)
 
 
+def room(chunks: int) -> int:
+    """Bytes for ``chunks`` chunks; 0 chunks is a tier smaller than one chunk (no room: a
+    zero-byte tier is a configuration error)."""
+    return SPEC.nbytes(CHUNK) * chunks or 1
+
+
 def run_model(operations, capacity_chunks: int, tiers_factory=None) -> None:
     async def main() -> None:
         tiers = tiers_factory() if tiers_factory else (
-            mc.HostTier(capacity_bytes=SPEC.nbytes(CHUNK) * capacity_chunks),)
+            mc.HostTier(capacity_bytes=room(capacity_chunks)),)
         cfg = mc.CacheConfig(SPEC, "prop", tiers=tiers, chunk_size=CHUNK)
         stored: list[list[int]] = []  # the reference: every prompt ever put
         unbounded = capacity_chunks >= 10_000
@@ -80,8 +86,8 @@ def test_get_never_serves_wrong_bytes_under_eviction(operations, cap):
 @given(ops, st.integers(0, 3), st.integers(0, 4))
 def test_two_memory_tiers_never_serve_wrong_bytes(operations, top, bottom):
     def tiers():
-        return (mc.DeviceTier(capacity_bytes=SPEC.nbytes(CHUNK) * top, device="cpu"),
-                mc.HostTier(capacity_bytes=SPEC.nbytes(CHUNK) * bottom))
+        return (mc.DeviceTier(capacity_bytes=room(top), device="cpu"),
+                mc.HostTier(capacity_bytes=room(bottom)))
     run_model(operations, capacity_chunks=top + bottom, tiers_factory=tiers)
 
 
@@ -94,6 +100,6 @@ def test_memory_over_storage_never_serves_wrong_bytes(operations, top, bounded, 
 
     def tiers():
         cap = None if bounded == 0 else bounded * (SPEC.nbytes(CHUNK) + 1024)
-        return (mc.HostTier(capacity_bytes=SPEC.nbytes(CHUNK) * top),
+        return (mc.HostTier(capacity_bytes=room(top)),
                 MemStore(codec=codec, capacity_bytes=cap))
     run_model(operations, capacity_chunks=0, tiers_factory=tiers)

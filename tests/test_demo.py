@@ -163,3 +163,42 @@ def test_a_fully_cached_prompt_still_computes_its_last_token() -> None:
     assert first.cached_tokens == 0
     assert second.cached_tokens == len(prompt) - 1
     assert second.logits_close, second.max_abs_diff
+
+
+def test_cache_keyword_follows_the_forward_signature() -> None:
+    class Newer:
+        def forward(self, input_ids: Any = None, cache: Any = None, **kwargs: Any) -> None: ...
+
+    class Older:  # takes anything in **kwargs: an unknown cache= would vanish there
+        def forward(self, input_ids: Any = None, past_key_values: Any = None,
+                    **kwargs: Any) -> None: ...
+
+    assert _model.cache_keyword(Newer) == "cache"
+    assert _model.cache_keyword(Older) == "past_key_values"
+
+
+def test_a_forward_fills_the_cache_it_is_given() -> None:
+    # With a keyword the installed transformers ignores, the cache stays empty and
+    # dense_from_hf fails: this runs at the lowest declared version too (.ci/demo-lowest.sh).
+    model = _model.build_model(_sizes.SIZES["tiny"], seed=0)
+    spec = _model.kv_spec_of(model)
+    prompt = torch.arange(12) % model.config.vocab_size
+    _, cache = _model.first_token_logits(model, prompt[:8])
+    assert _model.dense_from_hf(cache).shape == spec.shape(8)
+    _, cache = _model.first_token_logits(model, prompt[8:], cache)
+    assert _model.dense_from_hf(cache).shape == spec.shape(12)
+
+
+def test_device_option(capsys: pytest.CaptureFixture[str]) -> None:
+    from musacache import devices
+
+    assert "--device" in _help_text(capsys)
+    if not devices.available("cuda"):
+        assert main(["--device", "cuda", *TINY]) == 2
+        assert "cuda" in capsys.readouterr().err
+    assert main(["--device", "tpu"]) == 2
+
+
+def _help_text(capsys: pytest.CaptureFixture[str]) -> str:
+    assert main(["--help"]) == 0
+    return capsys.readouterr().out

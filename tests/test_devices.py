@@ -179,3 +179,95 @@ async def test_wait_ready_accepts_anyio_events_and_rejects_junk():
     await devices.wait_ready(None)
     with pytest.raises(mc.DeviceError):
         await devices.wait_ready(object(), timeout=1)
+
+
+# -- copy streams and event ordering ---------------------------------------------------------
+
+
+class StreamMaker:
+    """A fake Stream class that remembers what it made and what each stream waited for."""
+
+    def __init__(self):
+        self.made = []
+
+    def __call__(self, device=None):
+        stream = types.SimpleNamespace(device=device, waited=[])
+        stream.wait_event = stream.waited.append
+        self.made.append(stream)
+        return stream
+
+
+def test_copy_stream_is_one_per_device_and_kept(fakes):
+    mod = fake_accel(count=2)
+    mod.Stream = StreamMaker()
+    fakes("cuda", mod)
+    first = devices.copy_stream(torch.device("cuda", 0))
+    assert devices.copy_stream(torch.device("cuda")) is first  # index None is device 0
+    other = devices.copy_stream(torch.device("cuda", 1))
+    assert other is not first and other.device == torch.device("cuda", 1)
+    assert len(mod.Stream.made) == 2
+    assert devices.copy_stream(torch.device("cpu")) is None
+
+
+def test_record_event_and_wait_for_order_streams_without_the_host(fakes):
+    mod = fake_accel()
+    mod.Stream = StreamMaker()
+    fakes("cuda", mod)
+    dev = torch.device("cuda", 0)
+    copy = devices.copy_stream(dev)
+    produced = devices.record_event(dev)  # on the compute (current) stream
+    assert produced.recorded_on is mod.the_stream
+    devices.wait_for(copy, produced)
+    assert copy.waited == [produced]
+    done = devices.record_event(dev, copy)
+    assert done.recorded_on is copy
+    assert mod.the_stream.synced == 0  # nobody synchronized anything
+    assert devices.record_event(torch.device("cpu")) is None
+    devices.wait_for(None, produced)  # the CPU: nothing to order
+
+
+class BlockingEvent:
+    """An event whose synchronize() blocks its thread until the test releases it."""
+
+    def __init__(self):
+        self.released = threading.Event()
+        self.synchronize_threads = []
+
+    def query(self):
+        return self.released.is_set()
+
+    def synchronize(self):
+        self.synchronize_threads.append(threading.get_ident())
+        self.released.wait(10)
+
+
+async def test_wait_event_waits_in_a_thread_and_never_blocks_the_loop():
+    event = BlockingEvent()
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while not event.released.is_set():
+            ticks += 1
+            await anyio.sleep(0.005)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        threading.Timer(0.1, event.released.set).start()
+        with anyio.fail_after(5):
+            assert await devices.wait_event(event) is True
+    assert ticks >= 5  # the loop ran other tasks while the event was pending
+    assert event.synchronize_threads and threading.get_ident() not in (
+        event.synchronize_threads)
+
+
+async def test_wait_event_times_out_and_polls_events_without_synchronize():
+    stuck = BlockingEvent()
+    with anyio.fail_after(5):
+        assert await devices.wait_event(stuck, timeout=0.05) is False
+    stuck.released.set()  # let the abandoned thread finish
+    assert await devices.wait_event(None) is True
+    polled = FakeEvent()
+    with anyio.fail_after(5):
+        assert await devices.wait_event(polled, timeout=2) is True
+    assert polled.polls >= 3

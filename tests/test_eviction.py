@@ -4,6 +4,7 @@ import os
 
 import anyio
 import anyio.lowlevel
+import pytest
 import torch
 
 import musacache as mc
@@ -156,8 +157,12 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-async def test_zero_capacity_top_tier_falls_through(spec):
-    async with mc.Cache(cfg(spec, mc.DeviceTier(0, device="cpu"), mc.HostTier(spec.nbytes(CH) * 4))) as c:
+async def test_a_top_tier_smaller_than_a_chunk_falls_through(spec):
+    # Zero bytes is a config error (issue 10); a tier too small for one chunk still falls through.
+    with pytest.raises(mc.ConfigError, match="capacity_bytes must be at least 1"):
+        mc.DeviceTier(0, device="cpu")
+    small = mc.DeviceTier(spec.nbytes(CH) - 1, device="cpu")
+    async with mc.Cache(cfg(spec, small, mc.HostTier(spec.nbytes(CH) * 4))) as c:
         a = seq(0, 20)
         assert await c.put(a, prefix_kv(spec, a)) == 20
         assert torch.equal((await c.get(a)).kv, prefix_kv(spec, a))

@@ -16,10 +16,11 @@ import anyio
 import anyio.lowlevel
 import torch
 
+from . import _errors
 from ._directory import Entry
-from ._errors import FingerprintMismatchError, MusaCacheError
+from ._errors import MusaCacheError
 from ._log import RateLimitedLog
-from ._placement import victims
+from ._placement import persist_order, victims
 from ._tierstate import StoreTier
 from .tiers.base import ChunkMeta
 
@@ -27,6 +28,16 @@ if TYPE_CHECKING:
     from ._core import Engine
 
 __all__ = ["ColdPath"]
+
+# Chunks encoded per batch when persisting on close (bounds the encoded bytes held at once).
+_PERSIST_BATCH = 16
+
+# Objects that are intact but not for this cache: another model, layout or chunk size
+# (FingerprintMismatchError), or another format version (ForeignFormatError, from the codec's
+# typed errors where this build has them). Unreadable here, counted as "foreign", not deleted.
+_FOREIGN: tuple[type[BaseException], ...] = tuple(
+    getattr(_errors, name) for name in ("FingerprintMismatchError", "ForeignFormatError")
+    if hasattr(_errors, name))
 
 log = logging.getLogger("musacache")
 
@@ -69,7 +80,7 @@ class ColdPath:
         try:
             _, data = await eng.mover.in_thread(
                 lambda: decode_chunk(eng.fingerprint, obj, expect=meta))
-        except FingerprintMismatchError as exc:
+        except _FOREIGN as exc:
             # Another model's, layout's or format version's object under our key: a miss, and
             # the message names both sides. It is not ours to delete.
             self._count(t, "foreign", "misses")
@@ -229,6 +240,30 @@ class ColdPath:
             finally:
                 eng.unpin(e)
             await self.place(t, e, obj)
+
+    async def persist(self, progress: dict[str, int]) -> None:
+        """Write chunks held only in memory down to the first storage tier, parents first,
+        so the chain a restarted cache rebuilds is whole. ``progress`` counts as it goes."""
+        eng = self.eng
+        if not eng.stores:
+            return
+        first = eng.stores[0]
+        todo = persist_order([e for e in eng.dir.entries.values()
+                              if e.in_memory and not any(t.holds(e) for t in eng.stores)],
+                             eng.dir)
+        progress["to_persist"] += len(todo)
+        for i in range(0, len(todo), _PERSIST_BATCH):
+            batch = [(e, mt) for e in todo[i : i + _PERSIST_BATCH]
+                     if not e.dead and (mt := eng.hottest_mem(e)) is not None]
+            for e, _ in batch:
+                eng.pin(e)
+            try:
+                where = await eng.relocate([(e, eng.view(mt, e)) for e, mt in batch],
+                                           first.idx, first.idx + 1, counter="demotions")
+            finally:
+                for e, _ in batch:
+                    eng.unpin(e)
+            progress["persisted"] += sum(w is not None for w in where)
 
     # -- what storage already holds ----------------------------------------------------------
 

@@ -12,22 +12,42 @@ Sizes accept ints or strings such as ``"8GiB"``, ``"512MiB"``, ``"1.5GB"``.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Union
+from typing import Any, Literal
 
 from ._errors import ConfigError
 from ._spec import KVSpec
-from ._validate import parse_size
+from ._validate import (
+    boolean,
+    non_negative_float,
+    optional_str,
+    parse_size,
+    positive_int,
+    size_bytes,
+)
+from .tiers import register_tier_kind, tier_kind, tier_kinds
+from .tiers.base import TierConfig
 
-if TYPE_CHECKING:
-    from .tiers.base import StorageTier
-
-__all__ = ["CacheConfig", "DeviceTier", "HostTier", "TierConfig", "parse_size"]
+__all__ = ["MAX_CHUNK_SIZE", "CacheConfig", "DeviceTier", "HostTier", "MemoryTierConfig",
+           "TierConfig", "parse_size"]
 
 DEFAULT_SEGMENT_BYTES = 256 * 1024**2
+
+#: The largest ``chunk_size``. A chunk object's header stores the chunk size and a chunk's token
+#: count in 32-bit fields (``struct.error`` at the first write to a storage tier, past 2**32 - 1);
+#: the bound stays within a signed 32-bit int so every reader of the header agrees on it. Any
+#: useful chunk is far smaller: a chunk is one memory slot, and 2**31 tokens of the smallest
+#: real model's KV would be terabytes.
+MAX_CHUNK_SIZE = 2**31 - 1
+
+
+def _tier_name(value: Any, default: str) -> str:
+    name = optional_str(value, f"{default} tier name", allow_empty=False)
+    return default if name is None else name
 
 
 @dataclass(frozen=True)
@@ -48,20 +68,18 @@ class HostTier:
     kind: Literal["host"] = field(default="host", init=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "capacity_bytes",
-                           parse_size(self.capacity_bytes, what=f"{self.name}.capacity_bytes"))
-        object.__setattr__(self, "segment_bytes",
-                           parse_size(self.segment_bytes, what=f"{self.name}.segment_bytes"))
-        object.__setattr__(self, "prealloc",
-                           parse_size(self.prealloc, what=f"{self.name}.prealloc"))
+        object.__setattr__(self, "name", _tier_name(self.name, "host"))
+        object.__setattr__(self, "capacity_bytes", size_bytes(
+            self.capacity_bytes, f"{self.name}.capacity_bytes", minimum=1))
+        object.__setattr__(self, "segment_bytes", size_bytes(
+            self.segment_bytes, f"{self.name}.segment_bytes", minimum=1))
+        object.__setattr__(self, "prealloc", size_bytes(self.prealloc, f"{self.name}.prealloc"))
         if int(self.prealloc) > int(self.capacity_bytes):
             raise ConfigError(f"{self.name}.prealloc ({self.prealloc} bytes) is more than its "
                               f"capacity_bytes ({self.capacity_bytes})")
-        if self.pinned not in (True, False, "auto"):
+        if not (isinstance(self.pinned, bool) or self.pinned == "auto"):
             raise ConfigError(
                 f"{self.name}.pinned must be true, false or 'auto', got {self.pinned!r}")
-        if int(self.segment_bytes) <= 0:
-            raise ConfigError(f"{self.name}.segment_bytes must be positive")
 
 
 @dataclass(frozen=True)
@@ -78,15 +96,19 @@ class DeviceTier:
     kind: Literal["device"] = field(default="device", init=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "capacity_bytes",
-                           parse_size(self.capacity_bytes, what=f"{self.name}.capacity_bytes"))
-        object.__setattr__(self, "segment_bytes",
-                           parse_size(self.segment_bytes, what=f"{self.name}.segment_bytes"))
-        if int(self.segment_bytes) <= 0:
-            raise ConfigError(f"{self.name}.segment_bytes must be positive")
+        object.__setattr__(self, "name", _tier_name(self.name, "device"))
+        object.__setattr__(self, "capacity_bytes", size_bytes(
+            self.capacity_bytes, f"{self.name}.capacity_bytes", minimum=1))
+        object.__setattr__(self, "segment_bytes", size_bytes(
+            self.segment_bytes, f"{self.name}.segment_bytes", minimum=1))
+        optional_str(self.device, f"{self.name}.device", allow_empty=False)
 
 
-TierConfig = Union[HostTier, DeviceTier, "StorageTier", Any]
+#: The tiers whose chunks the engine holds as tensors in a pool of its own.
+MemoryTierConfig = HostTier | DeviceTier
+
+register_tier_kind("host", HostTier)
+register_tier_kind("device", DeviceTier)
 
 
 @dataclass(frozen=True)
@@ -94,13 +116,16 @@ class CacheConfig:
     """Everything a :class:`~musacache.Cache` needs. ``tiers`` is ordered hot to cold.
 
     A tier is a :class:`DeviceTier`, a :class:`HostTier`, a :class:`~musacache.DiskTier`, an
-    :class:`~musacache.S3Tier`, or an instance of your own
+    :class:`~musacache.S3Tier`, or any other :class:`~musacache.tiers.base.TierConfig` (an
+    object with ``name`` and ``build()``), such as an instance of your own
     :class:`~musacache.StorageTier` subclass.
     """
 
     spec: KVSpec
     namespace: str
-    tiers: tuple[Any, ...] = (HostTier(capacity_bytes=4 * 1024**3),)
+    #: Built in Python, a config without tiers gets one 4 GiB host tier. A TOML file or the
+    #: environment must name its tiers (``[[tiers]]``): a file that forgot them is refused.
+    tiers: tuple[MemoryTierConfig | TierConfig, ...] = (HostTier(capacity_bytes=4 * 1024**3),)
     chunk_size: int = 256
     #: Optional tenant salt: two tenants never share (or even see) each other's chunks.
     tenant: str | None = None
@@ -128,74 +153,77 @@ class CacheConfig:
             raise ConfigError(f"spec must be a KVSpec, got {type(self.spec).__name__}")
         if not isinstance(self.namespace, str) or not self.namespace:
             raise ConfigError("namespace must be a non-empty string (the model name)")
-        tiers = tuple(self.tiers) if not isinstance(self.tiers, tuple) else self.tiers
+        if isinstance(self.tiers, (str, bytes, Mapping)) or not hasattr(self.tiers, "__iter__"):
+            raise ConfigError(f"tiers must be a sequence of tier configs, got {self.tiers!r}")
+        tiers = tuple(self.tiers)
         if not tiers:
             raise ConfigError("tiers must name at least one tier")
+        for i, tier in enumerate(tiers):
+            if not isinstance(tier, (HostTier, DeviceTier, TierConfig)):
+                raise ConfigError(
+                    f"tiers[{i}] is a {type(tier).__name__}: a tier is a HostTier, a "
+                    "DeviceTier, a DiskTier, an S3Tier, or a StorageTier (anything with a "
+                    "name and build())")
         object.__setattr__(self, "tiers", tiers)
-        names = [getattr(t, "name", type(t).__name__) for t in tiers]
+        names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise ConfigError(f"tier names must be unique, got {names}; set name= on each tier")
-        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) \
-                or self.chunk_size <= 0:
-            raise ConfigError(f"chunk_size must be a positive int, got {self.chunk_size!r}")
-        if self.copy_threads <= 0:
-            raise ConfigError(f"copy_threads must be positive, got {self.copy_threads}")
+        object.__setattr__(self, "chunk_size",
+                           positive_int(self.chunk_size, "chunk_size", maximum=MAX_CHUNK_SIZE))
+        object.__setattr__(self, "tenant",
+                           optional_str(self.tenant, "tenant", allow_empty=False))
+        object.__setattr__(self, "copy_threads", positive_int(self.copy_threads, "copy_threads"))
         object.__setattr__(self, "inline_copy_bytes",
                            parse_size(self.inline_copy_bytes, what="inline_copy_bytes"))
         object.__setattr__(self, "write_queue_bytes",
                            parse_size(self.write_queue_bytes, what="write_queue_bytes"))
-        if self.refresh_interval < 0:
-            raise ConfigError("refresh_interval must not be negative")
+        object.__setattr__(self, "refresh_interval",
+                           non_negative_float(self.refresh_interval, "refresh_interval"))
+        boolean(self.persist_on_close, "persist_on_close")
         if not isinstance(self.device, str) or not self.device:
             raise ConfigError(f"device must be 'auto', 'cpu', 'cuda[:n]' or 'musa[:n]', "
                               f"got {self.device!r}")
-        if isinstance(self.close_timeout, bool) or not isinstance(self.close_timeout,
-                                                                  (int, float)) \
-                or not self.close_timeout >= 0:
-            raise ConfigError(f"close_timeout must be a number of seconds >= 0, "
-                              f"got {self.close_timeout!r}")
-        if not isinstance(self.persist_on_close, bool):
-            raise ConfigError(
-                f"persist_on_close must be true or false, got {self.persist_on_close!r}")
+        object.__setattr__(self, "close_timeout",
+                           non_negative_float(self.close_timeout, "close_timeout"))
 
     # -- loaders --------------------------------------------------------------------------
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> CacheConfig:
-        """Build from the nested mapping that TOML and the environment both produce."""
+        """Build from the nested mapping that TOML and the environment both produce.
+
+        Values are checked as strictly as in Python: ``chunk_size = 128.7`` or
+        ``num_layers = "4"`` is a :class:`ConfigError`, not a conversion.
+        """
         data = dict(data)
         spec_data = data.pop("spec", None)
         if not isinstance(spec_data, Mapping):
             raise ConfigError(
                 "the config needs a [spec] table (num_layers, num_kv_heads, head_dim)")
         tiers_data = data.pop("tiers", None)
-        if tiers_data is None:
-            tiers: tuple[Any, ...] = (HostTier(capacity_bytes=4 * 1024**3),)
-        else:
-            if isinstance(tiers_data, Mapping):  # env form: {"0": {...}, "1": {...}}
-                tiers_data = [tiers_data[k] for k in sorted(tiers_data, key=_index_key)]
-            tiers = tuple(_tier_from_dict(t, i) for i, t in enumerate(tiers_data))
+        if not tiers_data:
+            # A 4 GiB default would hide a forgotten table (or a misspelt [[tier]]) until
+            # memory ran short in production; a file says what it wants.
+            raise ConfigError(
+                "the config names no tiers: add one [[tiers]] table per tier, hot to cold, "
+                'e.g. [[tiers]] kind = "host" capacity = "16GiB" '
+                "(env: MUSACACHE_TIERS__0__KIND=host, MUSACACHE_TIERS__0__CAPACITY=16GiB)")
+        if isinstance(tiers_data, Mapping):  # env form: {"0": {...}, "1": {...}}
+            tiers_data = [tiers_data[k] for k in sorted(tiers_data, key=_index_key)]
+        if isinstance(tiers_data, (str, bytes)) or not isinstance(tiers_data, list):
+            raise ConfigError(f"tiers must be a list of tables ([[tiers]]), got {tiers_data!r}")
+        tiers = tuple(_tier_from_dict(t, i) for i, t in enumerate(tiers_data))
         known = {f.name for f in dataclasses.fields(cls)} - {"spec", "tiers"}
         unknown = set(data) - known
         if unknown:
             raise ConfigError(f"unknown setting(s) {sorted(unknown)}; known: {sorted(known)}")
-        if "chunk_size" in data:
-            data["chunk_size"] = _as_int(data["chunk_size"], "chunk_size")
-        if "copy_threads" in data:
-            data["copy_threads"] = _as_int(data["copy_threads"], "copy_threads")
-        if "refresh_interval" in data:
-            data["refresh_interval"] = _as_float(data["refresh_interval"], "refresh_interval")
-        if "close_timeout" in data:
-            data["close_timeout"] = _as_float(data["close_timeout"], "close_timeout")
-        return cls(spec=KVSpec.from_dict(_coerce_spec(spec_data)), tiers=tiers, **data)
+        return cls(spec=KVSpec.from_dict(spec_data), tiers=tiers, **data)
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str]) -> CacheConfig:
         """Load a TOML file (see docs/configuration.md)."""
-        try:
-            import tomllib
-        except ModuleNotFoundError:  # Python 3.10
-            import tomli as tomllib  # type: ignore[no-redef]
+        import tomllib
+
         try:
             with open(path, "rb") as f:
                 data = tomllib.load(f)
@@ -210,14 +238,12 @@ class CacheConfig:
                  prefix: str = "MUSACACHE_") -> CacheConfig:
         """Read ``MUSACACHE_*`` variables; ``MUSACACHE_CONFIG`` names a TOML file to start from,
         which the other variables then override."""
+        import tomllib
+
         env = os.environ if environ is None else environ
         data: dict[str, Any] = {}
         base = env.get(prefix + "CONFIG")
         if base:
-            try:
-                import tomllib
-            except ModuleNotFoundError:  # Python 3.10
-                import tomli as tomllib  # type: ignore[no-redef]
             try:
                 data = tomllib.loads(Path(base).read_text())
             except (OSError, tomllib.TOMLDecodeError) as e:
@@ -233,8 +259,15 @@ class CacheConfig:
                 node = node.setdefault(part, {})
                 if not isinstance(node, dict):
                     raise ConfigError(f"{name}: {part} is not a table")
-            node[path[-1]] = _env_value(raw)
+            node[path[-1]] = _env_value(raw, path[-1])
         return cls.from_dict(data)
+
+
+#: Settings whose values are names: an environment value of "2024" stays the string "2024".
+_NAME_SETTINGS = frozenset({
+    "namespace", "tenant", "dtype", "name", "kind", "path", "device", "bucket", "prefix",
+    "endpoint_url", "region", "access_key_id", "secret_access_key", "session_token", "codec",
+})
 
 
 def _index_key(k: str) -> int:
@@ -244,7 +277,10 @@ def _index_key(k: str) -> int:
         raise ConfigError(f"tier index must be a number, got {k!r}") from None
 
 
-def _env_value(raw: str) -> Any:
+def _env_value(raw: str, setting: str) -> Any:
+    """An environment string as the TOML value it stands for (env has only strings)."""
+    if setting in _NAME_SETTINGS:
+        return raw if raw.strip() else None
     low = raw.strip().lower()
     if low in ("true", "yes", "on"):
         return True
@@ -260,65 +296,54 @@ def _env_value(raw: str) -> Any:
     return raw
 
 
-def _as_int(v: Any, what: str) -> int:
-    try:
-        if isinstance(v, bool):
-            raise ValueError
-        return int(v)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{what} must be an integer, got {v!r}") from None
-
-
-def _as_float(v: Any, what: str) -> float:
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{what} must be a number, got {v!r}") from None
-
-
-def _coerce_spec(d: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(d)
-    for k in ("num_layers", "num_kv_heads", "head_dim"):
-        if k in out:
-            out[k] = _as_int(out[k], f"spec.{k}")
-    return out
-
-
-def tier_kinds() -> dict[str, type]:
-    """Config classes by ``kind`` name; cold tiers are imported only when named."""
-    kinds: dict[str, type] = {"host": HostTier, "device": DeviceTier}
-    try:
-        from .tiers.disk import DiskTier
-
-        kinds["disk"] = DiskTier
-    except ImportError:
-        pass
-    try:
-        from .tiers.s3 import S3Tier
-
-        kinds["s3"] = S3Tier
-    except ImportError:
-        pass
-    return kinds
-
-
-def _tier_from_dict(d: Any, index: int) -> Any:
+def _tier_from_dict(d: Any, index: int) -> MemoryTierConfig | TierConfig:
     if not isinstance(d, Mapping):
         raise ConfigError(f"tiers[{index}] must be a table, got {type(d).__name__}")
     d = dict(d)
     kind = d.pop("kind", None)
-    kinds = tier_kinds()
-    if kind not in kinds:
-        raise ConfigError(f"tiers[{index}].kind must be one of {sorted(kinds)}, got {kind!r}")
-    cls = kinds[kind]
-    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    if kind is None:
+        raise ConfigError(f"tiers[{index}] has no kind; kinds: {tier_kinds()}")
+    try:
+        config_cls = tier_kind(kind)
+    except ConfigError as e:
+        raise ConfigError(f"tiers[{index}].kind: {e}") from None
     if "capacity" in d and "capacity_bytes" not in d:
         d["capacity_bytes"] = d.pop("capacity")
-    unknown = set(d) - fields
-    if unknown:
-        raise ConfigError(f"tiers[{index}] ({kind}): unknown setting(s) {sorted(unknown)}; "
-                          f"known: {sorted(fields)}")
+    where = f"tiers[{index}] ({kind})"
+    params = _init_params(config_cls)
+    if params is not None:
+        accepted, required = params
+        unknown = set(d) - accepted
+        if unknown:
+            raise ConfigError(f"{where}: unknown setting(s) {sorted(unknown)}; "
+                              f"known: {sorted(accepted)}")
+        missing = [p for p in required if p not in d]
+        if missing:
+            raise ConfigError(f"{where}: missing required setting(s) {missing}")
     try:
-        return cls(**d)
-    except TypeError as e:
-        raise ConfigError(f"tiers[{index}] ({kind}): {e}") from e
+        tier = config_cls(**d)
+    except TypeError as e:  # a plug-in whose signature could not be read
+        raise ConfigError(f"{where}: {e}") from e
+    if not isinstance(tier, (HostTier, DeviceTier, TierConfig)):
+        raise ConfigError(f"{where}: {config_cls!r} built a {type(tier).__name__}, which has "
+                          "no name and build()")
+    return tier
+
+
+def _init_params(config_cls: Any) -> tuple[set[str], list[str]] | None:
+    """The keyword settings a tier config takes, and those it requires (in order)."""
+    if dataclasses.is_dataclass(config_cls):
+        fields = [f for f in dataclasses.fields(config_cls) if f.init]
+        no_default = dataclasses.MISSING
+        return ({f.name for f in fields},
+                [f.name for f in fields
+                 if f.default is no_default and f.default_factory is no_default])
+    try:
+        sig = inspect.signature(config_cls)
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+        return None
+    usable = [p for p in sig.parameters.values()
+              if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return ({p.name for p in usable}, [p.name for p in usable if p.default is p.empty])

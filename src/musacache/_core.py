@@ -29,7 +29,7 @@ from ._config import CacheConfig
 from ._directory import Directory, Entry, Match
 from ._keys import Fingerprint, KeyChain
 from ._move import Mover, accelerator_of, gather_chunks
-from ._placement import delete_roots, persist_order, subtree_batches, victims
+from ._placement import delete_roots, subtree_batches, victims
 from ._tasks import TaskOwner
 from ._tierstate import MemTier, StoreTier, Tier, counters
 from .tiers.memory import Slot
@@ -40,8 +40,8 @@ __all__ = ["ChunkSource", "DenseSource", "Engine", "PagedSource"]
 # is done this many at a time, letting other tasks run in between (well under a millisecond
 # each on an idle core).
 BATCH = 64
-# Chunks encoded per batch when persisting on close (bounds the encoded bytes held at once).
-_PERSIST_BATCH = 16
+# Host bytes a put stages at once for chunks that go straight to a storage tier.
+_STAGE_BYTES = 256 * 1024 * 1024
 
 
 class ChunkSource(Protocol):
@@ -229,13 +229,7 @@ class Engine:
         seg = t.pool.segment_to_grow()
         if seg is not None and seg not in t.growing:
             t.growing.add(seg)
-            self.tasks.spawn(self._grow, t, seg)
-
-    async def _grow(self, t: MemTier, seg: int) -> None:
-        try:
-            await t.pool.ensure_segment(seg)
-        finally:
-            t.growing.discard(seg)
+            self.tasks.spawn(t.grow, seg)
 
     # -- put: plan, move, commit ----------------------------------------------------------------
 
@@ -349,26 +343,39 @@ class Engine:
         for mt in self.put_mem:
             self.grow_ahead(mt)
         parts: list[tuple[int, int, torch.Tensor]] = []
-        staged: list[tuple[_New, torch.Tensor]] = []
+        overflow: list[_New] = []  # no memory tier has room: staged on the host for storage
         for it in items:
             n = it.end - it.start
             if it.tier is not None and it.index is not None:
                 it.slot = await it.tier.pool.materialize(it.index)
                 parts.append((it.start, n, self.block_view(it.slot, n)))
-            else:  # no memory tier has room: staged on the host, encoded for storage
-                host = torch.empty(self.spec.shape(n), dtype=self.spec.dtype)
-                staged.append((it, host))
-                parts.append((it.start, n, host))
-        await source.move(self.mover, parts)
-        for it in items:  # commit, in prompt order: only now can a new chunk be found
-            if it.tier is None or it.slot is None:
-                break
-            it.tier.commit(it.entry, it.slot)
-            self._commit_new(it, held)
-        if staged:
-            placed = await self._place_in_storage(staged, held)
-            if placed < len(staged):
-                return staged[placed][0].start
+            else:
+                overflow.append(it)
+        # Staging for storage is bounded: a prompt far larger than memory is moved, encoded and
+        # queued a batch at a time (the first batch rides in the memory chunks' move).
+        batches: list[list[_New]] = []
+        size = _STAGE_BYTES
+        for it in overflow:
+            if size >= _STAGE_BYTES:
+                batches.append([])
+                size = 0
+            batches[-1].append(it)
+            size += it.entry.raw_bytes
+        for b, batch in enumerate(batches or [[]]):
+            staged = [(it, torch.empty(self.spec.shape(it.end - it.start), dtype=self.spec.dtype))
+                      for it in batch]
+            await source.move(self.mover, (parts if b == 0 else [])
+                              + [(it.start, it.end - it.start, h) for it, h in staged])
+            if b == 0:
+                for it in items:  # commit, in prompt order: only now can a chunk be found
+                    if it.tier is None or it.slot is None:
+                        break
+                    it.tier.commit(it.entry, it.slot)
+                    self._commit_new(it, held)
+            if staged:
+                placed = await self._place_in_storage(staged, held)
+                if placed < len(staged):
+                    return staged[placed][0].start
         return None
 
     def _commit_new(self, it: _New, held: list[Entry]) -> None:
@@ -497,7 +504,9 @@ class Engine:
         """``e``'s block in the top tier, counted as a hit there; None (a miss there) if it
         lives only lower down."""
         t = self.tiers[0]
-        if isinstance(t, MemTier) and t.holds(e):
+        if not isinstance(t, MemTier):
+            return None  # a storage tier on top counts its own hits and misses as it reads
+        if t.holds(e):
             t.c["hits"] += 1
             return self.view(t, e), t.name
         t.c["misses"] += 1
@@ -648,26 +657,3 @@ class Engine:
                     self.cold.schedule_delete(st, e.key)
             if e.pins == 0:
                 self._free_detached(e)
-
-    async def persist(self, progress: dict[str, int]) -> None:
-        """Write chunks held only in memory down to the first storage tier, parents first,
-        so the chain a restarted cache rebuilds is whole. ``progress`` counts as it goes."""
-        if not self.stores:
-            return
-        first = self.stores[0]
-        todo = persist_order([e for e in self.dir.entries.values()
-                              if e.in_memory and not any(t.holds(e) for t in self.stores)],
-                             self.dir)
-        progress["to_persist"] += len(todo)
-        for i in range(0, len(todo), _PERSIST_BATCH):
-            batch = [(e, mt) for e in todo[i : i + _PERSIST_BATCH]
-                     if not e.dead and (mt := self.hottest_mem(e)) is not None]
-            for e, _ in batch:
-                self.pin(e)
-            try:
-                where = await self.relocate([(e, self.view(mt, e)) for e, mt in batch],
-                                            first.idx, first.idx + 1, counter="demotions")
-            finally:
-                for e, _ in batch:
-                    self.unpin(e)
-            progress["persisted"] += sum(w is not None for w in where)

@@ -148,7 +148,7 @@ class Cache:
             try:
                 with anyio.move_on_after(self.config.close_timeout) as deadline:
                     if self.config.persist_on_close:
-                        await eng.persist(self._close)
+                        await eng.cold.persist(self._close)
                     await self._tasks.drain()
                 self._close["timed_out"] = int(deadline.cancelled_caught)
                 self._close["not_persisted"] = self._close["to_persist"] - self._close["persisted"]

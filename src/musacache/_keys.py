@@ -88,6 +88,10 @@ def as_tokens(tokens: Any) -> np.ndarray:
     """Canonicalise ``tokens`` (1-D int tensor, list of ints, or numpy array) to a C-contiguous
     little-endian int32 numpy array. Raises TokensError for anything else."""
     if isinstance(tokens, torch.Tensor):
+        if tokens.layout != torch.strided:
+            raise TokensError(f"tokens must be a dense tensor, got a {tokens.layout} tensor")
+        if tokens.device.type == "meta":
+            raise TokensError("tokens are on the meta device: they have a shape but no values")
         if tokens.dim() != 1:
             raise TokensError(f"tokens must be 1-D, got a tensor of shape {tuple(tokens.shape)}")
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:

@@ -1,14 +1,15 @@
 """The data path: one batched move per request.
 
 A request's bytes move in **one** worker-thread hop. On a cuda/musa device that hop only
-*enqueues* work: the copies and gathers run on a dedicated copy stream, ordered after the
-caller's stream by a stream wait (no host block), and the hop returns one event recorded at the
-end. The loop then awaits that event by polling it: one event wait per request, no
-``synchronize`` anywhere, and the compute stream is never blocked.
+*enqueues* work: the copies and gathers run on the device's dedicated copy stream
+(``devices.copy_stream``), ordered after the caller's stream by an event the copy stream waits
+on (the host does not wait), and the hop returns one event recorded at the end. The loop then
+awaits that one event (``devices.wait_event``: a waiter thread, never the loop thread): one
+event wait per request, no per-chunk synchronize, and the compute stream is never blocked.
 
-``gather_chunks`` / ``scatter_chunks`` move a whole run of a paged KV cache into (or out of)
-several dense chunk tensors. ``musacache.transfer`` gains request-level versions of them; until
-then these fall back to one ``transfer.gather``/``scatter`` per chunk, with the same signature.
+Paged stores and retrieves go through ``transfer.gather_chunks`` / ``scatter_chunks``: the
+whole request's chunks in one call (one native call on the CPU, O(layers) launches or one
+fused kernel on a device).
 """
 
 from __future__ import annotations
@@ -20,74 +21,12 @@ import anyio
 import torch
 
 from . import devices
+from .transfer import gather_chunks, scatter_chunks
 
-__all__ = ["Mover", "gather_chunks", "scatter_chunks"]
+__all__ = ["Mover", "accelerator_of", "gather_chunks", "scatter_chunks"]
 
 # Above about this many bytes per copy, torch's copy_ already runs on all intra-op threads.
 _TORCH_PARALLEL_COPY_BYTES = 4 * 1024 * 1024
-
-
-def _transfer_fn(name: str) -> Callable[..., None] | None:
-    from . import transfer
-
-    fn: Callable[..., None] | None = getattr(transfer, name, None)
-    return fn
-
-
-def gather_chunks(kv_caches: Any, slots: torch.Tensor, dsts: Sequence[torch.Tensor],
-                  layout: str, *, stream: Any = None) -> None:
-    """Gather ``len(slots)`` tokens of the pages into ``dsts``, chunk after chunk (their
-    token counts add up to ``len(slots)``). Runs on ``stream`` when given (enqueue only)."""
-    native = _transfer_fn("gather_chunks")
-    if native is not None:
-        native(kv_caches, slots, list(dsts), layout, stream=stream)
-        return
-    from . import transfer
-
-    paged = transfer.describe(kv_caches, layout)
-    dev = paged.device
-    if dev.type != "cpu":
-        slots = slots.to(dev, non_blocking=True)
-    with devices.stream_context(dev, stream):
-        staging: torch.Tensor | None = None
-        lo = 0
-        for dst in dsts:
-            n = dst.shape[paged.spec().token_dim]
-            part = slots[lo : lo + n]
-            lo += n
-            if dst.device == dev:
-                transfer.gather(kv_caches, part, dst, layout)
-                continue
-            # Stream order makes one chunk-sized staging buffer enough: the next gather into
-            # it is queued after the copy out of it. The prompt is never staged whole.
-            if staging is None or staging.shape != dst.shape:
-                staging = torch.empty(dst.shape, dtype=dst.dtype, device=dev)
-            transfer.gather(kv_caches, part, staging, layout)
-            dst.copy_(staging, non_blocking=True)
-
-
-def scatter_chunks(srcs: Sequence[torch.Tensor], kv_caches: Any, slots: torch.Tensor,
-                   layout: str, *, stream: Any = None) -> None:
-    """Scatter the dense chunks ``srcs`` (in order) into the pages at ``slots``."""
-    native = _transfer_fn("scatter_chunks")
-    if native is not None:
-        native(list(srcs), kv_caches, slots, layout, stream=stream)
-        return
-    from . import transfer
-
-    paged = transfer.describe(kv_caches, layout)
-    dev = paged.device
-    if dev.type != "cpu":
-        slots = slots.to(dev, non_blocking=True)
-    with devices.stream_context(dev, stream):
-        lo = 0
-        for src in srcs:
-            n = src.shape[paged.spec().token_dim]
-            part = slots[lo : lo + n]
-            lo += n
-            if src.device != dev:
-                src = src.to(dev, non_blocking=True)
-            transfer.scatter(src, kv_caches, part, layout)
 
 
 def accelerator_of(tensors: Sequence[torch.Tensor]) -> torch.device | None:
@@ -106,7 +45,6 @@ class Mover:
         self.limiter = limiter
         self.copy_threads = copy_threads
         self.inline_bytes = inline_bytes
-        self._streams: dict[torch.device, Any] = {}
         #: Moves run, and event waits made (one per device move): structure tests read them.
         self.moves = 0
         self.event_waits = 0
@@ -114,21 +52,10 @@ class Mover:
     async def in_thread(self, fn: Callable[[], Any]) -> Any:
         return await anyio.to_thread.run_sync(fn, limiter=self.limiter)
 
-    def copy_stream(self, device: torch.device) -> Any:
-        """The dedicated copy stream of ``device`` (made once, in a worker thread)."""
-        s = self._streams.get(device)
-        if s is None:
-            mod = devices.accelerator_module(device.type)
-            if mod is None:
-                raise RuntimeError(f"{device.type} is not available")
-            s = mod.Stream(device)
-            self._streams[device] = s
-        return s
-
     async def run(self, work: Callable[[Any], None], *, device: torch.device | None,
                   nbytes: int) -> None:
-        """Run ``work(stream)``: on the host in a worker thread (inline when tiny), or on
-        ``device``'s copy stream, awaited through one event."""
+        """Run ``work(stream)``: on the host in a worker thread (inline when tiny), or
+        enqueued on ``device``'s copy stream and awaited through one event."""
         self.moves += 1
         if device is None:
             if nbytes < self.inline_bytes:
@@ -136,25 +63,21 @@ class Mover:
             else:
                 await self.in_thread(lambda: work(None))
             return
-        mod = devices.accelerator_module(device.type)
-        if mod is None:
-            raise RuntimeError(f"{device.type} is not available")
         caller = devices.current_stream(device)  # a handle, taken on this thread: no sync
 
         def enqueue() -> Any:
-            stream = self.copy_stream(device)
-            stream.wait_stream(caller)  # ordered after the caller's kernels, host not blocked
+            stream = devices.copy_stream(device)
+            # Ordered after the caller's kernels on the device; the host does not wait.
+            devices.wait_for(stream, devices.record_event(device, caller))
             with devices.stream_context(device, stream):
                 work(stream)
-            done = mod.Event()
-            done.record(stream)
-            return done
+            return devices.record_event(device, stream)
 
         done = await self.in_thread(enqueue)
         self.event_waits += 1
         # Shielded: the memory under these copies must not be freed before they finish.
         with anyio.CancelScope(shield=True):
-            await devices.poll_until(lambda: bool(done.query()), None)
+            await devices.wait_event(done)
 
     async def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """``dst.copy_(src)`` for every pair, as one move."""

@@ -316,6 +316,7 @@ def _transfer_rows(
     slot_stride: int | None,
     dense_row_stride: int | None,
     threads: int | None,
+    chunk_starts: Sequence[int] | None = None,
 ) -> None:
     num_planes = len(paged_planes)
     _check_nonneg("row_bytes", row_bytes)
@@ -343,18 +344,24 @@ def _transfer_rows(
             f"dense_row_stride {dense_row_stride} is smaller than row_bytes {row_bytes}"
         )
 
+    starts = _chunk_starts(chunk_starts, num_tokens)
+    num_chunks = len(starts) - 1
     paged = _plane_array("paged_planes", paged_planes, num_planes)
-    dense = _plane_array("dense_planes", dense_planes, num_planes)
+    dense = _plane_array("dense_planes", dense_planes, num_planes * num_chunks)
     if num_slots > 0 and row_bytes > 0:
         need = _max_row_offset(num_slots, block_size, block_stride, slot_stride) + row_bytes
         _check_extents("paged_extents", paged_extents, num_planes, need, "slot rows")
     else:
         _int_array("paged_extents", paged_extents, num_planes)
-    if num_tokens > 0 and row_bytes > 0:
-        need = (num_tokens - 1) * dense_row_stride + row_bytes
-        _check_extents("dense_extents", dense_extents, num_planes, need, f"{num_tokens} rows")
-    else:
-        _int_array("dense_extents", dense_extents, num_planes)
+    # Each chunk's dense planes must hold that chunk's rows.
+    rows = np.repeat(np.diff(starts), num_planes)
+    need_dense = np.where(rows > 0, (rows - 1) * dense_row_stride + row_bytes, 0)
+    extents = _int_array("dense_extents", dense_extents, num_planes * num_chunks)
+    short = np.flatnonzero(extents < need_dense) if row_bytes > 0 else np.empty(0)
+    if short.size:
+        first = int(short[0])
+        raise InvalidInputError(f"dense_extents[{first}] is {int(extents[first])} bytes but "
+                                f"{int(rows[first])} rows reach byte {int(need_dense[first])}")
 
     copy = ffi.new("mc_row_copy *")
     paged_buf = ffi.from_buffer("uintptr_t[]", paged)
@@ -371,7 +378,26 @@ def _transfer_rows(
     slot_buf = ffi.from_buffer("int64_t[]", slots)
     copy.slots = slot_buf
     copy.num_tokens = num_tokens
+    copy.num_chunks = num_chunks
+    starts_buf = ffi.from_buffer("int64_t[]", starts)
+    copy.chunk_starts = starts_buf if num_chunks > 1 else ffi.NULL
     _check_status(fn(copy, nthreads), what)
+
+
+def _chunk_starts(chunk_starts: Sequence[int] | None, num_tokens: int) -> np.ndarray[Any, Any]:
+    """The chunk boundaries as a checked int64 array from 0 to ``num_tokens``."""
+    if chunk_starts is None:
+        return np.array([0, num_tokens], dtype=np.int64)
+    starts = np.ascontiguousarray(_int_array("chunk_starts", chunk_starts, len(chunk_starts)))
+    if starts.size < 2:
+        raise InvalidInputError(f"chunk_starts needs at least 2 entries (0 and the token "
+                                f"count), got {starts.size}")
+    if int(starts[0]) != 0 or int(starts[-1]) != num_tokens:
+        raise InvalidInputError(f"chunk_starts must run from 0 to {num_tokens} tokens, got "
+                                f"{int(starts[0])} to {int(starts[-1])}")
+    if bool((np.diff(starts) < 0).any()):
+        raise InvalidInputError("chunk_starts must not decrease")
+    return starts
 
 
 def gather_rows(
@@ -388,6 +414,7 @@ def gather_rows(
     slot_stride: int | None = None,
     dense_row_stride: int | None = None,
     threads: int | None = None,
+    chunk_starts: Sequence[int] | None = None,
 ) -> None:
     """Copy paged rows to dense rows for every plane in one call (many layers, K and V).
 
@@ -398,12 +425,19 @@ def gather_rows(
     left as it was. ``paged_extents``/``dense_extents`` are the bytes addressable from each
     base (one int for all planes, or one per plane); every row the call can touch is checked
     against them first. Strides default to packed rows. Byte copies, so any dtype works.
+
+    ``chunk_starts`` (``0 = s_0 <= s_1 <= ... <= s_C = len(slots)``) splits the tokens into
+    ``C`` chunks with their own dense buffers: ``dense_planes`` then holds ``C * P`` addresses
+    (chunk-major: chunk ``k``'s plane ``p`` at ``k * P + p``) and so does ``dense_extents``;
+    token ``t`` of chunk ``k`` is row ``t - s_k`` of that chunk's planes. One call moves a
+    whole request into its chunk tensors.
     """
     _transfer_rows(lib.mc_gather_rows, "gather", paged_planes, dense_planes, slots,
                    row_bytes=row_bytes, num_slots=num_slots, paged_extents=paged_extents,
                    dense_extents=dense_extents, block_size=block_size,
                    block_stride=block_stride, slot_stride=slot_stride,
-                   dense_row_stride=dense_row_stride, threads=threads)
+                   dense_row_stride=dense_row_stride, threads=threads,
+                   chunk_starts=chunk_starts)
 
 
 def scatter_rows(
@@ -420,6 +454,7 @@ def scatter_rows(
     slot_stride: int | None = None,
     dense_row_stride: int | None = None,
     threads: int | None = None,
+    chunk_starts: Sequence[int] | None = None,
 ) -> None:
     """The reverse of :func:`gather_rows`: dense rows to paged rows.
 
@@ -429,7 +464,8 @@ def scatter_rows(
                    row_bytes=row_bytes, num_slots=num_slots, paged_extents=paged_extents,
                    dense_extents=dense_extents, block_size=block_size,
                    block_stride=block_stride, slot_stride=slot_stride,
-                   dense_row_stride=dense_row_stride, threads=threads)
+                   dense_row_stride=dense_row_stride, threads=threads,
+                   chunk_starts=chunk_starts)
 
 
 # -- byte shuffle ---------------------------------------------------------------------------

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from ._errors import ConfigError, DTypeError, ShapeError
+from ._errors import ConfigError, DeviceError, DTypeError, InvalidInputError, ShapeError
+from ._validate import boolean, positive_int
 
-__all__ = ["KVSpec", "dtype_from_name", "dtype_name"]
+__all__ = ["KVSpec", "dtype_from_name", "dtype_name", "may_overlap"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -42,13 +44,8 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _int(v: object) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, str)):
-        raise ConfigError(f"expected an integer, got {v!r}")
-    try:
-        return int(v)
-    except ValueError:
-        raise ConfigError(f"expected an integer, got {v!r}") from None
+#: Dimensions are stored in 32-bit fields of every chunk object's header.
+_MAX_DIM = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -67,10 +64,10 @@ class KVSpec:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"KVSpec.{name} must be a positive int, got {value!r}")
+            object.__setattr__(self, name, positive_int(getattr(self, name), f"KVSpec.{name}",
+                                                        maximum=_MAX_DIM))
         object.__setattr__(self, "dtype", dtype_from_name(self.dtype))
+        boolean(self.mla, "KVSpec.mla")
         if self.mla and self.num_kv_heads != 1:
             raise ConfigError(
                 f"KVSpec(mla=True) stores one latent vector per token: num_kv_heads must be 1, "
@@ -113,16 +110,22 @@ class KVSpec:
         return (f"{kind} L={self.num_layers} H={self.num_kv_heads} D={self.head_dim} "
                 f"{dtype_name(self.dtype)}")
 
-    def fingerprint(self) -> bytes:
-        """Stable bytes that identify the layout (part of the key-chain seed and chunk header)."""
-        return hashlib.blake2b(self.describe().encode(), digest_size=16).digest()
-
     # -- validation -----------------------------------------------------------------------
 
     def check_dense(self, kv: torch.Tensor, *, what: str = "kv") -> int:
-        """Check a dense KV tensor (any strides) against this spec; return its token count."""
+        """Check a dense KV tensor (any strides) against this spec; return its token count.
+
+        Raises :class:`ShapeError`, :class:`DTypeError`, :class:`DeviceError` (a ``meta``
+        tensor has no data) or :class:`InvalidInputError` (a sparse or other non-strided
+        tensor), naming ``what``.
+        """
         if not isinstance(kv, torch.Tensor):
             raise ShapeError(f"{what} must be a torch.Tensor, got {type(kv).__name__}")
+        if kv.layout != torch.strided:
+            raise InvalidInputError(f"{what} is a {kv.layout} tensor; the cache reads and writes "
+                                    "dense (strided) tensors only")
+        if kv.device.type == "meta":
+            raise DeviceError(f"{what} is on the meta device: it has a shape but no data")
         if kv.dtype != self.dtype:
             raise DTypeError(f"{what} has dtype {dtype_name(kv.dtype)}, the spec says "
                              f"{dtype_name(self.dtype)}")
@@ -135,14 +138,61 @@ class KVSpec:
             )
         return int(kv.shape[self.token_dim])
 
+    def check_out(self, out: torch.Tensor, *, what: str = "out") -> int:
+        """:meth:`check_dense`, plus what a tensor the cache writes into must allow: no element
+        may share memory with another (an ``expand``-ed or otherwise overlapping view), and it
+        may not require grad (autograd forbids the in-place write). Returns the token count."""
+        n = self.check_dense(out, what=what)
+        if out.requires_grad:
+            raise InvalidInputError(f"{what} requires grad; the cache writes into it in place. "
+                                    f"Pass {what}.detach() or a tensor made without grad")
+        if may_overlap(out):
+            raise InvalidInputError(
+                f"{what} has overlapping memory (shape {tuple(out.shape)}, strides "
+                f"{out.stride()}): several of its elements are one memory location, so the "
+                "cache cannot write into it. Pass a tensor of its own (torch.empty), or a "
+                "sliced or permuted view of one")
+        return n
+
     def to_dict(self) -> dict[str, object]:
         return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
                 "head_dim": self.head_dim, "dtype": dtype_name(self.dtype), "mla": self.mla}
 
     @classmethod
-    def from_dict(cls, d: dict[str, object]) -> KVSpec:
-        try:
-            return cls(_int(d["num_layers"]), _int(d["num_kv_heads"]), _int(d["head_dim"]),
-                       dtype_from_name(str(d.get("dtype", "bfloat16"))), bool(d.get("mla", False)))
-        except KeyError as e:
-            raise ConfigError(f"KVSpec is missing {e.args[0]!r}") from None
+    def from_dict(cls, d: Mapping[str, Any]) -> KVSpec:
+        """From a ``[spec]`` table or :meth:`to_dict`; values are checked, never converted."""
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"a KVSpec table must be a mapping, got {type(d).__name__}")
+        known = {"num_layers", "num_kv_heads", "head_dim", "dtype", "mla"}
+        unknown = set(d) - known
+        if unknown:
+            raise ConfigError(f"[spec]: unknown setting(s) {sorted(unknown)}; "
+                              f"known: {sorted(known)}")
+        missing = [k for k in ("num_layers", "num_kv_heads", "head_dim") if k not in d]
+        if missing:
+            raise ConfigError(f"KVSpec is missing {', '.join(map(repr, missing))}")
+        dtype = d.get("dtype", "bfloat16")
+        if not isinstance(dtype, (str, torch.dtype)):
+            raise ConfigError(f"KVSpec.dtype must be a dtype name, got {dtype!r}")
+        return cls(d["num_layers"], d["num_kv_heads"], d["head_dim"], dtype_from_name(dtype),
+                   d.get("mla", False))
+
+
+def may_overlap(t: torch.Tensor) -> bool:
+    """True unless the elements of ``t`` provably occupy distinct memory.
+
+    Dims of size 1 are ignored; the rest, ordered by stride, must each step past everything the
+    smaller-stride dims span. Every view made by slicing, permuting or ``narrow``-ing a tensor
+    of its own passes; ``expand`` (stride 0) and overlapping ``as_strided`` views do not. A
+    rare interleaved ``as_strided`` view that does not overlap is also refused: this check
+    guards writes, so it may be strict but never lax.
+    """
+    if t.numel() == 0:
+        return False
+    span = 0  # elements covered by the dims taken so far, minus one
+    for size, stride in sorted(((sz, st) for sz, st in zip(t.shape, t.stride()) if sz > 1),
+                               key=lambda p: p[1]):
+        if stride <= span:
+            return True
+        span += (size - 1) * stride
+    return False

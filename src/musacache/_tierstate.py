@@ -70,6 +70,13 @@ class MemTier:
         if index is not None:
             self.lru.touch(index)
 
+    async def grow(self, seg: int) -> None:
+        """Allocate segment ``seg`` ahead of need (a background task)."""
+        try:
+            await self.pool.ensure_segment(seg)
+        finally:
+            self.growing.discard(seg)
+
     def commit(self, e: Entry, slot: Slot) -> None:
         """``e``'s bytes are in ``slot``: from now on this tier serves it."""
         e.set_slot(self.idx, slot.index)

@@ -21,6 +21,7 @@ BENCHES = {
     "ipc": ("musacache.bench.ipc", "node-server zero-copy store vs bytes over the socket"),
     "cache": ("musacache.bench.cache",
               "host-tier put/get vs copy_, lookup time, event-loop gap"),
+    "gpu": ("musacache.bench.gpu", "the accelerator data path and TTFT, ratios vs torch copies"),
     "scale": ("musacache.bench.scale", "the control plane at scale: every goal of issue 12"),
 }
 

@@ -64,6 +64,7 @@ import lz4.block
 import numpy as np
 import torch
 
+from ._chunkmeta import ChunkMeta
 from ._errors import (
     CorruptChunkError,
     DeviceError,
@@ -73,7 +74,6 @@ from ._errors import (
 )
 from ._keys import FORMAT_VERSION, KEY_BYTES, Fingerprint
 from ._spec import dtype_name
-from .tiers.base import ChunkMeta
 
 __all__ = [
     "CODECS",

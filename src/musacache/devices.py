@@ -35,12 +35,16 @@ __all__ = [
     "alloc_host",
     "available",
     "capabilities",
+    "copy_stream",
     "current_stream",
     "default_device",
     "has_accelerator",
+    "record_event",
     "resolve",
     "stream_context",
     "synchronize",
+    "wait_event",
+    "wait_for",
     "wait_ready",
 ]
 
@@ -56,6 +60,7 @@ _probe_lock = threading.Lock()
 def _reset_probes() -> None:
     """Forget cached probes (used by tests that install fake accelerator modules)."""
     _caps_cache.clear()
+    _copy_streams.clear()
 
 
 def accelerator_module(kind: str) -> ModuleType | None:
@@ -253,6 +258,83 @@ def synchronize(device: torch.device, stream: Any | None) -> None:
     """Block the calling (worker) thread until ``stream``'s work is done."""
     if stream is not None and device.type != "cpu":
         stream.synchronize()
+
+
+_copy_streams: dict[tuple[str, int], Any] = {}
+_copy_streams_lock = threading.Lock()
+
+
+def copy_stream(device: torch.device) -> Any | None:
+    """The device's dedicated copy stream (None on the CPU), made on first use and kept.
+
+    Transfers between the host and the device run here, so they overlap the compute stream
+    and never block it; they are ordered against it by events (:func:`record_event`,
+    :func:`wait_for`), not by synchronizing.
+    """
+    if device.type == "cpu":
+        return None
+    mod = accelerator_module(device.type)
+    if mod is None:
+        raise DeviceError(f"{device.type} is not available")
+    key = (device.type, 0 if device.index is None else device.index)
+    with _copy_streams_lock:
+        stream = _copy_streams.get(key)
+        if stream is None:
+            stream = mod.Stream(device=torch.device(*key))
+            _copy_streams[key] = stream
+        return stream
+
+
+def record_event(device: torch.device, stream: Any | None = None) -> Any | None:
+    """A new event recorded on ``stream`` (the current stream when None); None on the CPU,
+    where work is done when the call that queued it returns."""
+    if device.type == "cpu":
+        return None
+    mod = accelerator_module(device.type)
+    if mod is None:
+        raise DeviceError(f"{device.type} is not available")
+    event = mod.Event()
+    event.record(stream if stream is not None else mod.current_stream(device))
+    return event
+
+
+def wait_for(stream: Any | None, event: Any | None) -> None:
+    """Make ``stream`` wait on the device for ``event``; the host does not wait."""
+    if stream is not None and event is not None:
+        stream.wait_event(event)
+
+
+# Threads that wait for device events: a bounded pool of its own, so that waiting requests
+# never take the worker threads that copies and codecs need.
+_EVENT_WAITERS = 16
+_event_limiter: anyio.CapacityLimiter | None = None
+
+
+def _waiters() -> anyio.CapacityLimiter:
+    global _event_limiter
+    if _event_limiter is None:
+        _event_limiter = anyio.CapacityLimiter(_EVENT_WAITERS)
+    return _event_limiter
+
+
+async def wait_event(event: Any | None, timeout: float | None = None) -> bool:
+    """Await a device event without blocking the loop; True once it has completed, False
+    if ``timeout`` passed first. None (the CPU's "event") is done already.
+
+    A worker thread blocks in the event's ``synchronize()`` and the loop wakes as soon as it
+    returns, which is sooner than polling (the loop's timers tick in milliseconds). An event
+    without ``synchronize()`` is polled with backoff. A cancelled or timed-out wait leaves
+    its thread to finish with the event; the device always gets there.
+    """
+    if event is None or event.query():
+        return True
+    sync = getattr(event, "synchronize", None)
+    if sync is None:
+        return await poll_until(lambda: bool(event.query()), timeout)
+    with anyio.move_on_after(timeout):
+        await anyio.to_thread.run_sync(sync, limiter=_waiters(), abandon_on_cancel=True)
+        return True
+    return bool(event.query())
 
 
 # -- ready events ------------------------------------------------------------------------

@@ -38,15 +38,17 @@ from __future__ import annotations
 
 import functools
 import importlib
+import itertools
 import logging
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from . import _native
+from . import _kernels, _native, devices
 from ._errors import (
     ConfigError,
     DeviceError,
@@ -64,8 +66,10 @@ __all__ = [
     "backend_for",
     "describe",
     "gather",
+    "gather_chunks",
     "get_num_threads",
     "scatter",
+    "scatter_chunks",
     "set_num_threads",
 ]
 
@@ -265,7 +269,8 @@ def _dense_planes(dense: torch.Tensor, mla: bool) -> list[list[torch.Tensor]]:
 # -- checks ---------------------------------------------------------------------------------
 
 
-def _as_slots(slot_mapping: object, num_tokens: int) -> torch.Tensor:
+def _as_slots(slot_mapping: object, num_tokens: int, *,
+              holder: str = "the dense tensor") -> torch.Tensor:
     """``slot_mapping`` as a 1-D int64 tensor of ``num_tokens`` entries (not range-checked)."""
     if isinstance(slot_mapping, torch.Tensor):
         if slot_mapping.dtype != torch.int64:
@@ -287,7 +292,7 @@ def _as_slots(slot_mapping: object, num_tokens: int) -> torch.Tensor:
     if slots.dim() != 1:
         raise ShapeError(f"slot_mapping must be 1-D, got shape {tuple(slots.shape)}")
     if slots.shape[0] != num_tokens:
-        raise ShapeError(f"slot_mapping has {slots.shape[0]} entries but the dense tensor has "
+        raise ShapeError(f"slot_mapping has {slots.shape[0]} entries but {holder} has "
                          f"{num_tokens} tokens")
     return slots
 
@@ -442,22 +447,51 @@ def _layer_geometry(t: torch.Tensor, layout: str) -> tuple[tuple[int, ...], int,
 
 
 def _native_transfer(call: _Call, dense: torch.Tensor, to_dense: bool) -> None:
-    """One C call per group of planes with equal strides (one group for a normal model).
+    _native_rows(call.info, call.caches, call.cache_spans, call.slots, [dense],
+                 [0, int(call.slots.shape[0])], to_dense, call.threads)
+
+
+def _dense_strides(dense: torch.Tensor, mla: bool) -> tuple[int, int, int, int]:
+    """Element strides of a dense tensor's (layer, K/V, token, head) dims (0 where absent)."""
+    ds = dense.stride()
+    if mla:
+        return ds[0], 0, ds[1], 0
+    return ds[0], ds[1], ds[2], ds[3]
+
+
+def _native_rows(info: PagedKV, caches: list[torch.Tensor], cache_spans: list[tuple[int, int]],
+                 slots: torch.Tensor, denses: list[torch.Tensor], starts: Sequence[int],
+                 to_dense: bool, threads: int | None) -> None:
+    """One C call per group of planes with equal strides (one group for a normal model),
+    covering every chunk: chunk ``k`` (tokens ``starts[k]:starts[k + 1]``) is ``denses[k]``.
 
     Plane addresses are computed from strides rather than through per-plane tensor views:
     with 32 layers the views alone cost more than a small transfer.
     """
-    info = call.info
-    itemsize = dense.element_size()
+    # Empty chunks have no rows (and maybe no memory): leave them out of the table.
+    kept = [(d, a, b) for d, a, b in zip(denses, starts, starts[1:]) if b > a]
+    if not kept:
+        return
+    itemsize = kept[0][0].element_size()
     h, d = info.num_kv_heads, info.head_dim
-    ds = dense.stride()
-    if info.mla:
-        dense_layer, dense_kv, dense_token, dense_head = ds[0], 0, ds[1], 0
-    else:
-        dense_layer, dense_kv, dense_token, dense_head = ds[0], ds[1], ds[2], ds[3]
-    dense_ptr = dense.data_ptr()
-    dense_end = _byte_span(dense)[1]
+    strides = [_dense_strides(x, info.mla) for x, _, _ in kept]
+    token_strides = {s[2] for s in strides}
+    head_strides = {s[3] for s in strides}
+    if len(kept) > 1 and (len(token_strides) > 1 or (h > 1 and len(head_strides) > 1)):
+        # Chunks strided unlike each other cannot share one row geometry: one call each.
+        for x, a, b in kept:
+            _native_rows(info, caches, cache_spans, slots[a:b], [x], [0, b - a], to_dense,
+                         threads)
+        return
+    dense_token = strides[0][2]
+    dense_head = strides[0][3]
     dense_whole = h == 1 or dense_head == d
+    chunk_starts = [0]
+    for _, a, b in kept:
+        chunk_starts.append(chunk_starts[-1] + b - a)
+    slot_array = (slots if len(kept) == len(denses) else torch.cat(
+        [slots[a:b] for _, a, b in kept])).contiguous().numpy()
+    dense_info = [(x.data_ptr(), _byte_span(x)[1], st) for (x, _, _), st in zip(kept, strides)]
 
     # (cache tensor index, K/V plane within it, layer, K/V) per plane, layer-major, K first.
     num_layers = info.num_layers
@@ -466,34 +500,37 @@ def _native_transfer(call: _Call, dense: torch.Tensor, to_dense: bool) -> None:
     else:
         kv = 1 if info.mla else 2
         planes = [(i, k, i, k) for i in range(num_layers) for k in range(kv)]
-    geometry = [_layer_geometry(c, info.layout) for c in call.caches]
+    geometry = [_layer_geometry(c, info.layout) for c in caches]
 
-    groups: dict[tuple[int, int, int], tuple[list[int], list[int], list[int], list[int]]] = {}
+    # Per group: paged bases and extents, then per chunk its dense bases and extents.
+    Group = tuple[list[int], list[int], list[list[int]], list[list[int]]]
+    groups: dict[tuple[int, int, int], Group] = {}
     for index, plane_in_tensor, layer, k in planes:
-        ptr, end = call.cache_spans[index]
+        ptr, end = cache_spans[index]
         kv_offsets, block, slot, head = geometry[index]
         whole = dense_whole and (h == 1 or head == d)
         row_bytes = (h * d if whole else d) * itemsize
         group = groups.setdefault((row_bytes, block * itemsize, slot * itemsize),
-                                  ([], [], [], []))
+                                  ([], [], [[] for _ in kept], [[] for _ in kept]))
         paged_base = ptr + kv_offsets[plane_in_tensor] * itemsize
-        dense_base = dense_ptr + (layer * dense_layer + k * dense_kv) * itemsize
         for hh in range(1 if whole else h):
             p_addr = paged_base + hh * head * itemsize
-            d_addr = dense_base + hh * dense_head * itemsize
             group[0].append(p_addr)
-            group[1].append(d_addr)
-            group[2].append(end - p_addr)
-            group[3].append(dense_end - d_addr)
+            group[1].append(end - p_addr)
+            for c, (dense_ptr, dense_end, (dl, dkv, _, dh)) in enumerate(dense_info):
+                d_addr = dense_ptr + (layer * dl + k * dkv + hh * dh) * itemsize
+                group[2][c].append(d_addr)
+                group[3][c].append(dense_end - d_addr)
 
-    slots = call.slots.contiguous().numpy()
     move = _native.gather_rows if to_dense else _native.scatter_rows
-    for (row_bytes, block_stride, slot_stride), (paged, dense_planes, p_ext, d_ext) in (
+    for (row_bytes, block_stride, slot_stride), (paged, p_ext, dense_planes, d_ext) in (
             groups.items()):
-        move(paged, dense_planes, slots, row_bytes=row_bytes, num_slots=info.num_slots,
-             paged_extents=p_ext, dense_extents=d_ext, block_size=info.block_size,
+        move(paged, [a for chunk in dense_planes for a in chunk], slot_array,
+             row_bytes=row_bytes, num_slots=info.num_slots, paged_extents=p_ext,
+             dense_extents=[e for chunk in d_ext for e in chunk], block_size=info.block_size,
              block_stride=block_stride, slot_stride=slot_stride,
-             dense_row_stride=dense_token * itemsize, threads=call.threads)
+             dense_row_stride=dense_token * itemsize, threads=threads,
+             chunk_starts=chunk_starts if len(kept) > 1 else None)
 
 
 def _unit_last_stride(t: torch.Tensor) -> bool:
@@ -532,32 +569,269 @@ def _slot_rows(plane: torch.Tensor) -> torch.Tensor | None:
 
 
 def _torch_transfer(call: _Call, kv_caches: object, dense: torch.Tensor, to_dense: bool) -> None:
-    info = call.info
-    tokens = _valid_tokens(call.slots)
-    index = call.slots if tokens is None else call.slots.index_select(0, tokens)
-    if index.numel() == 0:
+    """The device path of :func:`gather` and :func:`scatter`: ``dense`` as a one-chunk request."""
+    slots = call.slots if call.slots.device.type == "cpu" else call.slots.cpu()
+    request = _Chunks(call.info, call.caches, call.cache_spans, slots, [dense],
+                      [0, int(slots.shape[0])])
+    _device_chunks(request, to_dense, stream=None)
+
+
+# -- requests of many chunks ----------------------------------------------------------------
+
+#: The most bytes of KV the torch-ops fallback stages on the device at once.
+STAGING_BYTES = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class _Chunks:
+    """A checked request: ``denses[k]`` holds tokens ``starts[k]:starts[k + 1]``."""
+
+    info: PagedKV
+    caches: list[torch.Tensor]
+    cache_spans: list[tuple[int, int]]
+    slots: torch.Tensor  # int64 on the CPU, range-checked
+    denses: list[torch.Tensor]
+    starts: list[int]
+
+
+def _prepare_chunks(kv_caches: object, layout: str, denses: object, what: str,
+                    slot_mapping: object) -> _Chunks:
+    info, caches = _describe(kv_caches, layout)
+    if isinstance(denses, torch.Tensor) or not isinstance(denses, (list, tuple)):
+        raise InvalidInputError(f"{what} must be a list of chunk tensors, got "
+                                f"{type(denses).__name__}")
+    spec = info.spec()
+    starts = [0]
+    for i, dense in enumerate(denses):
+        name = f"{what}[{i}]"
+        starts.append(starts[-1] + spec.check_dense(dense, what=name))
+        if dense.device != info.device and not (info.device.type != "cpu"
+                                                and dense.device.type == "cpu"):
+            raise DeviceError(f"{name} is on {dense.device}; the paged caches are on "
+                              f"{info.device}, so chunks must be there"
+                              + (" or in host memory" if info.device.type != "cpu" else ""))
+        if what == "dsts" and _has_internal_overlap(dense):
+            raise InvalidInputError(f"{name} has overlapping memory (strides "
+                                    f"{dense.stride()}); gather cannot write into it")
+    if isinstance(slot_mapping, torch.Tensor) and slot_mapping.device.type != "cpu":
+        # The range check reads every slot on the host: a device tensor costs one copy (and
+        # a wait on its stream) here. Engines that have the slots on the host pass those.
+        slot_mapping = slot_mapping.cpu()
+    slots = _as_slots(slot_mapping, starts[-1], holder=f"the {len(denses)} chunks together")
+    _check_slot_range(slots, info.num_slots)
+    spans = [_byte_span(c) for c in caches]
+    written: list[tuple[int, int, int]] = []
+    for i, dense in enumerate(denses):
+        if dense.device == info.device:
+            _check_no_alias(dense, f"{what}[{i}]", spans)
+        if what == "dsts" and dense.numel():
+            written.append((*_byte_span(dense), i))
+    written.sort()
+    for (_, end, i), (start, _, j) in itertools.pairwise(written):
+        if start < end:
+            raise InvalidInputError(f"{what}[{i}] and {what}[{j}] overlap; each chunk needs "
+                                    "its own memory")
+    return _Chunks(info, caches, spans, slots, list(denses), starts)
+
+
+def _device_visible(dense: torch.Tensor, device: torch.device) -> bool:
+    """Whether a kernel on ``device`` can address ``dense`` directly: it is on that device,
+    or in pinned host memory (mapped into the device's address space, UVA)."""
+    if dense.device == device:
+        return True
+    return dense.device.type == "cpu" and dense.is_pinned()
+
+
+def _to_device(array: np.ndarray[Any, Any], device: torch.device) -> torch.Tensor:
+    """A host int64 array on ``device``: pinned first, so the copy is asynchronous."""
+    host = torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _device_chunks(request: _Chunks, to_dense: bool, stream: Any | None) -> None:
+    """Move a request on its device, enqueued on ``stream`` (the current one when None).
+
+    No call in here waits for the device: the caller orders ``stream`` after the producer of
+    its data and waits once, on an event recorded after this returns.
+    """
+    if request.starts[-1] == 0:
         return
-    block = offset = None
-    for layer_paged, layer_dense in zip(_paged_planes(kv_caches, info.layout),
-                                        _dense_planes(dense, info.mla), strict=True):
-        for p, dv in zip(layer_paged, layer_dense, strict=True):
-            p, dv = _bits(p), _bits(dv)
-            rows = _slot_rows(p)
-            if rows is None and block is None:
-                block = torch.div(index, info.block_size, rounding_mode="floor")
-                offset = index - block * info.block_size
-            if to_dense:
-                picked = rows.index_select(0, index) if rows is not None else p[block, offset]
-                if tokens is None:
-                    dv.copy_(picked)
-                else:
-                    dv.index_copy_(0, tokens, picked)
+    kind = _device_type(request.caches[0])
+    context: AbstractContextManager[None] = nullcontext()
+    if stream is not None and kind != "cpu":
+        context = devices.stream_context(torch.device(kind, request.info.device.index), stream)
+    with context:
+        if _fused_transfer(request, to_dense):
+            return
+        _staged_transfer(request, to_dense)
+
+
+def _fused_transfer(request: _Chunks, to_dense: bool) -> bool:
+    """One Triton launch for the whole request; False when it does not apply here."""
+    info = request.info
+    if not (_device_type(request.caches[0]) == "cuda" and _kernels.available()):
+        return False
+    if not all(_device_visible(x, info.device) for x in request.denses):
+        return False
+    h, d = info.num_kv_heads, info.head_dim
+    if d > 1 and any(x.stride(-1) != 1 for x in [*request.caches, *request.denses]):
+        return False
+    geometry = [_layer_geometry(c, info.layout) for c in request.caches]
+    if len({g[1:] for g in geometry}) != 1:
+        return False  # layers strided unlike each other: not one kernel
+    _, block, slot, head = geometry[0]
+    strides = [_dense_strides(x, info.mla) for x in request.denses]
+    packed = h == 1 or (head == d and all(s[3] == d for s in strides))
+    row_len, head_programs = (h * d, 1) if packed else (d, h)
+
+    num_layers = info.num_layers
+    num_planes = 1 if info.mla else 2
+    itemsize = info.dtype.itemsize
+    page_table = np.empty((num_layers, num_planes), dtype=np.int64)
+    for layer in range(num_layers):
+        for plane in range(num_planes):
+            index, within = ((layer + plane * num_layers, 0) if info.layout == "sglang"
+                             else (layer, plane))
+            offsets = geometry[index][0]
+            page_table[layer, plane] = (request.cache_spans[index][0]
+                                        + offsets[within] * itemsize)
+    chunk_table = np.array([(x.data_ptr(), *st) for x, st in zip(request.denses, strides)],
+                           dtype=np.int64).reshape(-1)
+    counts: np.ndarray[Any, Any] = np.diff(np.asarray(request.starts, dtype=np.int64))
+    first = np.repeat(np.asarray(request.starts[:-1], dtype=np.int64), counts)
+    num_tokens = request.starts[-1]
+    token_chunk = np.repeat(np.arange(len(request.denses), dtype=np.int64), counts)
+    token_row = np.arange(num_tokens, dtype=np.int64) - first
+    # One table, one host-to-device copy, sliced on the device.
+    parts = [request.slots.numpy(), token_chunk, token_row, page_table.reshape(-1), chunk_table]
+    table = _to_device(np.concatenate(parts), info.device)
+    bounds = np.cumsum([0, *(len(p) for p in parts)])
+    views = [table[int(a):int(b)] for a, b in itertools.pairwise(bounds)]
+    _kernels.launch(grid=(num_tokens, num_layers, num_planes * head_programs),
+                    slots=views[0], token_chunk=views[1], token_row=views[2],
+                    page_table=views[3], chunk_table=views[4], num_planes=num_planes,
+                    head_programs=head_programs, row_len=row_len,
+                    block_size=info.block_size, block_stride=block, slot_stride=slot,
+                    page_head_stride=head, elem_bytes=itemsize, to_dense=to_dense)
+    return True
+
+
+def _layer_rows(request: _Chunks) -> list[list[tuple[torch.Tensor | None, int | None]]]:
+    """Per layer, how it is indexed by slot: ``(rows, plane)`` items.
+
+    A contiguous vllm layer is one ``[2, num_slots, H, D]`` view (``plane`` None), so K and V
+    move in one launch; other layouts go plane by plane, with ``rows`` the plane's
+    ``[num_slots, H, D]`` view, or None when blocks and offsets cannot be merged into one
+    slot dim without a copy.
+    """
+    info = request.info
+    planes = _paged_planes(_regroup(request), info.layout)
+    layers: list[list[tuple[torch.Tensor | None, int | None]]] = []
+    for layer in range(info.num_layers):
+        if info.layout == "vllm":
+            kv, nb, bs, h, d = request.caches[layer].shape
+            try:
+                layers.append([(_bits(request.caches[layer]).view(kv, nb * bs, h, d), None)])
+                continue
+            except RuntimeError:
+                pass
+        layers.append([(_slot_rows(_bits(p)), k) for k, p in enumerate(planes[layer])])
+    return layers
+
+
+def _staged_transfer(request: _Chunks, to_dense: bool) -> None:
+    """Torch ops: per layer one ``index_select`` (or ``index_copy_``) over a window of the
+    request in a bounded device staging buffer, and one copy per chunk piece of the window.
+
+    Launches: about ``layers x windows + chunks``, never ``chunks x layers x planes``.
+    """
+    info = request.info
+    spec = info.spec()
+    device = info.device
+    module = _musa_aiter() if backend_for(request.caches[0]) == "musa_aiter" else None
+    token_dim = spec.token_dim
+    slots = request.slots.numpy()
+    valid = slots >= 0
+    window = max(1, STAGING_BYTES // max(1, spec.nbytes(1)))
+    layers = _layer_rows(request)
+    planes = _paged_planes(_regroup(request), info.layout)
+    bits = _BITS_DTYPE[info.dtype.itemsize]
+    for a in range(0, request.starts[-1], window):
+        b = min(request.starts[-1], a + window)
+        ok = valid[a:b]
+        if not ok.any():
+            continue
+        every = bool(ok.all())
+        pieces = [(x, max(a, lo) - lo, min(b, hi) - lo, max(a, lo) - a, min(b, hi) - a)
+                  for x, lo, hi in zip(request.denses, request.starts, request.starts[1:])
+                  if lo < b and hi > a]
+        stage = torch.empty(spec.shape(b - a), dtype=bits, device=device)
+        index = _to_device(slots[a:b][ok], device)
+        tokens = None if every else _to_device(np.flatnonzero(ok), device)
+        if not to_dense or not every:
+            # A scatter reads the chunks; a gather with skipped tokens keeps their old rows.
+            for x, lo, hi, s0, s1 in pieces:
+                stage.narrow(token_dim, s0, s1 - s0).copy_(
+                    _bits(x).narrow(token_dim, lo, hi - lo), non_blocking=True)
+        if module is None or not _aiter_window(module, request, stage, slots[a:b], to_dense):
+            for layer, items in enumerate(layers):
+                for rows, which in items:
+                    _move_rows(rows, planes[layer], which, stage[layer], index, tokens,
+                               to_dense, info)
+        if to_dense:
+            for x, lo, hi, s0, s1 in pieces:
+                _bits(x).narrow(token_dim, lo, hi - lo).copy_(
+                    stage.narrow(token_dim, s0, s1 - s0), non_blocking=True)
+
+
+def _regroup(request: _Chunks) -> object:
+    """The caches in the container their layout expects (sglang: a K list and a V list)."""
+    if request.info.layout == "sglang":
+        n = request.info.num_layers
+        return (request.caches[:n], request.caches[n:])
+    return request.caches
+
+
+def _move_rows(rows: torch.Tensor | None, planes: list[torch.Tensor], which: int | None,
+               stage: torch.Tensor, index: torch.Tensor, tokens: torch.Tensor | None,
+               to_dense: bool, info: PagedKV) -> None:
+    """One layer's rows (one plane's, or both when ``which`` is None) between the pages and
+    ``stage``, the layer's slice of the staging window."""
+    if which is None:
+        target, dim = stage, 1  # [2, w, H, D] against [2, num_slots, H, D]
+    else:
+        target, dim = (stage.unsqueeze(1) if info.mla else stage[which]), 0
+    if rows is None:  # blocks and offsets are not one dim: advanced indexing on the plane
+        plane = _bits(planes[0 if which is None else which])
+        block = torch.div(index, info.block_size, rounding_mode="floor")
+        offset = index - block * info.block_size
+        if to_dense:
+            picked = plane[block, offset]
+            if tokens is None:
+                target.copy_(picked)
             else:
-                source = dv if tokens is None else dv.index_select(0, tokens)
-                if rows is not None:
-                    rows.index_copy_(0, index, source)
-                else:
-                    p[block, offset] = source
+                target.index_copy_(0, tokens, picked)
+        else:
+            plane[block, offset] = target if tokens is None else target.index_select(0, tokens)
+        return
+    if to_dense:
+        if tokens is None:
+            torch.index_select(rows, dim, index, out=target)
+        else:
+            target.index_copy_(dim, tokens, rows.index_select(dim, index))
+    else:
+        rows.index_copy_(dim, index, target if tokens is None else target.index_select(
+            dim, tokens))
+
+
+def _aiter_window(module: Any, request: _Chunks, stage: torch.Tensor,
+                  slots: np.ndarray[Any, Any], to_dense: bool) -> bool:
+    """MUSA-Aiter over one staging window; False when it declines (torch ops then run)."""
+    info = request.info
+    call = _Call(info, request.caches, request.cache_spans, _to_device(slots, info.device), None)
+    return _aiter_transfer(module, call, stage.view(info.dtype), to_dense)
 
 
 # musa_aiter --------------------------------------------------------------------------------
@@ -676,6 +950,60 @@ def scatter(src: torch.Tensor, kv_caches: object, slot_mapping: object, layout: 
         if module is not None and _aiter_transfer(module, call, src, to_dense=False):
             return
     _torch_transfer(call, kv_caches, src, to_dense=False)
+
+
+def gather_chunks(kv_caches: object, slots: object, dsts: Sequence[torch.Tensor], layout: str,
+                  *, stream: Any | None = None) -> None:
+    """Copy a whole request's paged KV into its chunk tensors, in one batch.
+
+    ``slots`` (1-D int64, one per token, -1 to skip) covers the request; ``dsts`` are dense
+    chunk tensors (``spec.shape(n_i)``, any strides) whose token counts sum to
+    ``len(slots)``: ``dsts[0]`` takes the first ``n_0`` tokens, and so on. A skipped token's
+    rows keep their values. Chunks live with the pages, or, for pages on a device, in host
+    memory (pinned host memory is written by the device directly).
+
+    How it moves: on the CPU, one native call for every chunk, layer and plane. On cuda, one
+    fused Triton kernel for the whole request where Triton is importable and every chunk is
+    device-visible (on the device, or pinned); otherwise torch ops through a bounded device
+    staging buffer, one ``index_select`` per layer per window and one copy per chunk
+    (``musa_aiter`` instead of the torch ops on MUSA, where it is installed). Device work is
+    enqueued on ``stream`` (the current stream when None) and nothing here waits for it:
+    record an event on ``stream`` afterwards and wait on that. Slots on the device are
+    copied to the host for the range check, which waits for them: pass host slots.
+
+    Raises LayoutError, ShapeError, DTypeError, DeviceError, SlotRangeError or
+    InvalidInputError (also for chunks that overlap each other) before anything is written;
+    NativeError if the C code fails.
+    """
+    request = _prepare_chunks(kv_caches, layout, dsts, "dsts", slots)
+    _move_chunks(request, to_dense=True, stream=stream)
+
+
+def scatter_chunks(srcs: Sequence[torch.Tensor], kv_caches: object, slots: object,
+                   layout: str, *, stream: Any | None = None) -> None:
+    """The reverse of :func:`gather_chunks`: write the chunk tensors ``srcs`` (token counts
+    summing to ``len(slots)``) into the pages at ``slots``; -1 skips a token. When a slot
+    repeats, the native backend writes the last token; on devices the winner is unspecified.
+
+    Raises the same errors as :func:`gather_chunks`, before anything is written.
+    """
+    request = _prepare_chunks(kv_caches, layout, srcs, "srcs", slots)
+    _move_chunks(request, to_dense=False, stream=stream)
+
+
+def _move_chunks(request: _Chunks, *, to_dense: bool, stream: Any | None) -> None:
+    if request.starts[-1] == 0:
+        return
+    if backend_for(request.caches[0]) == "native":
+        staged = [x if _unit_last_stride(x) else x.contiguous() for x in request.denses]
+        _native_rows(request.info, request.caches, request.cache_spans, request.slots, staged,
+                     request.starts, to_dense, None)
+        if to_dense:
+            for x, work in zip(request.denses, staged):
+                if work is not x:
+                    x.copy_(work)
+        return
+    _device_chunks(request, to_dense, stream)
 
 
 def set_num_threads(n: int) -> None:

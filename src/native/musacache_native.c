@@ -313,8 +313,9 @@ static void store_fence(copy_fn fn) {
 
 typedef struct run {
     int64_t paged_off;
-    int64_t dense_off;
+    int64_t dense_off; /* from the run's chunk's dense plane */
     int64_t nbytes;
+    int64_t chunk;
 } run;
 
 typedef struct work {
@@ -328,6 +329,10 @@ typedef struct work {
     copy_fn copy_fn;
 } work;
 
+static int64_t num_chunks_of(const mc_row_copy *c) {
+    return c->num_chunks > 1 ? c->num_chunks : 1;
+}
+
 static int check_row_copy(const mc_row_copy *c) {
     if (c == NULL) return MC_ERR_ARGUMENT;
     if (c->num_planes < 0 || c->row_bytes < 0 || c->num_tokens < 0 || c->num_slots < 0)
@@ -338,8 +343,21 @@ static int check_row_copy(const mc_row_copy *c) {
     if (c->num_planes > 0 && (c->paged_planes == NULL || c->dense_planes == NULL))
         return MC_ERR_ARGUMENT;
     if (c->num_tokens > 0 && c->slots == NULL) return MC_ERR_ARGUMENT;
+    if (c->num_chunks < 0 || (c->num_chunks > 1 && c->chunk_starts == NULL))
+        return MC_ERR_ARGUMENT;
+    int64_t num_chunks = num_chunks_of(c);
+    if (c->chunk_starts != NULL) {
+        if (c->chunk_starts[0] != 0 || c->chunk_starts[num_chunks] != c->num_tokens)
+            return MC_ERR_ARGUMENT;
+        for (int64_t k = 0; k < num_chunks; k++) {
+            if (c->chunk_starts[k + 1] < c->chunk_starts[k]) return MC_ERR_ARGUMENT;
+        }
+    }
     for (int64_t p = 0; p < c->num_planes; p++) {
-        if (c->paged_planes[p] == NULL || c->dense_planes[p] == NULL) return MC_ERR_ARGUMENT;
+        if (c->paged_planes[p] == NULL) return MC_ERR_ARGUMENT;
+    }
+    for (int64_t p = 0; p < c->num_planes * num_chunks; p++) {
+        if (c->dense_planes[p] == NULL) return MC_ERR_ARGUMENT;
     }
     return MC_OK;
 }
@@ -351,14 +369,23 @@ static int build_runs(const mc_row_copy *c, run *runs, int64_t *num_runs) {
         if (slots[t] < -1 || slots[t] >= c->num_slots) return MC_ERR_SLOT_RANGE;
     }
     int64_t n = 0;
+    int64_t chunk = 0, chunk_start = 0;
+    int64_t chunk_end = c->chunk_starts != NULL ? c->chunk_starts[1] : c->num_tokens;
     for (int64_t t = 0; t < c->num_tokens; t++) {
+        while (t >= chunk_end) { /* empty chunks are stepped over */
+            chunk++;
+            chunk_start = chunk_end;
+            chunk_end = c->chunk_starts[chunk + 1];
+        }
         int64_t s = slots[t];
         if (s < 0) continue;
         int64_t paged = (s / c->block_size) * c->block_stride + (s % c->block_size) * c->slot_stride;
-        int64_t dense = t * c->dense_row_stride;
+        int64_t dense = (t - chunk_start) * c->dense_row_stride;
         if (n > 0) {
             run *last = &runs[n - 1];
-            if (last->paged_off + last->nbytes == paged && last->dense_off + last->nbytes == dense) {
+            /* A run never crosses chunks: the next chunk's rows live in other buffers. */
+            if (last->chunk == chunk && last->paged_off + last->nbytes == paged &&
+                last->dense_off + last->nbytes == dense) {
                 last->nbytes += c->row_bytes;
                 continue;
             }
@@ -366,6 +393,7 @@ static int build_runs(const mc_row_copy *c, run *runs, int64_t *num_runs) {
         runs[n].paged_off = paged;
         runs[n].dense_off = dense;
         runs[n].nbytes = c->row_bytes;
+        runs[n].chunk = chunk;
         n++;
     }
     *num_runs = n;
@@ -377,14 +405,17 @@ static int build_runs(const mc_row_copy *c, run *runs, int64_t *num_runs) {
  * of that miss (about 8% on a 2 GiB cache with 32 KiB runs). */
 #define MC_PREFETCH_BYTES 1024
 
-static void prefetch_run_head(const work *w, const char *paged, const char *dense,
+static void prefetch_run_head(const work *w, const char *paged, int64_t plane,
                               const run *next) {
 #if defined(__GNUC__) || defined(__clang__)
-    const char *src = w->to_dense ? paged + next->paged_off : dense + next->dense_off;
+    const mc_row_copy *c = w->copy;
+    const char *src = w->to_dense
+        ? paged + next->paged_off
+        : c->dense_planes[next->chunk * c->num_planes + plane] + next->dense_off;
     int64_t n = next->nbytes < MC_PREFETCH_BYTES ? next->nbytes : MC_PREFETCH_BYTES;
     for (int64_t off = 0; off < n; off += 64) __builtin_prefetch(src + off, 0, 3);
 #else
-    (void)w, (void)paged, (void)dense, (void)next;
+    (void)w, (void)paged, (void)plane, (void)next;
 #endif
 }
 
@@ -394,11 +425,11 @@ static void do_work(const work *w) {
         int64_t plane = u / w->num_segs;
         int64_t seg = u % w->num_segs;
         char *paged = c->paged_planes[plane];
-        char *dense = c->dense_planes[plane];
         int64_t last = w->seg_bounds[seg + 1];
         for (int64_t r = w->seg_bounds[seg]; r < last; r++) {
             const run *rn = &w->runs[r];
-            if (r + 1 < last) prefetch_run_head(w, paged, dense, &w->runs[r + 1]);
+            char *dense = c->dense_planes[rn->chunk * c->num_planes + plane];
+            if (r + 1 < last) prefetch_run_head(w, paged, plane, &w->runs[r + 1]);
             if (w->to_dense)
                 w->copy_fn(dense + rn->dense_off, paged + rn->paged_off, (size_t)rn->nbytes);
             else

@@ -38,6 +38,13 @@ typedef enum mc_simd_level {
  *   dense_planes[p] + t * dense_row_stride.
  * Each row is row_bytes contiguous bytes. Token t uses slots[t]; a slot of -1 is skipped.
  * All strides are in bytes. The caller guarantees every addressed row lies inside its buffer.
+ *
+ * Chunks: with num_chunks > 1 the tokens are split into consecutive chunks, each with its own
+ * dense buffers (one request copied into many chunk tensors in one call). Chunk k covers tokens
+ * [chunk_starts[k], chunk_starts[k + 1]) (chunk_starts has num_chunks + 1 entries, from 0 to
+ * num_tokens, non-decreasing); its dense planes are dense_planes[k * num_planes + p], and its
+ * token t sits at row t - chunk_starts[k]. num_chunks 0 or 1 with chunk_starts NULL is one
+ * chunk of all the tokens.
  */
 typedef struct mc_row_copy {
     char *const *paged_planes;
@@ -51,6 +58,8 @@ typedef struct mc_row_copy {
     int64_t dense_row_stride;
     const int64_t *slots;
     int64_t num_tokens;
+    int64_t num_chunks;
+    const int64_t *chunk_starts;
 } mc_row_copy;
 
 const char *mc_version(void);

@@ -140,3 +140,18 @@ def test_node_server_registers_cuda_pages(tmp_path):
             await task
 
     asyncio.run(run())
+
+
+async def test_host_only_cache_returns_device_tensors_when_asked():
+    """CacheConfig(device="cuda"): a cache with only a pinned host tier hands back cuda KV."""
+    spec = spec_()
+    tiers = (mc.HostTier(capacity_bytes=spec.nbytes(CH) * 64),)
+    config = mc.CacheConfig(spec, "gpu-host", tiers=tiers, chunk_size=CH, device="cuda")
+    async with mc.Cache(config) as c:
+        assert c.device.type == "cuda"
+        toks = list(range(100))
+        kv = kv_for(spec, 100, "cuda")
+        assert await c.put(toks, kv) == 100
+        hit = await c.get(toks)
+        assert hit.kv.device.type == "cuda" and torch.equal(hit.kv, kv)
+        assert c._engine.mover.event_waits >= 2  # the put and the get each awaited one event

@@ -16,6 +16,8 @@ import json
 import os
 import sys
 
+from .. import devices
+from .._errors import MusaCacheError
 from ._sizes import SIZES
 from ._workloads import WORKLOAD_NAMES
 
@@ -60,7 +62,7 @@ def _positive_float(text: str) -> float:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="musacache demo",
-        description="TTFT with and without musacache on a random-init Llama (CPU, offline).",
+        description="TTFT with and without musacache on a random-init Llama (offline; CPU or GPU).",
     )
     p.add_argument("--size", choices=tuple(SIZES), default="small",
                    help="model size: tiny (tests, seconds), small (default, about a minute on "
@@ -82,6 +84,9 @@ def _parser() -> argparse.ArgumentParser:
                         "first, so every run starts cold")
     p.add_argument("--threads", type=_positive_int, default=None,
                    help="torch threads (default: the CPUs this process may use)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda", "musa"), default="auto",
+                   help="where the model runs (default auto: the accelerator when there is "
+                        "one, else the CPU)")
     p.add_argument("--seed", type=int, default=0, help="seed for weights and token ids")
     p.add_argument("--json", action="store_true",
                    help="print machine-readable results instead of the tables")
@@ -116,8 +121,13 @@ def main(argv: list[str] | None = None) -> int:
         scale=args.scale, chunk_size=args.chunk_size,
         host_bytes=int(args.host_mib * 1024**2), disk_bytes=int(args.disk_mib * 1024**2),
         disk_dir=args.disk_dir, workloads=args.workloads, progress=not args.no_progress,
-        rag_questions_per_retrieval=args.rag_followups,
+        rag_questions_per_retrieval=args.rag_followups, device=args.device,
     )
+    try:
+        devices.resolve(opts.device)
+    except MusaCacheError as e:  # --device cuda on a machine without one
+        print(f"musacache demo: {e}", file=sys.stderr)
+        return EXIT_USAGE
     result = asyncio.run(run_demo(opts))
     if args.plot:
         plot_ttft(result, args.plot)

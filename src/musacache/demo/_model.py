@@ -6,6 +6,9 @@ musacache speaks dense ``(L, 2, T, H, D)``. The two helpers here convert between
 
 from __future__ import annotations
 
+import inspect
+from typing import Any
+
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicLayer
@@ -15,6 +18,7 @@ from ._sizes import ModelSize
 
 __all__ = [
     "build_model",
+    "cache_keyword",
     "dense_from_hf",
     "hf_from_dense",
     "kv_spec_of",
@@ -64,6 +68,7 @@ def hf_from_dense(kv: torch.Tensor, model: LlamaForCausalLM) -> DynamicCache:
     The per-layer tensors handed over are permuted views; DynamicCache copies them into its own
     contiguous storage, so ``kv`` may be freed or reused afterwards.
     """
+    kv = kv.to(model.device)  # a host-tier hit comes back in host memory
     per_layer = [
         (kv[layer, 0].permute(1, 0, 2).unsqueeze(0), kv[layer, 1].permute(1, 0, 2).unsqueeze(0))
         for layer in range(kv.shape[0])
@@ -106,11 +111,24 @@ def first_token_logits(model: LlamaForCausalLM, input_ids: torch.Tensor,
         raise ValueError("nothing to prefill: the last prompt token must always be computed")
     if cache is None:
         cache = DynamicCache(config=model.config)
+    input_ids = input_ids.to(model.device)
     pieces = input_ids.split(piece_tokens) if piece_tokens > 0 else (input_ids,)
     # inference_mode is scoped to the forward alone: tensors the cache allocates while it is on
     # would become inference tensors that its worker threads could no longer write in place.
+    keyword = cache_keyword(type(model))
     with torch.inference_mode():
         for piece in pieces:
-            out = model(input_ids=piece.unsqueeze(0), cache=cache, use_cache=True,
-                        logits_to_keep=1)
+            out = model(input_ids=piece.unsqueeze(0), use_cache=True, logits_to_keep=1,
+                        **{keyword: cache})
     return out.logits[0, -1], cache
+
+
+def cache_keyword(model_class: type[Any]) -> str:
+    """The name under which this transformers' forward takes the KV cache.
+
+    Later 5.x releases call it ``cache`` (and deprecate ``past_key_values``); earlier ones take
+    only ``past_key_values`` and swallow an unknown ``cache=`` into ``**kwargs``, which
+    silently leaves the cache empty. The forward's own signature says which it is.
+    """
+    parameters = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"

@@ -15,14 +15,14 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 from tqdm import tqdm
 from transformers import LlamaForCausalLM
 
-from .. import Cache, CacheConfig, DiskTier, HostTier
+from .. import Cache, CacheConfig, DiskTier, HostTier, devices
 from ._model import (
     build_model,
     dense_from_hf,
@@ -61,6 +61,8 @@ class DemoOptions:
     progress: bool = True
     #: RAG questions per retrieval (1 = every question retrieves anew).
     rag_questions_per_retrieval: int = 3
+    #: Where the model runs: "auto" (the accelerator when there is one), cpu, cuda, musa.
+    device: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,17 @@ def _piece_tokens(opts: DemoOptions) -> int:
     return max(1, round(SUFFIX_PIECE_TOKENS * opts.scale))
 
 
+def _now(model: LlamaForCausalLM) -> float:
+    """The time once the model's device has finished what was queued (kernels run
+    asynchronously on an accelerator, so a timer read alone would time the queueing)."""
+    device = model.device
+    if device.type != "cpu":
+        module = devices.accelerator_module(device.type)
+        if module is not None:
+            module.synchronize(device)
+    return time.perf_counter()
+
+
 def _ms(seconds: float) -> float:
     return seconds * 1000.0
 
@@ -128,19 +141,19 @@ async def _timed_request(cache: Cache, model: LlamaForCausalLM, req: Request,
                          piece_tokens: int) -> RequestResult:
     tokens = req.tokens
 
-    t0 = time.perf_counter()
+    t0 = _now(model)
     reference, _ = first_token_logits(model, tokens)
-    t1 = time.perf_counter()
+    t1 = _now(model)
 
     hit = await cache.get(tokens)
     # The first token's logits come from the last prompt token, so that token is always
     # computed, even when the whole prompt is cached.
     reused = min(hit.num_tokens, len(tokens) - 1)
     restored = hf_from_dense(hit.kv.narrow(2, 0, reused), model) if reused else None
-    t2 = time.perf_counter()
+    t2 = _now(model)
     logits, hf_cache = first_token_logits(model, tokens[reused:], restored,
                                           piece_tokens=piece_tokens if reused else 0)
-    t3 = time.perf_counter()
+    t3 = _now(model)
 
     await cache.put(tokens, dense_from_hf(hf_cache))
     # Waiting for the background tier writes keeps them out of the next request's timing;
@@ -233,6 +246,7 @@ def _model_info(size: ModelSize, model: LlamaForCausalLM) -> dict[str, Any]:
         "heads": size.num_heads, "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
         "vocab_size": size.vocab_size, "dtype": str(spec.dtype).removeprefix("torch."),
         "parameters": sum(p.numel() for p in model.parameters()),
+        "device": str(model.device),
         "kv_bytes_per_token": spec.bytes_per_token,
     }
 
@@ -250,6 +264,7 @@ async def run_demo(opts: DemoOptions) -> DemoResult:
 async def _run_demo(opts: DemoOptions) -> DemoResult:
     started = time.perf_counter()
     model = build_model(opts.size, seed=opts.seed)
+    cast(Any, model).to(devices.resolve(opts.device))  # in place; transformers mistypes .to
     await _warm_up(model, opts.chunk_size)
     shape = dataclasses.replace(WorkloadShape(),
                                 rag_questions_per_retrieval=opts.rag_questions_per_retrieval)

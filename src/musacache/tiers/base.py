@@ -18,30 +18,13 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
+from .._chunkmeta import ChunkMeta
 from .._keys import Fingerprint
 from .._spec import KVSpec
 
-__all__ = ["ChunkMeta", "StorageTier", "TierContext"]
-
-
-@dataclass(frozen=True)
-class ChunkMeta:
-    """What the directory knows of one chunk without reading it.
-
-    ``key`` commits to the whole token prefix up to the end of this chunk; ``parent`` is the key
-    of the chunk before it (the chain seed for the first chunk). ``raw_bytes`` is the size of the
-    dense KV; ``stored_bytes`` the size of the encoded object in a storage tier (0 if unknown).
-    ``last_used`` is a wall-clock time used to rebuild LRU order after a restart (0 if unknown).
-    """
-
-    key: bytes
-    parent: bytes
-    num_tokens: int
-    raw_bytes: int
-    stored_bytes: int = 0
-    last_used: float = 0.0
+__all__ = ["ChunkMeta", "StorageTier", "TierConfig", "TierContext"]
 
 
 @dataclass(frozen=True)
@@ -114,3 +97,28 @@ class StorageTier(abc.ABC):
     def stats(self) -> dict[str, Any]:
         """Backend-specific counters, merged into ``Cache.stats()`` under this tier."""
         return {}
+
+    def build(self) -> StorageTier:
+        """A running tier is its own config: an instance may stand in ``CacheConfig.tiers``."""
+        return self
+
+
+@runtime_checkable
+class TierConfig(Protocol):
+    """The settings of a storage tier: what ``CacheConfig.tiers`` holds besides the memory tiers
+    (:class:`~musacache.HostTier`, :class:`~musacache.DeviceTier`).
+
+    :class:`~musacache.DiskTier` and :class:`~musacache.S3Tier` are frozen dataclasses of plain
+    values (so TOML and the environment can build them) whose ``build()`` makes the running
+    tier; a :class:`StorageTier` instance builds to itself. The engine calls ``build()`` once,
+    in ``Cache.open()``.
+    """
+
+    @property
+    def name(self) -> str:
+        """The tier's name in ``stats()`` and logs; unique within one cache."""
+        ...
+
+    def build(self) -> StorageTier:
+        """The running tier, not yet started."""
+        ...

@@ -39,7 +39,6 @@ from typing import Any, Literal
 import anyio
 import anyio.to_thread
 
-from .._config import parse_size
 from .._errors import (
     ConfigError,
     CorruptChunkError,
@@ -47,6 +46,7 @@ from .._errors import (
     TierError,
 )
 from .._keys import KEY_BYTES, Fingerprint
+from .._validate import parse_size
 from ..codec import CODECS, HEADER_SIZE, read_header
 from .base import ChunkMeta, StorageTier, TierContext
 

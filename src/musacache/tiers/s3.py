@@ -38,9 +38,9 @@ from typing import Any, Literal
 
 import anyio
 
-from .._config import parse_size
 from .._errors import ConfigError, TierError
 from .._keys import KEY_BYTES
+from .._validate import parse_size
 from ..codec import CODECS
 from .base import ChunkMeta, StorageTier, TierContext
 
