@@ -442,3 +442,60 @@ def test_fused_path_is_skipped_for_unpinned_host_chunks(
     expected = reference_gather(caches, "vllm", [0, 1, 2, 3],
                                 torch.zeros(2, 2, 4, H, D, dtype=torch.bfloat16))
     assert torch.equal(concat(dsts, "vllm"), expected)
+
+
+@pytest.mark.parametrize("skipped", [False, True], ids=["all slots", "a -1 slot"])
+def test_transfer_gather_into_a_device_tensor_needs_no_staging(
+        fake_cuda: types.SimpleNamespace, monkeypatch: pytest.MonkeyPatch,
+        skipped: bool) -> None:
+    monkeypatch.setattr(_kernels, "available", lambda: False)
+    layers = 4
+    caches = make_caches("vllm", layers)
+    slots = torch.randperm(NUM_SLOTS)[:10]
+    if skipped:
+        slots[3] = -1
+    out = torch.randn(layers, 2, 10, H, D).to(torch.bfloat16)
+    expected = reference_gather(caches, "vllm", slots.tolist(), out)
+    counter = OpCounter()
+    with counter:
+        transfer.gather(caches, slots, out, "vllm")
+    assert torch.equal(out, expected)
+    # Straight into out, one launch per layer (two when a skipped token needs index_copy_).
+    assert counter.ops["index_select"] == layers
+    assert counter.ops["index_copy_"] == (layers if skipped else 0)
+    # No staging buffer and no copy out of one: the one allocation is the slot index.
+    assert counter.ops["empty"] <= 1 and counter.ops["copy_"] == 0, counter.ops
+
+
+@pytest.mark.parametrize("to_dense", [True, False], ids=["gather", "scatter"])
+def test_musa_aiter_moves_each_staging_window(monkeypatch: pytest.MonkeyPatch,
+                                              to_dense: bool) -> None:
+    import sys
+
+    from test_transfer import FakeAiter
+
+    aiter = FakeAiter()
+    monkeypatch.setattr(transfer, "_device_type", lambda tensor: "musa")
+    monkeypatch.setitem(sys.modules, "musa_aiter", aiter)
+    transfer._musa_aiter.cache_clear()
+    token_bytes = 2 * 2 * H * D * 2
+    monkeypatch.setattr(transfer, "STAGING_BYTES", 6 * token_bytes)
+    try:
+        caches = make_caches("vllm", 2)
+        sizes = [4, 4, 2]
+        slots = torch.randperm(NUM_SLOTS)[:10].tolist()
+        slots[5] = -1
+        dense = chunk_tensors("vllm", 2, sizes, [False, True, False])
+        before = concat([d.clone() for d in dense], "vllm")
+        if to_dense:
+            transfer.gather_chunks(caches, torch.tensor(slots), dense, "vllm")
+            assert torch.equal(concat(dense, "vllm"),
+                               reference_gather(caches, "vllm", slots, before))
+        else:
+            expected = reference_scatter(before, caches, "vllm", slots)
+            transfer.scatter_chunks(dense, caches, torch.tensor(slots), "vllm")
+            assert all(torch.equal(a, b) for a, b in zip(caches, expected, strict=True))
+        # Ten tokens in windows of six: two aiter calls, each for every layer at once.
+        assert [len(args[0 if to_dense else 1]) for _, args in aiter.calls] == [2, 2]
+    finally:
+        transfer._musa_aiter.cache_clear()

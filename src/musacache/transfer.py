@@ -36,6 +36,7 @@ The layouts (``LAYOUTS``), per layer:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import itertools
@@ -374,9 +375,14 @@ def _prepare(kv_caches: object, layout: str, dense: object, what: str, slot_mapp
     # All caches share one device (checked by _describe), and so does `dense` by now.
     spans = [_byte_span(c) for c in caches]
     _check_no_alias(dense, what, spans)
-    if slots.device != info.device:
-        slots = slots.to(info.device)
     return _Call(info, caches, spans, slots, nthreads)
+
+
+def _on_device(call: _Call) -> _Call:
+    """``call`` with its slots on the caches' device (what device kernels index with)."""
+    if call.slots.device == call.info.device:
+        return call
+    return dataclasses.replace(call, slots=call.slots.to(call.info.device))
 
 
 # -- backends -------------------------------------------------------------------------------
@@ -767,9 +773,19 @@ def _staged_transfer(request: _Chunks, to_dense: bool) -> None:
         pieces = [(x, max(a, lo) - lo, min(b, hi) - lo, max(a, lo) - a, min(b, hi) - a)
                   for x, lo, hi in zip(request.denses, request.starts, request.starts[1:])
                   if lo < b and hi > a]
-        stage = torch.empty(spec.shape(b - a), dtype=bits, device=device)
         index = _to_device(slots[a:b][ok], device)
         tokens = None if every else _to_device(np.flatnonzero(ok), device)
+        x, lo, hi, _, _ = pieces[0]
+        if (module is None and len(pieces) == 1 and (lo, hi) == (0, b - a)
+                and x.device == info.device and x.is_contiguous()):
+            # The window is one whole contiguous chunk on the device (transfer.gather into a
+            # device tensor): it is its own staging buffer.
+            for layer, items in enumerate(layers):
+                for rows, which in items:
+                    _move_rows(rows, planes[layer], which, _bits(x)[layer], index, tokens,
+                               to_dense, info)
+            continue
+        stage = torch.empty(spec.shape(b - a), dtype=bits, device=device)
         if not to_dense or not every:
             # A scatter reads the chunks; a gather with skipped tokens keeps their old rows.
             for x, lo, hi, s0, s1 in pieces:
@@ -923,7 +939,7 @@ def gather(kv_caches: object, slot_mapping: object, out: torch.Tensor, layout: s
         return
     if backend == "musa_aiter":
         module = _musa_aiter()
-        if module is not None and _aiter_transfer(module, call, out, to_dense=True):
+        if module is not None and _aiter_transfer(module, _on_device(call), out, to_dense=True):
             return
     _torch_transfer(call, kv_caches, out, to_dense=True)
 
@@ -947,7 +963,7 @@ def scatter(src: torch.Tensor, kv_caches: object, slot_mapping: object, layout: 
         return
     if backend == "musa_aiter":
         module = _musa_aiter()
-        if module is not None and _aiter_transfer(module, call, src, to_dense=False):
+        if module is not None and _aiter_transfer(module, _on_device(call), src, to_dense=False):
             return
     _torch_transfer(call, kv_caches, src, to_dense=False)
 

@@ -154,8 +154,9 @@ class Bench:
         self.pinned = device.type != "cpu"
         self.gen = torch.Generator().manual_seed(0)
         self.kv = torch.randn(self.spec.shape(self.tokens), device=device).to(torch.bfloat16)
-        self.host = torch.empty(self.spec.shape(self.tokens), dtype=torch.bfloat16,
-                                pin_memory=self.pinned)
+        # Pinned the way the host tier pins (cuda's allocator, or musaHostRegister on musa).
+        self.host = devices.alloc_host(self.nbytes, pinned=self.pinned).view(
+            torch.bfloat16).view(self.spec.shape(self.tokens))
         self.host.copy_(self.kv)
         self.out = torch.empty_like(self.kv)
         self.rows: list[Row] = []
