@@ -158,6 +158,7 @@ class Engine:
         self.dir = Directory(chain)
         self.tiers = tiers
         self.mem = [t for t in tiers if isinstance(t, MemTier)]
+        self.tier_by_name = {t.name: t for t in tiers}
         self.stores = [t for t in tiers if isinstance(t, StoreTier)]
         # Memory tiers a put may place into: those before the first storage tier.
         lead = next((i for i, t in enumerate(tiers) if isinstance(t, StoreTier)), len(tiers))
@@ -198,8 +199,7 @@ class Engine:
             self._free_detached(e)
 
     def _free_detached(self, e: Entry) -> None:
-        detached, e.detached = e.detached, ()
-        for idx, index in detached:
+        for idx, index in e.take_detached():
             t = self.tiers[idx]
             if isinstance(t, MemTier):
                 t.pool.release(index)

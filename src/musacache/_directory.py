@@ -20,76 +20,82 @@ from ._keys import KEY_BYTES, KeyChain
 __all__ = ["Directory", "Entry", "Match"]
 
 
-# Residency is packed into ints: ``slot index << 8 | tier index`` for a memory tier,
-# ``object bytes << 8 | tier index`` for a storage tier. Most chunks live in one tier of each
-# kind, so each is one int (a tuple of them otherwise), not a dict and a set per entry. A
-# directory of a million chunks is a million of these: every field counts (issue 12: at most
-# 400 bytes per entry beyond its data).
+# Residency is packed into ints: ``value << 8 | tier index`` (with a flag in the tier byte),
+# where the value is the slot index in a memory tier, or the stored object's bytes in a storage
+# tier. Most chunks live in one tier of each kind, so each is one int (a tuple of them
+# otherwise), not a dict and a set per entry. A directory of a million chunks is a million of
+# these: every field counts (issue 12: at most 400 bytes per entry beyond its data).
 _TIER_BITS = 8
 _TIER_MASK = (1 << _TIER_BITS) - 1
+# In ``_mem``, a slot dropped while readers still hold the entry (freed by the last unpin).
+_DETACHED = 0x80
+# In ``_stored``, a write to that storage tier in flight (the value is unused).
+_PENDING = 0x80
 # One int object per distinct chunk size, shared by every entry of that size.
 _SIZES: dict[int, int] = {}
 
 _Packed = int | tuple[int, ...] | None
 
 
-def _find(packed: _Packed, idx: int) -> int | None:
+def _find(packed: _Packed, tag: int) -> int | None:
     if packed is None:
         return None
     if isinstance(packed, int):
-        return packed >> _TIER_BITS if packed & _TIER_MASK == idx else None
+        return packed >> _TIER_BITS if packed & _TIER_MASK == tag else None
     for code in packed:
-        if code & _TIER_MASK == idx:
+        if code & _TIER_MASK == tag:
             return code >> _TIER_BITS
     return None
 
 
-def _without(packed: _Packed, idx: int) -> _Packed:
+def _without(packed: _Packed, tag: int) -> _Packed:
     if packed is None or isinstance(packed, int):
-        return None if packed is None or packed & _TIER_MASK == idx else packed
-    rest = tuple(c for c in packed if c & _TIER_MASK != idx)
+        return None if packed is None or packed & _TIER_MASK == tag else packed
+    rest = tuple(c for c in packed if c & _TIER_MASK != tag)
     return rest[0] if len(rest) == 1 else rest or None
 
 
-def _with(packed: _Packed, idx: int, value: int) -> _Packed:
-    code = value << _TIER_BITS | idx
-    packed = _without(packed, idx)
+def _plus(packed: _Packed, code: int) -> _Packed:
     if packed is None:
         return code
     return (packed, code) if isinstance(packed, int) else (*packed, code)
 
 
-def _pairs(packed: _Packed) -> list[tuple[int, int]]:
+def _with(packed: _Packed, tag: int, value: int) -> _Packed:
+    return _plus(_without(packed, tag), value << _TIER_BITS | tag)
+
+
+def _pairs(packed: _Packed, flag: int) -> list[tuple[int, int]]:
+    """``(tier, value)`` of the codes with (``flag``) or without (0) the flag."""
     if packed is None:
         return []
     codes = (packed,) if isinstance(packed, int) else packed
-    return [(c & _TIER_MASK, c >> _TIER_BITS) for c in codes]
+    return [(c & _TIER_MASK & ~_DETACHED, c >> _TIER_BITS) for c in codes
+            if c & flag == flag and (flag or not c & _DETACHED)]
 
 
 class Entry:
     """One chunk: its place in the chain, and its residency in each tier."""
 
-    __slots__ = ("_gen", "_mem", "_stored", "dead", "detached", "key", "kids", "num_tokens",
-                 "parent", "pending", "pins", "raw_bytes", "tokens")
+    __slots__ = ("_gen", "_mem", "_stored", "key", "kids", "num_tokens", "parent", "pins",
+                 "raw_bytes", "tokens")
 
     _generations = itertools.count(1)
 
     def __init__(self, key: bytes, parent: bytes, num_tokens: int, raw_bytes: int,
                  tokens: np.ndarray | bytes | None) -> None:
         self.key = key
-        self._gen = 0
         self.parent = parent
         self.num_tokens = num_tokens
         self.raw_bytes = _SIZES.setdefault(raw_bytes, raw_bytes)
         # The chunk's own token ids (int32 bytes), when known: lets a lookup match a *prefix*
         # of the chunk. Bytes, not an array: 33 bytes of header instead of about 130.
         self.tokens = tokens.tobytes() if isinstance(tokens, np.ndarray) else tokens
-        self._mem: _Packed = None      # memory tiers: slot index per tier
-        self._stored: _Packed = None   # storage tiers: stored object bytes per tier
-        self.pending = 0               # bit i: a write to storage tier i is in flight
-        self.detached: tuple[tuple[int, int], ...] = ()  # (tier, slot) dropped while pinned
+        self._mem: _Packed = None      # memory tiers: slot index per tier (and detached slots)
+        self._stored: _Packed = None   # storage tiers: object bytes per tier (and pending writes)
         self.pins = 0
-        self.dead = False
+        # The generation, drawn on first use; negative once the entry is dead.
+        self._gen = 0
         # This chunk's children, kept by the directory: the only one, or an index of them.
         self.kids: Entry | Siblings | None = None
 
@@ -100,7 +106,17 @@ class Entry:
         chunk that never reaches storage never needs one)."""
         if not self._gen:
             self._gen = next(Entry._generations)
-        return self._gen
+        return abs(self._gen)
+
+    @property
+    def dead(self) -> bool:
+        """Deleted: never served again; its memory is freed by the last reader's unpin."""
+        return self._gen < 0
+
+    @dead.setter
+    def dead(self, value: bool) -> None:
+        if value != (self._gen < 0):
+            self._gen = -self.gen if value else self.gen
 
     # -- memory tiers ----------------------------------------------------------------------
 
@@ -119,11 +135,25 @@ class Entry:
 
     def slots(self) -> list[tuple[int, int]]:
         """``(memory tier index, slot index)`` for every memory tier holding this chunk."""
-        return _pairs(self._mem)
+        return _pairs(self._mem, 0)
+
+    def detach_slot(self, idx: int, index: int) -> None:
+        """Keep slot ``index`` of tier ``idx`` until :meth:`take_detached` (the last unpin)."""
+        self._mem = _plus(self._mem, index << _TIER_BITS | idx | _DETACHED)
+
+    def take_detached(self) -> list[tuple[int, int]]:
+        """The ``(tier, slot)`` pairs detached so far, forgotten here."""
+        out = _pairs(self._mem, _DETACHED)
+        if out:
+            codes = (self._mem,) if isinstance(self._mem, int) else self._mem or ()
+            rest = tuple(c for c in codes if not c & _DETACHED)
+            self._mem = rest[0] if len(rest) == 1 else rest or None
+        return out
 
     @property
     def in_memory(self) -> bool:
-        return self._mem is not None
+        return bool(self.slots()) if isinstance(self._mem, tuple) else (
+            self._mem is not None and not self._mem & _DETACHED)
 
     @property
     def blocks(self) -> dict[int, int]:
@@ -148,14 +178,25 @@ class Entry:
     @property
     def stored(self) -> dict[int, int]:
         """A snapshot, storage tier index -> stored object bytes."""
-        return dict(_pairs(self._stored))
+        return dict(_pairs(self._stored, 0))
 
     def is_pending(self, idx: int) -> bool:
-        return bool(self.pending >> idx & 1)
+        return _find(self._stored, idx | _PENDING) is not None
+
+    def set_pending(self, idx: int, pending: bool) -> None:
+        """A write of this chunk to storage tier ``idx`` is (or is no longer) in flight."""
+        self._stored = _without(self._stored, idx | _PENDING)
+        if pending:
+            self._stored = _plus(self._stored, idx | _PENDING)
+
+    @property
+    def pending(self) -> int:
+        """Bit i: a write to storage tier i is in flight."""
+        return sum(1 << i for i, _ in _pairs(self._stored, _PENDING))
 
     @property
     def resident(self) -> bool:
-        return self._mem is not None or self._stored is not None or bool(self.pending)
+        return self.in_memory or self._stored is not None
 
     def __repr__(self) -> str:
         return (f"Entry({self.key.hex()[:8]}, n={self.num_tokens}, blocks={self.blocks}, "

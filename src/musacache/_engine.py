@@ -245,7 +245,7 @@ class Cache:
                 for m in matches:
                     eng.unpin(m.entry)
             by_tier: dict[str, int] = {}
-            names = {t.name: t for t in eng.tiers}
+            names = eng.tier_by_name
             for m, _src, name in found:
                 by_tier[name] = by_tier.get(name, 0) + m.num_tokens
                 names[name].c["bytes_out"] += self.spec.nbytes(m.num_tokens)

@@ -26,8 +26,8 @@ class SlotLRU:
     __slots__ = ("_entry", "_head", "_n", "_next", "_prev", "_tail")
 
     def __init__(self) -> None:
-        self._prev = array("q")
-        self._next = array("q")
+        self._prev = array("i")  # int32: a pool never has 2**31 slots
+        self._next = array("i")
         self._entry: list[Entry | None] = []
         self._head = _NIL  # oldest
         self._tail = _NIL  # newest

@@ -88,7 +88,7 @@ class MemTier:
         index = e.pop_slot(self.idx)
         if index is not None:
             self.lru.remove(index, e)
-            e.detached = (*e.detached, (self.idx, index))
+            e.detach_slot(self.idx, index)
 
     def stats(self) -> dict[str, Any]:
         return {"kind": "device" if self.device.type != "cpu" or self.name == "device" else "host",
@@ -190,12 +190,12 @@ class StoreTier:
         self.used += len(obj)
         self.pending[(e.key, e.gen)] = (obj, time.monotonic())
         self.pending_bytes += len(obj)
-        e.pending |= 1 << self.idx
+        e.set_pending(self.idx, True)
 
     def dequeue(self, e: Entry, obj: bytes) -> None:
         self.pending.pop((e.key, e.gen), None)
         self.pending_bytes -= len(obj)
-        e.pending &= ~(1 << self.idx)
+        e.set_pending(self.idx, False)
         self.drained.set()
 
     def commit_stored(self, e: Entry, size: int, coldest: bool = True) -> None:
