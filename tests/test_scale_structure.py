@@ -229,3 +229,34 @@ async def test_evicting_a_long_prompt_walks_the_lru_once(spec, monkeypatch):
         assert await c.put(b, prefix_kv(spec, b)) == n * CH
         assert c.stats()["tiers"]["host"]["evictions"] == n
         assert visited[0] <= 3 * n, visited[0]
+
+
+async def test_a_disk_read_decodes_straight_into_the_top_tier_slot(spec, tmp_path, monkeypatch):
+    from musacache import codec
+
+    outs: list[torch.Tensor | None] = []
+    decode = codec.decode_chunk
+
+    def spy(*args, **kw):  # type: ignore[no-untyped-def]
+        outs.append(kw.get("out"))
+        return decode(*args, **kw)
+
+    monkeypatch.setattr(codec, "decode_chunk", spy)
+    cfg = mc.CacheConfig(spec, "scale", chunk_size=CH, tiers=(
+        mc.HostTier(capacity_bytes=spec.nbytes(CH) * 4),
+        mc.DiskTier(path=str(tmp_path), capacity_bytes=spec.nbytes(CH) * 64)))
+    async with mc.Cache(cfg) as c:
+        a = list(range(4 * CH))
+        await c.put(a, prefix_kv(spec, a))
+        mt = c._mem[0]
+        await c._engine.evict(mt, len(mt.lru))  # demoted: everything now lives on disk only
+        await c.flush()
+        assert not mt.lru and not outs
+        hit = await c.get(a)
+        assert hit.num_tokens == 4 * CH
+        assert torch.equal(hit.kv, prefix_kv(spec, a))
+        promoted = [e for e in c._engine.dir.entries.values() if mt.holds(e)]
+        assert promoted and outs
+        slots = {c._engine.view(mt, e).data_ptr() for e in promoted}
+        assert all(o is not None for o in outs)  # never a fresh tensor per chunk
+        assert slots <= {o.data_ptr() for o in outs if o is not None}

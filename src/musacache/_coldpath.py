@@ -49,10 +49,13 @@ class ColdPath:
 
     # -- reads ----------------------------------------------------------------------------
 
-    async def read(self, t: StoreTier, e: Entry) -> torch.Tensor | None:
-        """``e``'s KV from ``t`` (a host tensor), or None: absent, a fault, a timeout, or an
-        object that cannot be read here (corrupt, another model's, another format version).
-        Each is counted under its own name and is a miss, never an exception."""
+    async def read(self, t: StoreTier, e: Entry,
+                   out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """``e``'s KV from ``t`` (a host tensor, decoded into ``out`` when given: no fresh
+        allocation, no second copy), or None: absent, a fault, a timeout, or an object that
+        cannot be read here (corrupt, another model's, another format version). Each is
+        counted under its own name and is a miss, never an exception; ``out`` is then left
+        untouched."""
         from .codec import decode_chunk
 
         eng = self.eng
@@ -79,7 +82,7 @@ class ColdPath:
                 return None
         try:
             _, data = await eng.mover.in_thread(
-                lambda: decode_chunk(eng.fingerprint, obj, expect=meta))
+                lambda: decode_chunk(eng.fingerprint, obj, expect=meta, out=out))
         except _FOREIGN as exc:
             # Another model's, layout's or format version's object under our key: a miss, and
             # the message names both sides. It is not ours to delete.

@@ -562,7 +562,10 @@ class Engine:
         self.pin(e)
         self.inflight["promotions"] += 1
         try:
-            data, src = await self.read_lower(e)
+            done, tried = await self._promote_decoding(e, f)
+            if done:
+                return
+            data, src = await self.read_lower(e, skip=tried)
             f.tensor = data
             top = self.tiers[0]
             if data is not None and isinstance(top, MemTier) and not e.dead \
@@ -582,9 +585,47 @@ class Engine:
             f.done.set()
             self.unpin(e)
 
-    async def read_lower(self, e: Entry) -> tuple[torch.Tensor | None, Tier | None]:
-        """The data of ``e`` from the hottest tier that can produce it."""
+    async def _promote_decoding(self, e: Entry, f: Flight) -> tuple[bool, Tier | None]:
+        """When ``e`` lives only in storage and the top tier is host memory: decode it
+        straight into a top-tier slot (one decode, no fresh tensor, no second copy). Returns
+        whether it did, and the tier it read if that read missed (not to be asked again)."""
+        top = self.tiers[0]
+        src = next((t for t in self.tiers if t.holds(e)), None)
+        if not isinstance(top, MemTier) or top.device.type != "cpu" \
+                or not isinstance(src, StoreTier) or e.dead:
+            return False, None
+        idx = top.pool.reserve()
+        if idx is None and await self.evict(top, 1):
+            idx = top.pool.reserve()
+        if idx is None:
+            return False, None
+        committed = False
+        try:
+            slot = await top.pool.materialize(idx)
+            view = self.block_view(slot, e.num_tokens)
+            if await self.cold.read(src, e, out=view) is None:
+                return False, src
+            src.c["hits"] += 1
+            f.source = src.name
+            f.tensor = view
+            if not e.dead and not top.holds(e):
+                top.commit(e, slot)
+                top.c["promotions"] += 1
+                committed = True
+            else:  # deleted (or promoted by another path) meanwhile: serve this read only
+                f.tensor = view.clone()
+            return True, None
+        finally:
+            if not committed:
+                top.pool.release(idx)
+
+    async def read_lower(self, e: Entry, skip: Tier | None = None,
+                         ) -> tuple[torch.Tensor | None, Tier | None]:
+        """The data of ``e`` from the hottest tier that can produce it (other than
+        ``skip``)."""
         for t in self.tiers:
+            if t is skip:
+                continue
             if isinstance(t, MemTier):
                 if t.holds(e):
                     return self.view(t, e), t
