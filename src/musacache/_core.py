@@ -40,6 +40,9 @@ __all__ = ["ChunkSource", "DenseSource", "Engine", "PagedSource"]
 # is done this many at a time, letting other tasks run in between (well under a millisecond
 # each on an idle core).
 BATCH = 64
+# New chunks a put plans, moves and commits per round (a put costs several times more per
+# chunk than removing one; one round of a long prompt then stays near a millisecond).
+_PUT_ROUND = 16
 # Host bytes a put stages at once for chunks that go straight to a storage tier.
 _STAGE_BYTES = 256 * 1024 * 1024
 
@@ -318,7 +321,7 @@ class Engine:
                     it.tier, it.index = top, idx
             items.append(it)
             pos += 1
-            if len(items) >= BATCH:
+            if len(items) >= _PUT_ROUND:
                 break  # a long prompt is planned and placed in rounds: the loop runs between
         return items, pos, None, False, reached
 
@@ -422,8 +425,11 @@ class Engine:
         for e in chosen:
             self.pin(e)
         try:
-            await self.relocate([(e, self.view(t, e)) for e in chosen], t.idx + 1,
-                                counter="demotions")
+            if t.idx + 1 < len(self.tiers):
+                await self.relocate([(e, self.view(t, e)) for e in chosen], t.idx + 1,
+                                    counter="demotions")
+            else:  # nowhere to demote to (as relocate would count it), and no views to make
+                t.c["drops"] += len(chosen)
         finally:
             for e in chosen:
                 if t.holds(e):
