@@ -45,6 +45,12 @@ class Hit:
         return self.num_tokens > 0
 
 
+def _part(t: torch.Tensor, dim: int, start: int, n: int) -> torch.Tensor:
+    """``t.narrow(dim, start, n)``, or ``t`` itself when that is all of it (a torch view
+    costs a microsecond: the small-op floor of a one-chunk get counts them)."""
+    return t if start == 0 and t.shape[dim] == n else t.narrow(dim, start, n)
+
+
 class Cache:
     """The embedded KV cache. Use as ``async with Cache(config) as cache:``.
 
@@ -238,8 +244,9 @@ class Cache:
                 eng.pin(m.entry)
             try:
                 found = await eng.sources(matches)
-                await eng.mover.copy([(dst.narrow(td, m.start, m.num_tokens),
-                                       src.narrow(td, 0, m.num_tokens)) for m, src, _ in found])
+                await eng.mover.copy([(_part(dst, td, m.start, m.num_tokens),
+                                       _part(src, td, 0, m.num_tokens))
+                                      for m, src, _ in found])
                 eng.touch([m.entry for m, _, _ in found])
             finally:
                 for m in matches:
@@ -253,7 +260,7 @@ class Cache:
             if served < total:
                 eng.tok["hit_tokens"] -= total - served
                 eng.tok["miss_tokens"] += total - served
-            return Hit(served, dst.narrow(td, 0, served), by_tier)
+            return Hit(served, _part(dst, td, 0, served), by_tier)
         finally:
             eng.inflight["gets"] -= 1
 

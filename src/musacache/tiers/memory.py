@@ -58,6 +58,7 @@ class MemoryPool:
         self.max_slots = capacity_bytes // slot_bytes if slot_bytes else 0
         self.slots_per_segment = max(1, segment_bytes // slot_bytes) if slot_bytes else 1
         self._segments: dict[int, torch.Tensor] = {}
+        self._typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self._free: list[int] = []
         self._next = 0  # slots [0, _next) have been handed out at least once
         self._in_use = 0
@@ -108,10 +109,16 @@ class MemoryPool:
 
     def view(self, index: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """Slot ``index`` (materialized) as a ``dtype`` tensor of ``shape``."""
-        n = dtype.itemsize  # an attribute: no 0-d tensor allocated to learn an element size
+        n = 1
         for s in shape:
             n *= s
-        return self.slot_bytes_view(index, n).view(dtype).view(shape)
+        seg_no, off = divmod(index, self.slots_per_segment)
+        typed = self._typed.get((seg_no, dtype))
+        if typed is None:  # each segment is viewed as each dtype once, not once per slot
+            typed = self._segments[seg_no].view(dtype)
+            self._typed[(seg_no, dtype)] = typed
+        start = off * self.slot_bytes // dtype.itemsize  # an attribute: no 0-d tensor
+        return typed[start : start + n].view(shape)
 
     def slot_bytes_view(self, index: int, nbytes: int) -> torch.Tensor:
         """The first ``nbytes`` of slot ``index`` (materialized) as a uint8 tensor."""
@@ -163,6 +170,7 @@ class MemoryPool:
     def clear_memory(self) -> None:
         """Drop every segment (after aclose); the pool can still grow again."""
         self._segments.clear()
+        self._typed.clear()
         self._free.clear()
         self._next = 0
         self._in_use = 0
