@@ -260,3 +260,20 @@ async def test_a_disk_read_decodes_straight_into_the_top_tier_slot(spec, tmp_pat
         slots = {c._engine.view(mt, e).data_ptr() for e in promoted}
         assert all(o is not None for o in outs)  # never a fresh tensor per chunk
         assert slots <= {o.data_ptr() for o in outs if o is not None}
+
+
+def test_bench_scale_runs_small_and_prints_every_goal(capsys, tmp_path):
+    """Speed is shown by the benchmark; here only that it runs and prints each goal."""
+    from musacache.bench import scale
+
+    argv = ["--sizes", "200,1000", "--siblings", "100,1000", "--evict-chunks", "32",
+            "--stall-entries", "2000", "--listing", "3000", "--paged-tokens", "512",
+            "--disk-tokens", "512", "--repeats", "1"]
+    assert scale.main(argv) == 0
+    out = capsys.readouterr().out
+    for line in ("lookup miss among siblings", "evicting put vs the same put with room",
+                 "largest event-loop gap", "restart from a 3000-object listing",
+                 "small ops", "1000 gets gathered", "paged store vs a bare native gather",
+                 "warm disk get", "codec raw", "codec lz4", "curves over the directory size",
+                 "memory at"):
+        assert line in out, line
