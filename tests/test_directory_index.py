@@ -170,4 +170,5 @@ def test_children_stay_findable_as_parents_come_and_go(steps, removals):
     for k in parents:
         want = sorted(e.key for e in model.values() if e.parent == k)
         assert sorted(c.key for c in d.child_entries(k)) == want
+        assert sorted(c.key for c in d.child_list(k)) == want
     assert set(d.entries) == set(model)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterator
+from itertools import chain
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
@@ -63,6 +64,13 @@ class Siblings:
             yield from run
         for by_key in self._tokenless.values():
             yield from by_key.values()
+
+    def snapshot(self) -> list[Entry]:
+        """Every child, as a list built in C (a million children in milliseconds)."""
+        out = list(chain.from_iterable(self._runs))
+        for by_key in self._tokenless.values():
+            out.extend(by_key.values())
+        return out
 
     def only(self) -> Entry:
         """The single child left (call when ``len(self) == 1``)."""

@@ -299,6 +299,13 @@ class Directory:
             return iter(have)
         return iter((have,))
 
+    def child_list(self, key: bytes) -> list[Entry]:
+        """The children of ``key``, as a list (safe to hold while the directory changes)."""
+        have = self._kids(key)
+        if have is None:
+            return []
+        return have.snapshot() if isinstance(have, Siblings) else [have]
+
     def children_along(self, parent: bytes, want: bytes) -> list[Entry]:
         """The children of ``parent`` whose token ids (int32 bytes) are a prefix of ``want``
         or start with it; children without token ids are not among them."""

@@ -115,21 +115,29 @@ def subtree_batches(directory: Directory, roots: list[bytes],
     """Every entry under ``roots`` (by parent links, to any depth), ``batch`` at a time.
 
     The caller removes each batch before asking for the next, and may let other tasks run
-    in between: a removed entry's children stay findable by its key."""
+    in between: a removed entry's children stay findable by its key. A batch is cut after
+    ``batch`` steps of work (an entry found, or a key looked at), so it may be short, or empty:
+    looking at a million leaves for children is work too."""
     seen: set[bytes] = set(roots)
     stack = list(dict.fromkeys(roots))
     out: list[Entry] = []
+    steps = 0
     while stack:
         cur = stack.pop()
-        for c in list(directory.child_entries(cur)):
+        steps += 1
+        for c in directory.child_list(cur):
+            steps += 1
             if c.key in seen:
                 continue
             seen.add(c.key)
             out.append(c)
             stack.append(c.key)
-            if len(out) >= batch:
+            if steps >= batch:
                 yield out
-                out = []
+                out, steps = [], 0
+        if steps >= batch:
+            yield out
+            out, steps = [], 0
     if out:
         yield out
 
