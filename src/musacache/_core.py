@@ -685,6 +685,8 @@ class Engine:
         self.dir = Directory(self.chain)
         while entries:
             part = [entries.popitem()[1] for _ in range(min(BATCH, len(entries)))]
+            for e in part:
+                e.kids = None  # no chain is freed in one step when its root goes
             self.remove(part)
             await anyio.lowlevel.cancel_shielded_checkpoint()
 
