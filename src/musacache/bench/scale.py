@@ -518,6 +518,8 @@ def _fmt_stats(d: dict[str, float], unit: str = "") -> str:
 def report(res: dict[str, Any]) -> None:
     print("musacache bench scale (issue 12): measured, and the ratio to its baseline "
           "in this run")
+    print("(the node server's goals, lookup and get against a bare echo and put latency over "
+          "the directory size, are the server's benchmark)")
     sib = res.get("siblings")
     if sib:
         lo, hi = sib[0], sib[-1]
