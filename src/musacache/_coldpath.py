@@ -21,11 +21,11 @@ from ._directory import Entry
 from ._errors import MusaCacheError
 from ._log import RateLimitedLog
 from ._placement import persist_order, victims
-from ._tierstate import StoreTier
+from ._tierstate import MemTier, StoreTier, Tier
 from .tiers.base import ChunkMeta
 
 if TYPE_CHECKING:
-    from ._core import Engine
+    from ._core import Engine, Flight
 
 __all__ = ["ColdPath"]
 
@@ -100,6 +100,41 @@ class ColdPath:
             return None
         t.c["bytes_out"] += len(obj)
         return data
+
+    async def promote_decoding(self, e: Entry, f: Flight) -> tuple[bool, Tier | None]:
+        """When ``e`` lives only in storage and the top tier is host memory: decode it
+        straight into a top-tier slot (one decode, no fresh tensor, no second copy). Returns
+        whether it did, and the tier it read if that read missed (not to be asked again)."""
+        eng = self.eng
+        top = eng.tiers[0]
+        src = next((t for t in eng.tiers if t.holds(e)), None)
+        if not isinstance(top, MemTier) or top.device.type != "cpu" \
+                or not isinstance(src, StoreTier) or e.dead:
+            return False, None
+        idx = top.pool.reserve()
+        if idx is None and await eng.evict(top, 1):
+            idx = top.pool.reserve()
+        if idx is None:
+            return False, None
+        committed = False
+        try:
+            slot = await top.pool.materialize(idx)
+            view = eng.block_view(slot, e.num_tokens)
+            if await self.read(src, e, out=view) is None:
+                return False, src
+            src.c["hits"] += 1
+            f.source = src.name
+            f.tensor = view
+            if not e.dead and not top.holds(e):
+                top.commit(e, slot)
+                top.c["promotions"] += 1
+                committed = True
+            else:  # deleted (or promoted by another path) meanwhile: serve this read only
+                f.tensor = view.clone()
+            return True, None
+        finally:
+            if not committed:
+                top.pool.release(idx)
 
     @staticmethod
     def _count(t: StoreTier, *names: str) -> None:

@@ -29,7 +29,7 @@ from ._config import CacheConfig
 from ._directory import Directory, Entry, Match
 from ._keys import Fingerprint, KeyChain
 from ._move import Mover, accelerator_of, gather_chunks
-from ._placement import delete_roots, subtree_batches, victims
+from ._placement import victims
 from ._tasks import TaskOwner
 from ._tierstate import MemTier, StoreTier, Tier, counters
 from .tiers.memory import Slot
@@ -568,7 +568,7 @@ class Engine:
         self.pin(e)
         self.inflight["promotions"] += 1
         try:
-            done, tried = await self._promote_decoding(e, f)
+            done, tried = await self.cold.promote_decoding(e, f)
             if done:
                 return
             data, src = await self.read_lower(e, skip=tried)
@@ -590,40 +590,6 @@ class Engine:
             self.flights.pop(e.key, None)
             f.done.set()
             self.unpin(e)
-
-    async def _promote_decoding(self, e: Entry, f: Flight) -> tuple[bool, Tier | None]:
-        """When ``e`` lives only in storage and the top tier is host memory: decode it
-        straight into a top-tier slot (one decode, no fresh tensor, no second copy). Returns
-        whether it did, and the tier it read if that read missed (not to be asked again)."""
-        top = self.tiers[0]
-        src = next((t for t in self.tiers if t.holds(e)), None)
-        if not isinstance(top, MemTier) or top.device.type != "cpu" \
-                or not isinstance(src, StoreTier) or e.dead:
-            return False, None
-        idx = top.pool.reserve()
-        if idx is None and await self.evict(top, 1):
-            idx = top.pool.reserve()
-        if idx is None:
-            return False, None
-        committed = False
-        try:
-            slot = await top.pool.materialize(idx)
-            view = self.block_view(slot, e.num_tokens)
-            if await self.cold.read(src, e, out=view) is None:
-                return False, src
-            src.c["hits"] += 1
-            f.source = src.name
-            f.tensor = view
-            if not e.dead and not top.holds(e):
-                top.commit(e, slot)
-                top.c["promotions"] += 1
-                committed = True
-            else:  # deleted (or promoted by another path) meanwhile: serve this read only
-                f.tensor = view.clone()
-            return True, None
-        finally:
-            if not committed:
-                top.pool.release(idx)
 
     async def read_lower(self, e: Entry, skip: Tier | None = None,
                          ) -> tuple[torch.Tensor | None, Tier | None]:
@@ -654,41 +620,6 @@ class Engine:
                 and await self.cold.refresh(stop_parent):
             matches, _ = self.dir.match(toks)
         return matches
-
-    async def delete(self, toks: np.ndarray) -> int:
-        """Remove the prompt's chunks at once (so nothing of it can be found), then what
-        extends them, ``BATCH`` at a time with the loop free in between: a prompt with a
-        million descendants never stalls the loop."""
-        roots, keys = delete_roots(self.dir, self.chain, toks)
-        first = [e for k in roots if (e := self.dir.get(k)) is not None]
-        self.remove(first)
-        known = {e.key for e in first}
-        removed = len(first)
-        for part in subtree_batches(self.dir, roots + keys, BATCH):
-            live = [e for e in part if not e.dead]
-            self.remove(live)
-            removed += len(live)
-            known.update(e.key for e in live)
-            # Shielded: a cancelled delete or clear still finishes what it started.
-            await anyio.lowlevel.cancel_shielded_checkpoint()
-        for st in self.stores:  # another node may have written the prompt's chunks
-            if st.store.shared:
-                for k in keys:
-                    if k not in known:
-                        self.cold.schedule_delete(st, k)
-        return removed
-
-    async def clear(self) -> None:
-        """Forget every chunk. The directory is swapped for an empty one at once (nothing
-        can be found from then on); the old entries are freed ``BATCH`` at a time."""
-        entries = self.dir.entries
-        self.dir = Directory(self.chain)
-        while entries:
-            part = [entries.popitem()[1] for _ in range(min(BATCH, len(entries)))]
-            for e in part:
-                e.kids = None  # no chain is freed in one step when its root goes
-            self.remove(part)
-            await anyio.lowlevel.cancel_shielded_checkpoint()
 
     def remove(self, doomed: Sequence[Entry]) -> None:
         """Forget ``doomed`` in every tier now; storage deletes are chained after any write

@@ -13,10 +13,9 @@ import anyio
 import numpy as np
 import torch
 
-from . import devices
+from . import _removal, devices
 from ._config import CacheConfig, DeviceTier, HostTier
-from ._core import BATCH as _LEARN_BATCH
-from ._core import DenseSource, Engine, PagedSource
+from ._core import BATCH, DenseSource, Engine, PagedSource
 from ._directory import Match
 from ._errors import CacheClosedError, ConfigError, DeviceError, InvalidInputError, ShapeError
 from ._keys import Fingerprint, KeyChain, as_tokens
@@ -127,7 +126,7 @@ class Cache:
             for st in eng.stores:
                 metas = await st.store.start(ctx)
                 started.append(st.store)
-                await eng.cold.learn_all(st, list(metas), _LEARN_BATCH)
+                await eng.cold.learn_all(st, list(metas), BATCH)
             for mt in eng.mem:
                 if mt.prealloc_bytes:
                     await mt.pool.prealloc(mt.prealloc_bytes)
@@ -396,12 +395,12 @@ class Cache:
         eng = self._check_open()
         toks = as_tokens(tokens)
         self._ops["deletes"] += 1
-        return await eng.delete(toks)
+        return await _removal.delete(eng, toks, BATCH)
 
     async def clear(self) -> None:
         """Forget every chunk in every tier (storage objects of this fingerprint included)."""
         eng = self._check_open()
-        await eng.clear()
+        await _removal.clear(eng, BATCH)
 
     async def flush(self) -> None:
         """Wait until every background write and delete (write-behind, write-through) has

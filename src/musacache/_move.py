@@ -87,7 +87,8 @@ class Mover:
             # The small-op floor (one chunk of a tiny spec): a host copy below the inline size
             # is done here, without building a plan for it.
             d, s = pairs[0]
-            if d.is_cpu and s.is_cpu and d.numel() * d.element_size() < self.inline_bytes:
+            if accelerator_of(pairs[0]) is None \
+                    and d.numel() * d.element_size() < self.inline_bytes:
                 self.moves += 1
                 d.copy_(s)
                 return
