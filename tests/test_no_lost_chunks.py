@@ -276,3 +276,22 @@ async def test_delete_of_a_partial_tail_takes_the_chunk_that_extends_it() -> Non
         await c.put(toks, prefix_kv(spec, toks))
         assert await c.delete(toks[: CH + 3]) == 2  # chunk 0, and chunk 1 that extends it
         assert await c.lookup(toks) == 0
+
+
+async def test_a_shared_tier_listing_never_brings_back_a_chunk_being_deleted() -> None:
+    """On a shared tier a miss lists what other nodes wrote. A chunk deleted here whose object
+    delete has not finished yet is still in that listing: it must not be learned again."""
+    spec = small_spec()
+    store = SlowDeletes(shared=True, write_through=True)
+    p = (5, 1)
+    config = mc.CacheConfig(spec, "issue10", chunk_size=CH, refresh_interval=0,
+                            tiers=(mc.HostTier(spec.nbytes(CH) * 4), store))
+    async with mc.Cache(config) as c:
+        await c.put(tokens_of(p), kv_of(spec, p, [1, 1]))
+        await c.flush()
+        assert len(store.objects) == 2
+        await c.delete(tokens_of(p))
+        assert await c.lookup(tokens_of(p)) == 0  # the deletes are still running
+        await c.flush()
+        assert store.objects == {}
+        assert await c.lookup(tokens_of(p)) == 0

@@ -9,6 +9,7 @@ queue. Every fault here is a counted miss or a counted drop, never an exception 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -215,6 +216,7 @@ class ColdPath:
     def schedule_delete(self, t: StoreTier, key: bytes) -> None:
         """Delete ``key`` on ``t`` after every operation on it scheduled so far."""
         before, mine = t.chain_link(key)
+        t.delete_started(key)
         self.eng.tasks.spawn(self._delete_job, t, key, before, mine)
 
     async def _delete_job(self, t: StoreTier, key: bytes, before: anyio.Event | None,
@@ -229,6 +231,7 @@ class ColdPath:
             t.c["faults"] += 1
             self.errlog.warn(t.name, "delete fault", repr(exc))
         finally:
+            t.delete_done(key)
             t.chain_done(key, mine)
 
     async def make_room(self, t: StoreTier, size: int) -> bool:
@@ -321,6 +324,7 @@ class ColdPath:
                 while cur is not None:
                     if st.asked_recently(cur, eng.config.refresh_interval):
                         break
+                    listed_at = time.monotonic()
                     try:
                         metas = await st.store.refresh(cur)
                     except Exception as exc:
@@ -328,7 +332,7 @@ class ColdPath:
                         self.errlog.warn(st.name, "refresh", repr(exc))
                         break
                     st.c["refreshes"] += 1
-                    new = self.learn(st, metas)
+                    new = self.learn(st, metas, listed_at)
                     learned = learned or bool(new)
                     # Keep walking down a single new child: that is a longer cached prefix.
                     cur = new[0].key if len(new) == 1 else None
@@ -348,12 +352,15 @@ class ColdPath:
             await anyio.lowlevel.checkpoint()
 
     def learn(self, st: StoreTier, metas: Iterable[ChunkMeta],
-              ordered: bool = False) -> list[Entry]:
-        """Record chunks a storage tier reports (oldest first if ``ordered``); returns the
-        entries that were new to it."""
+              listed_at: float | None = None, ordered: bool = False) -> list[Entry]:
+        """Record chunks a storage tier reports (in a listing taken at ``listed_at``; oldest
+        first if ``ordered``); returns the entries that were new to it. A chunk deleted since
+        is not learned."""
         eng = self.eng
         new: list[Entry] = []
         for m in metas if ordered else sorted(metas, key=lambda m: m.last_used):
+            if listed_at is not None and st.tombstoned(m.key, listed_at):
+                continue  # deleted here (or being deleted): the listing is older than that
             if m.raw_bytes != eng.spec.nbytes(m.num_tokens) or not (
                     0 < m.num_tokens <= eng.config.chunk_size):
                 continue  # not a chunk of this spec: never serve it

@@ -123,6 +123,10 @@ class StoreTier:
         self.sem = anyio.Semaphore(max(1, int(store.max_concurrency)))
         self.refreshed: OrderedDict[bytes | None, float] = OrderedDict()
         self._chains: dict[bytes, anyio.Event] = {}
+        # Keys with a delete queued or running, and when recent deletes finished: a listing
+        # (refresh) that saw the object before its delete must not bring it back.
+        self.deleting: dict[bytes, int] = {}
+        self.deleted: OrderedDict[bytes, float] = OrderedDict()
         self.last_write_failed = False
         self.c = counters("hits", "misses", "bytes_in", "bytes_out", "evictions", "faults",
                           "timeouts", "corrupt", "foreign", "writes", "write_drops",
@@ -157,6 +161,22 @@ class StoreTier:
         mine.set()
         if self._chains.get(key) is mine:
             del self._chains[key]
+
+    def delete_started(self, key: bytes) -> None:
+        self.deleting[key] = self.deleting.get(key, 0) + 1
+
+    def delete_done(self, key: bytes) -> None:
+        left = self.deleting.pop(key, 1) - 1
+        if left:
+            self.deleting[key] = left
+        self.deleted[key] = time.monotonic()
+        self.deleted.move_to_end(key)
+        while len(self.deleted) > REFRESH_MEMORY:
+            self.deleted.popitem(last=False)
+
+    def tombstoned(self, key: bytes, listed_at: float) -> bool:
+        """Whether a listing taken at ``listed_at`` may still show ``key`` after its delete."""
+        return key in self.deleting or self.deleted.get(key, float("-inf")) >= listed_at
 
     # -- the write queue ----------------------------------------------------------------------
 
