@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import inspect
 import json
 import sys
 import tempfile
@@ -336,9 +335,7 @@ async def open_cache(args: argparse.Namespace, spec: musacache.KVSpec) -> AsyncI
 
 
 async def token_stats(cache: Any) -> dict[str, int]:
-    stats = cache.stats()  # a coroutine on the client (it asks the server), a dict embedded
-    if inspect.isawaitable(stats):
-        stats = await stats
+    stats = await cache.stats()  # a coroutine on both the embedded cache and the client
     return {k: int(v) for k, v in stats["tokens"].items()}
 
 

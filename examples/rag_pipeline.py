@@ -147,7 +147,7 @@ async def ingest(args: argparse.Namespace) -> dict[str, Any]:
         # put() returns once the host tier owns the KV; the S3 writes run in the background.
         # This process is about to exit, so wait for them.
         await cache.flush()
-        s3 = cache.stats()["tiers"]["s3"]
+        s3 = (await cache.stats())["tiers"]["s3"]
     return {"step": "ingest", "bucket": args.bucket, "prefix": args.prefix,
             "documents": [{"doc_id": d.doc_id, "keywords": list(d.keywords),
                            "tokens": len(d.tokens)} for d in docs],
@@ -221,7 +221,7 @@ async def query(args: argparse.Namespace) -> dict[str, Any]:
                                                     atol=LOGITS_TOLERANCE)),
                 "first_token": int(logits.argmax()),
             })
-        s3 = cache.stats()["tiers"]["s3"]
+        s3 = (await cache.stats())["tiers"]["s3"]
 
     return {
         "step": "query",

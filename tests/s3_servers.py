@@ -96,6 +96,8 @@ class FaultProxy:
 
     * ``throttle = n``: answer the next ``n`` requests with ``503 SlowDown`` (and close);
     * ``delay = s``: hold each request ``s`` seconds before forwarding it;
+    * ``hang()`` / ``release()``: hold every request until released, so a timeout is certain
+      however fast or slow the machine is (a test must never race a timeout against real work);
     * ``stop()`` / ``start()``: the endpoint goes down (new connections are refused, open ones
       reset) and comes back on the same port.
     """
@@ -110,6 +112,8 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._socks: set[socket.socket] = set()
         self._listener: socket.socket | None = None
+        self._flowing = threading.Event()
+        self._flowing.set()
 
     @property
     def endpoint_url(self) -> str:
@@ -123,7 +127,14 @@ class FaultProxy:
         threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
         return self
 
+    def hang(self) -> None:
+        self._flowing.clear()
+
+    def release(self) -> None:
+        self._flowing.set()
+
     def stop(self) -> None:
+        self.release()  # held requests end with their sockets
         listener, self._listener = self._listener, None
         if listener is not None:
             self._close(listener)  # shutdown first: close alone does not wake accept()
@@ -177,6 +188,7 @@ class FaultProxy:
                         break
                     if self.delay:
                         time.sleep(self.delay)
+                    self._flowing.wait()
                 dst.sendall(data)
         except OSError:
             pass

@@ -36,24 +36,56 @@ capacity = {capacity}
     return path
 
 
+def write_tiers_config(path: Path, capacity: int, server: str = "") -> Path:
+    """A server config with only its tiers (and an optional [server] table body)."""
+    path.write_text(f"""
+[[tiers]]
+kind = "host"
+capacity = {capacity}
+[server]
+{server}
+""")
+    return path
+
+
 class ServerProcess:
-    def __init__(self, sock: str, config: Path) -> None:
+    """``musacache serve`` in a subprocess. ``log``: a file for its stderr (else a pipe read
+    only if it fails to start); ``nofile``: its RLIMIT_NOFILE soft limit."""
+
+    def __init__(self, sock: str, config: Path, *, log: Path | None = None,
+                 log_level: str = "WARNING", nofile: int | None = None) -> None:
         self.sock = sock
         self.config = config
+        self.log = log
+        self.log_level = log_level
+        self.nofile = nofile
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 30.0) -> ServerProcess:
         env = dict(os.environ)
         src = str(Path(mc.__file__).resolve().parent.parent)
         env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+        nofile = self.nofile
+
+        def limit_fds() -> None:
+            if nofile is not None:
+                import resource
+
+                _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, hard))
+
+        err_to = open(self.log, "wb") if self.log is not None else subprocess.PIPE
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "musacache", "serve", "--socket", self.sock,
-             "--config", str(self.config), "--log-level", "WARNING"],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+             "--config", str(self.config), "--log-level", self.log_level],
+            env=env, stdout=subprocess.DEVNULL, stderr=err_to, preexec_fn=limit_fds)
+        if self.log is not None:
+            err_to.close()  # type: ignore[union-attr]
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+                err = (self.proc.stderr.read().decode() if self.proc.stderr
+                       else Path(self.log).read_text() if self.log else "")
                 raise RuntimeError(f"musacache serve exited with {self.proc.returncode}: {err}")
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
@@ -64,6 +96,19 @@ class ServerProcess:
             finally:
                 s.close()
         raise RuntimeError("musacache serve did not start listening in time")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def status(self, field: str) -> int:
+        """A number from /proc/<pid>/status (VmRSS, VmHWM in kB; Threads)."""
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+        raise KeyError(field)
+
+    def open_fds(self) -> int:
+        return len(os.listdir(f"/proc/{self.pid}/fd"))
 
     @property
     def pid(self) -> int:

@@ -103,7 +103,7 @@ async def test_delete_and_clear(spec):
         await c.put(b, prefix_kv(spec, b))
         await c.clear()
         assert await c.lookup(b) == 0
-        st = c.stats()
+        st = await c.stats()
         assert st["tiers"]["host"]["bytes_used"] == 0 and st["chunks"] == 0
 
 
@@ -113,7 +113,7 @@ async def test_stats_fields(spec):
         await c.put(toks, prefix_kv(spec, toks))
         await c.get(toks)
         await c.get([9, 9, 9])
-        st = c.stats()
+        st = await c.stats()
     host = st["tiers"]["host"]
     for k in ("hits", "misses", "bytes_in", "bytes_out", "evictions", "bytes_used",
               "capacity_bytes"):
@@ -127,8 +127,8 @@ async def test_stats_fields(spec):
 # -- bad input: typed error, nothing changes ------------------------------------------------
 
 
-def snapshot(c: mc.Cache):
-    st = c.stats()
+async def snapshot(c: mc.Cache):
+    st = await c.stats()
     return (st["chunks"], st["tiers"]["host"]["bytes_used"], st["tiers"]["host"]["bytes_in"])
 
 
@@ -144,10 +144,10 @@ async def test_bad_kv_raises_and_changes_nothing(spec, make_kv, err, match):
     toks = list(range(20))
     async with mc.Cache(host_config(spec)) as c:
         await c.put(list(range(100, 120)), prefix_kv(spec, list(range(100, 120))))
-        before = snapshot(c)
+        before = await snapshot(c)
         with pytest.raises(err, match=match):
             await c.put(toks, make_kv(spec))
-        assert snapshot(c) == before
+        assert await snapshot(c) == before
         assert await c.lookup(toks) == 0
 
 
@@ -155,14 +155,14 @@ async def test_bad_kv_raises_and_changes_nothing(spec, make_kv, err, match):
                                     np.ones(4, dtype=np.float32), None])
 async def test_bad_tokens_raise_and_change_nothing(spec, tokens):
     async with mc.Cache(host_config(spec)) as c:
-        before = snapshot(c)
+        before = await snapshot(c)
         with pytest.raises(mc.TokensError):
             await c.put(tokens, prefix_kv(spec, [1, 2, 3, 4]))
         with pytest.raises(mc.TokensError):
             await c.get(tokens)
         with pytest.raises(mc.TokensError):
             await c.lookup(tokens)
-        assert snapshot(c) == before
+        assert await snapshot(c) == before
 
 
 async def test_bad_out_raises_and_writes_nothing(spec):

@@ -61,7 +61,7 @@ def run_model(operations, capacity_chunks: int, tiers_factory=None) -> None:
                     if unbounded:
                         assert hit.num_tokens == best
                     assert torch.equal(hit.kv, prefix_kv(SPEC, seq[: hit.num_tokens]))
-            st_ = c.stats()
+            st_ = await c.stats()
             assert st_["pins"] == 0
             for tier in st_["tiers"].values():
                 if tier["capacity_bytes"] is not None:

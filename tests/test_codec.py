@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import struct
 import zlib
 
 import lz4.block
@@ -17,6 +18,7 @@ from musacache._errors import (
     CorruptChunkError,
     DTypeError,
     FingerprintMismatchError,
+    ForeignFormatError,
     InvalidInputError,
     ShapeError,
 )
@@ -255,6 +257,33 @@ def test_other_namespace_names_both_sides(encoded: tuple[ChunkMeta, torch.Tensor
     msg = str(info.value)
     assert "namespace='model-a'" in msg and "namespace='model-b'" in msg
     assert msg.index("model-a") < msg.index("model-b")  # "written for A, this cache is B"
+
+
+def _with_version(obj: bytes, version: int) -> bytes:
+    """``obj`` with another format version in an intact header (its checksum recomputed), as
+    a musacache of that version would have written it."""
+    head = bytearray(obj[:HEADER_SIZE])
+    struct.pack_into("<H", head, 4, version)  # after the 4-byte magic
+    crc = zlib.crc32(head[12:HEADER_SIZE], zlib.crc32(head[:8]))
+    struct.pack_into("<I", head, 8, crc)
+    return bytes(head) + obj[HEADER_SIZE:]
+
+
+@pytest.mark.parametrize("version", [0, FORMAT_VERSION + 1, 0xFFFF])
+def test_foreign_format_version_is_unreadable_not_a_mismatch(
+        encoded: tuple[ChunkMeta, torch.Tensor, bytes], fp: Fingerprint, version: int) -> None:
+    # Issue 10 item 16: an intact object of another format version is an unreadable cold
+    # chunk (a counted miss, like a corrupt one), not a FingerprintMismatchError that the
+    # engine lets escape from get().
+    meta, _, obj = encoded
+    foreign = _with_version(obj, version)
+    for call in (lambda: read_header(foreign), lambda: decode_chunk(fp, foreign, expect=meta)):
+        with pytest.raises(ForeignFormatError, match=f"format v{version}") as info:
+            call()
+        assert isinstance(info.value, CorruptChunkError)
+        assert not isinstance(info.value, FingerprintMismatchError)
+    # The same bytes with this musacache's version decode: only the version was foreign.
+    assert _same(decode_chunk(fp, _with_version(foreign, FORMAT_VERSION))[1], encoded[1])
 
 
 @pytest.mark.parametrize("other", [

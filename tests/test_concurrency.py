@@ -36,7 +36,7 @@ async def test_200_concurrent_puts_and_gets_of_overlapping_prompts(spec):
             for i in range(200):
                 tg.start_soon(one, i)
         assert errors == []
-        st = c.stats()
+        st = await c.stats()
         assert st["pins"] == 0 and st["tiers"]["host"]["bytes_used"] <= spec.nbytes(CH) * 40
 
 
@@ -67,7 +67,7 @@ async def test_a_chunk_being_read_is_not_evicted_under_its_reader(spec):
             b = list(range(500, 532))
             mover.copy = real
             assert await c.put(b, prefix_kv(spec, b)) == 0
-            assert c.stats()["pins"] == 2
+            assert (await c.stats())["pins"] == 2
             gate.set()
         assert torch.equal(result["hit"].kv, prefix_kv(spec, a))
         # Once the reader is gone the same put evicts and succeeds.
@@ -96,11 +96,11 @@ async def test_deleted_while_read_is_freed_after_the_reader(spec):
             tg.start_soon(reader)
             await entered.wait()
             await c.delete(a)
-            assert c.stats()["tiers"]["host"]["bytes_used"] == spec.nbytes(CH) * 2  # still held
+            assert (await c.stats())["tiers"]["host"]["bytes_used"] == spec.nbytes(CH) * 2  # still held
             gate.set()
         mover.copy = real
         assert torch.equal(out["hit"].kv, prefix_kv(spec, a))
-        assert c.stats()["tiers"]["host"]["bytes_used"] == 0
+        assert (await c.stats())["tiers"]["host"]["bytes_used"] == 0
 
 
 async def test_random_cancellation_leaks_nothing(spec):
@@ -128,7 +128,7 @@ async def test_random_cancellation_leaks_nothing(spec):
                 for i in range(40):
                     tg.start_soon(op, i)
         await c.flush()
-        st = c.stats()
+        st = await c.stats()
         assert st["pins"] == 0
         assert all(v == 0 for k, v in st["in_flight"].items()), st["in_flight"]
         # Every slot in use belongs to a chunk the directory knows: no leaked memory.

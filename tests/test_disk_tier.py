@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 import torch
 
 from musacache._errors import ConfigError, TierError
 from musacache._keys import Fingerprint
 from musacache._spec import KVSpec
+from musacache._testing.tier_model import check_tier_model
 from musacache.codec import HEADER_SIZE, decode_chunk, encode_chunk
 from musacache.tiers.base import ChunkMeta, StorageTier, TierContext
 from musacache.tiers.disk import DiskStore, DiskTier, file_name
@@ -96,14 +101,19 @@ async def test_write_read_delete(tier: DiskTier) -> None:
     await store.aclose()
 
 
-async def test_write_is_idempotent(tier: DiskTier) -> None:
+async def test_a_rewrite_replaces_the_file(tier: DiskTier) -> None:
+    # Issue 10 item 1: a key re-put after a delete may carry new KV. A file of the same size
+    # under the name is not proof that it holds the newer bytes: the write must replace it.
     store = tier.build()
     await store.start(CTX)
-    meta, obj = _chunk(1)
-    await store.write(meta, obj)
-    await store.write(meta, obj)
-    assert store.stats()["writes"] == 1 and store.stats()["writes_skipped"] == 1
-    assert await store.read(meta) == obj
+    meta, _ = _chunk(1)
+    old, new = (encode_chunk(FP, meta, torch.full(SPEC.shape(16), v, dtype=SPEC.dtype), "raw")
+                for v in (1.0, 2.0))
+    assert len(old) == len(new) and old != new
+    await store.write(meta, old)
+    await store.write(meta, new)
+    assert store.stats()["writes"] == 2
+    assert await store.read(meta) == new
     await store.aclose()
 
 
@@ -243,8 +253,96 @@ async def test_one_cache_per_folder(tier: DiskTier) -> None:
     await other.start(TierContext(Fingerprint("other", SPEC, 16)))
     await other.aclose()
     await first.aclose()
-    await second.start(CTX)
+    await second.start(CTX)  # free again once the first one closed
     await second.aclose()
+
+
+async def test_tenants_on_one_folder_never_touch_each_other(tier: DiskTier) -> None:
+    # Issue 10 item 3: the folder named the fingerprint only, so tenant B's scan listed A's
+    # chunks and its clear() deleted them. Each tenant now has a folder of its own (and the
+    # two can run at once: one lock per folder).
+    tenant_a = tier.build()
+    await tenant_a.start(TierContext(FP, tenant="a"))
+    chunks = [_chunk(i) for i in range(4)]
+    for meta, obj in chunks:
+        await tenant_a.write(meta, obj)
+    tenant_b = tier.build()
+    assert await tenant_b.start(TierContext(FP, tenant="b")) == []
+    # B stores the same keys (never the case through a Cache: keys are salted per tenant),
+    # then deletes them, as its clear() would.
+    for meta, obj in chunks:
+        await tenant_b.write(meta, obj)
+    for meta, _ in chunks:
+        await tenant_b.delete(meta.key)
+    await tenant_a.aclose()
+    await tenant_b.aclose()
+    again_a = tier.build()
+    assert {m.key for m in await again_a.start(TierContext(FP, tenant="a"))} == {
+        m.key for m, _ in chunks}
+    for meta, obj in chunks:
+        assert await again_a.read(meta) == obj
+    # No tenant: the folder it always had, and neither tenant's chunks in it.
+    plain = tier.build()
+    assert await plain.start(CTX) == []
+    assert plain.root.name == FP.digest().hex()
+    assert again_a.root.name.startswith(FP.digest().hex() + ".")
+    assert "a" not in again_a.root.name.split(".")[1:]  # a digest, not the tenant's name
+    await again_a.aclose()
+    await plain.aclose()
+
+
+async def test_writes_and_deletes_of_one_key_take_effect_in_call_order(
+        tier: DiskTier, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 10 item 1: a delete called while a write of the same key was in its worker thread
+    # listed the folder before the rename, found nothing, and the write then landed: the
+    # deleted chunk came back at the next start.
+    slow_write = DiskStore._write_file
+
+    def write_slowly(self: DiskStore, path: Path, obj: bytes) -> None:
+        time.sleep(0.2)
+        slow_write(self, path, obj)
+
+    monkeypatch.setattr(DiskStore, "_write_file", write_slowly)
+    store = tier.build()
+    await store.start(CTX)
+    meta, obj = _chunk(1)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(store.write, meta, obj)
+        await anyio.lowlevel.checkpoint()  # the write is in its thread
+        tg.start_soon(store.delete, meta.key)
+    assert await store.read(meta) is None
+    # A write called after a delete is the one that stays.
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(store.delete, meta.key)
+        await anyio.lowlevel.checkpoint()
+        tg.start_soon(store.write, meta, obj)
+    await store.aclose()
+    again = tier.build()
+    assert [m.key for m in await again.start(CTX)] == [meta.key]
+    await again.aclose()
+
+
+def test_kind_names_the_backend(tier: DiskTier) -> None:
+    store = tier.build()
+    assert store.kind == store.stats()["kind"] == "disk"
+
+    class Plugin(StorageTier):
+        async def start(self, ctx: TierContext) -> list[ChunkMeta]:
+            return []
+
+        async def aclose(self) -> None:
+            pass
+
+        async def write(self, meta: ChunkMeta, obj: bytes) -> None:
+            pass
+
+        async def read(self, meta: ChunkMeta) -> bytes | None:
+            return None
+
+        async def delete(self, key: bytes) -> None:
+            pass
+
+    assert Plugin().kind == "Plugin"  # a plug-in that does not say: its class name
 
 
 # -- faults --------------------------------------------------------------------------------------
@@ -281,13 +379,113 @@ async def test_slow_read_times_out(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         time.sleep(1.0)  # a stuck network file system
         return b""
 
-    monkeypatch.setattr(DiskStore, "_read_file", staticmethod(hung_read))
+    monkeypatch.setattr(DiskStore, "_read_regular", staticmethod(hung_read))
     start = time.monotonic()
     with pytest.raises(TierError, match="took over"):
         await store.read(meta)
     assert time.monotonic() - start < 1.0
     await store.aclose()
     await anyio.sleep(0.8)  # let the abandoned worker finish before the loop closes
+
+
+async def test_a_fifo_under_a_chunk_name_is_a_miss_not_a_hang(tier: DiskTier) -> None:
+    # Issue 10 item 11: a chunk file replaced by a FIFO. open() waited for a writer forever:
+    # 20 reads left their threads blocked (one per read: a timed-out thread is abandoned, and
+    # its limiter token handed to the next read).
+    store = DiskTier(path=tier.path, capacity_bytes=1 << 20, timeout=0.5,
+                     max_concurrency=2).build()
+    await store.start(CTX)
+    meta, obj = _chunk(1)
+    await store.write(meta, obj)
+    path = store.root / meta.key[:1].hex() / file_name(meta.key, meta.parent, 16)
+    path.unlink()
+    os.mkfifo(path)
+    baseline = threading.active_count()
+    results: list[object] = []
+
+    async def read() -> None:
+        try:
+            results.append(await store.read(meta))
+        except TierError as e:
+            results.append(e)
+
+    try:
+        with anyio.fail_after(60):  # a hang detector, not a speed test
+            async with anyio.create_task_group() as tg:
+                for _ in range(20):
+                    tg.start_soon(read)
+        assert results == [None] * 20  # absent: counted misses
+        assert not path.exists() or not path.is_fifo()
+        stats = store.stats()
+        assert stats["removed_not_files"] == 1 and stats["read_misses"] == 20
+        assert stats["read_faults"] == 0 and stats["stuck_reads"] == 0
+        # No blocked threads: at most the tier's own idle workers were added.
+        assert threading.active_count() <= baseline + store.max_concurrency
+    finally:
+        if path.is_fifo():  # unblock readers (before the fix) so the test can end
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+    # The start-up scan does not open it either (it is not a regular file).
+    os.mkfifo(path)
+    await store.aclose()
+    again = tier.build()
+    with anyio.fail_after(60):
+        assert await again.start(CTX) == []
+    await again.aclose()
+
+
+async def test_hung_reads_are_bounded_and_quarantined(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 10 item 11: each read of a hung file left one more OS thread behind, without
+    # bound. Now at most max_concurrency threads may be stuck; then reads fail at once, and
+    # a chunk whose read hung reads as absent until it is written again.
+    store = DiskTier(path=str(tmp_path), capacity_bytes=1 << 20, timeout=0.2,
+                     max_concurrency=2).build()
+    await store.start(CTX)
+    chunks = [_chunk(i) for i in range(10)]
+    for meta, obj in chunks:
+        await store.write(meta, obj)
+    release = threading.Event()
+    entered: list[Path] = []
+    read_regular = DiskStore._read_regular
+
+    def hang(path: Path) -> object:
+        entered.append(path)  # a stuck network file system
+        release.wait(30)
+        return read_regular(path)
+
+    monkeypatch.setattr(DiskStore, "_read_regular", staticmethod(hang))
+    try:
+        hung = chunks[:2]
+        async with anyio.create_task_group() as tg:
+            for meta, _ in hung:
+                tg.start_soon(_expect_tier_error, store.read(meta), "took over")
+        assert len(entered) == 2 and store.stats()["stuck_reads"] == 2
+        for meta, _ in chunks[2:]:
+            await _expect_tier_error(store.read(meta), "stuck")
+        assert len(entered) == 2  # no thread was handed to another read
+        assert store.stats()["reads_refused"] == 8
+    finally:
+        release.set()
+    with anyio.fail_after(30):
+        # The abandoned threads return on their own: there is no event to wait on.
+        while store.stats()["stuck_reads"]:  # noqa: ASYNC110
+            await anyio.sleep(0.01)
+    monkeypatch.setattr(DiskStore, "_read_regular", staticmethod(read_regular))
+    assert await store.read(chunks[2][0]) == chunks[2][1]
+    # The chunks whose read hung are quarantined: absent, until written again.
+    assert await store.read(hung[0][0]) is None
+    assert store.stats()["quarantined"] == 2
+    await store.write(*hung[0])
+    assert await store.read(hung[0][0]) == hung[0][1]
+    await store.aclose()
+
+
+async def _expect_tier_error(call: Any, match: str) -> None:
+    with pytest.raises(TierError, match=match):
+        await call
 
 
 def test_config_from_toml(tmp_path: Path) -> None:
@@ -314,3 +512,40 @@ fsync = true
     assert isinstance(tier, DiskTier)
     assert (tier.capacity_bytes, tier.codec, tier.fsync, tier.name) == (
         2 * 1024**3, "raw", True, "disk")
+
+
+# -- model check ---------------------------------------------------------------------------------
+
+
+def _slow_disk(store: StorageTier, rng: random.Random) -> None:
+    """Sleep at random in the worker thread before each file write and delete, so that the
+    writes and deletes of one key overlap."""
+    assert isinstance(store, DiskStore)
+    write, delete = store._write_file, store._delete_files
+
+    def write_slowly(path: Path, obj: bytes) -> None:
+        time.sleep(rng.uniform(0, 0.01))
+        write(path, obj)
+
+    def delete_slowly(folder: Path, key: bytes, name: str | None) -> None:
+        time.sleep(rng.uniform(0, 0.01))
+        delete(folder, key, name)
+
+    store._write_file = write_slowly  # type: ignore[method-assign]
+    store._delete_files = delete_slowly  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize(("seed", "tenant"), [(1, None), (2, None), (3, "t")])
+async def test_model_check_loses_and_resurrects_nothing(tmp_path: Path, seed: int,
+                                                        tenant: str | None) -> None:
+    # Issue 10 items 1 and 8: random writes, deletes and re-writes of a few keys over a slow
+    # disk, each round ended by a restart, against the model of the tier contract.
+    tier = DiskTier(path=str(tmp_path), capacity_bytes="64MiB")
+
+    async def make() -> StorageTier:
+        return tier.build()
+
+    report = await check_tier_model(make, _slow_disk, seed=seed, tenant=tenant)
+    assert report.ok, report
+    assert report.rounds == 3 and report.writes and report.deletes
+    assert report.max_overlap >= 3  # the operations of one key really overlapped

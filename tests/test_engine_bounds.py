@@ -40,10 +40,10 @@ async def test_hung_storage_tier_sheds_writes_and_never_stalls_put(spec: mc.KVSp
             for i in range(8):
                 toks = seq(1000 * i, CH)
                 assert await c.put(toks, prefix_kv(spec, toks)) == CH
-        st = c.stats()["tiers"]["mem"]
+        st = (await c.stats())["tiers"]["mem"]
         assert st["write_sheds"] >= 5 and st["pending_writes"] == 1
-        assert c.stats()["tiers"]["host"]["drops"] >= 5
-    assert c.stats()["close"]["writes_abandoned"] == 1
+        assert (await c.stats())["tiers"]["host"]["drops"] >= 5
+    assert (await c.stats())["close"]["writes_abandoned"] == 1
 
 
 async def test_close_with_an_unreachable_tier_ends_by_its_deadline(spec: mc.KVSpec) -> None:
@@ -57,7 +57,7 @@ async def test_close_with_an_unreachable_tier_ends_by_its_deadline(spec: mc.KVSp
     await c.put(toks, prefix_kv(spec, toks))
     with anyio.fail_after(60):  # a hang guard: without the deadline this waits for HANG
         await c.aclose()
-    close = c.stats()["close"]
+    close = (await c.stats())["close"]
     assert close["to_persist"] == 4 and close["timed_out"] == 1
     assert close["not_persisted"] + close["writes_abandoned"] >= 4
     assert store.objects == {}
@@ -75,7 +75,7 @@ async def test_refresh_bookkeeping_is_bounded(spec: mc.KVSpec,
             await c.put(head, prefix_kv(spec, head))
             assert await c.lookup(head + [7] * CH) == CH
         assert len(c._stores[0].refreshed) <= 16
-        assert c.stats()["tiers"]["mem"]["refreshes"] == 100
+        assert (await c.stats())["tiers"]["mem"]["refreshes"] == 100
 
 
 async def test_refresh_bookkeeping_forgets_what_it_would_ask_again(spec: mc.KVSpec) -> None:
@@ -104,7 +104,7 @@ async def test_no_background_task_outlives_the_cache(spec: mc.KVSpec) -> None:
     store.write_delay = HANG
     with anyio.move_on_after(0.1):
         await c.get(a)  # its promotion hangs in the store's read
-    assert c.stats()["in_flight"]["background"] >= 1
+    assert (await c.stats())["in_flight"]["background"] >= 1
     await c.aclose()
     await asyncio.sleep(0)
     assert set(asyncio.all_tasks()) - before == {asyncio.current_task()} - before

@@ -169,7 +169,7 @@ async def test_evictions_batch_their_copies(fake_cuda: Calls) -> None:
         b = list(range(10000, 10000 + 8 * CH))
         assert await c.put(b, prefix_kv(spec, b)) == 8 * CH  # evicts all 8 of a's chunks
         assert mover.moves - moves == 2  # the 8 demotions in one move, then the put's own
-        assert c.stats()["tiers"]["dev"]["evictions"] == 8
+        assert (await c.stats())["tiers"]["dev"]["evictions"] == 8
         hit = await c.get(a)
         assert torch.equal(hit.kv, prefix_kv(spec, a))
     assert fake_cuda.synchronize == []

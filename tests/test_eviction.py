@@ -47,7 +47,7 @@ async def test_capacity_is_never_exceeded_under_concurrency(spec):
                     workers.start_soon(worker, i)
             stop.set()
         assert violations == []
-        assert c.stats()["tiers"]["host"]["evictions"] > 0
+        assert (await c.stats())["tiers"]["host"]["evictions"] > 0
 
 
 async def test_eviction_is_leaves_first(spec):
@@ -59,7 +59,7 @@ async def test_eviction_is_leaves_first(spec):
         # The LRU-oldest chunk is a's first, but it has children: its leaf goes first.
         assert await c.lookup(a) == 48
         assert await c.lookup(b) == 16
-        assert c.stats()["tiers"]["host"]["evictions"] == 1
+        assert (await c.stats())["tiers"]["host"]["evictions"] == 1
 
 
 async def test_eviction_is_lru_among_leaves(spec):
@@ -79,17 +79,17 @@ async def test_evicted_chunks_are_demoted_and_promoted_back(spec):
     async with mc.Cache(cfg(spec, top, low)) as c:
         a = seq(0, 80)  # 5 chunks: 2 fit on top, the rest land below
         assert await c.put(a, prefix_kv(spec, a)) == 80
-        st = c.stats()["tiers"]
+        st = (await c.stats())["tiers"]
         assert st["dev"]["bytes_used"] <= spec.nbytes(CH) * 2
         assert st["host"]["chunks"] >= 3
         b = seq(7000, 32)
         await c.put(b, prefix_kv(spec, b))  # pushes a's chunks down
-        assert c.stats()["tiers"]["dev"]["evictions"] >= 1
-        assert c.stats()["tiers"]["host"]["demotions"] >= 1
+        assert (await c.stats())["tiers"]["dev"]["evictions"] >= 1
+        assert (await c.stats())["tiers"]["host"]["demotions"] >= 1
         assert await c.lookup(a) == 80
         hit = await c.get(a[:32])
         assert torch.equal(hit.kv, prefix_kv(spec, a[:32]))
-        st = c.stats()["tiers"]
+        st = (await c.stats())["tiers"]
         assert st["dev"]["promotions"] >= 1 and st["host"]["hits"] >= 1
         assert hit.tiers == {"host": 32}  # says which tier served the tokens
 
@@ -108,7 +108,7 @@ async def test_concurrent_gets_join_one_promotion(spec):
         a = seq(0, 32)
         await c.put(a, prefix_kv(spec, a))
         await push_top_tier_down(c)
-        assert c.stats()["tiers"]["dev"]["chunks"] == 0
+        assert (await c.stats())["tiers"]["dev"]["chunks"] == 0
         results = []
 
         async def reader():
@@ -118,7 +118,7 @@ async def test_concurrent_gets_join_one_promotion(spec):
             for _ in range(8):
                 tg.start_soon(reader)
         assert all(torch.equal(h.kv, prefix_kv(spec, a)) for h in results)
-        assert c.stats()["tiers"]["dev"]["promotions"] == 2  # one per chunk, not per reader
+        assert (await c.stats())["tiers"]["dev"]["promotions"] == 2  # one per chunk, not per reader
 
 
 async def test_prefetch_promotes_and_reports(spec):
@@ -130,7 +130,7 @@ async def test_prefetch_promotes_and_reports(spec):
         await push_top_tier_down(c)
         assert await c.prefetch(a) == 40  # scheduled, returns at once
         await c.flush()
-        assert c.stats()["tiers"]["dev"]["chunks"] == 3
+        assert (await c.stats())["tiers"]["dev"]["chunks"] == 3
         assert await c.prefetch(a, timeout=5) == 40
         assert await c.prefetch(seq(999, 10), timeout=1) == 0
 
@@ -139,14 +139,14 @@ async def test_host_pool_grows_lazily(spec):
     big = mc.KVSpec(32, 8, 128)  # 32 MiB per 256-token chunk
     before = _rss()
     async with mc.Cache(mc.CacheConfig(big, "lazy", tiers=(mc.HostTier("16GiB"),))) as c:
-        st = c.stats()["tiers"]["host"]
+        st = (await c.stats())["tiers"]["host"]
         assert st["capacity_bytes"] == 16 * 1024**3
         assert st["bytes_allocated"] == 0 and st["bytes_used"] == 0
         assert _rss() - before < 64 * 1024**2
         toks = list(range(300))
         kv = torch.zeros(big.shape(300), dtype=big.dtype)
         await c.put(toks, kv)
-        st = c.stats()["tiers"]["host"]
+        st = (await c.stats())["tiers"]["host"]
         # Two slots used; only the first segment exists, not 16 GiB.
         assert st["bytes_used"] == 2 * big.nbytes(256)
         assert 0 < st["bytes_allocated"] <= 256 * 1024**2

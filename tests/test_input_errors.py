@@ -45,7 +45,7 @@ async def test_meta_tokens_change_nothing_in_the_cache(spec):
             await cache.put(torch.arange(20, device="meta"), prefix_kv(spec, torch.arange(20)))
         with pytest.raises(mc.TokensError):
             await cache.lookup(torch.arange(20).to_sparse())
-        assert cache.stats()["chunks"] == 0
+        assert (await cache.stats())["chunks"] == 0
 
 
 # -- dense KV and out ----------------------------------------------------------------------------
@@ -296,3 +296,58 @@ def test_a_plug_in_kind_is_built_from_toml(tmp_path, monkeypatch):
                         '[[tiers]]\nkind = "fake-for-test"\ncolour = "red"\n')
     with pytest.raises(mc.ConfigError, match="unknown tier kind 'floppy'"):
         _load(tmp_path, f'namespace = "m"\n{SPEC_TABLE}[[tiers]]\nkind = "floppy"\n')
+
+
+# -- the cache's own calls: checked before any work starts ------------------------------------
+
+
+async def test_get_into_an_out_it_cannot_write_is_refused_and_writes_nothing(spec):
+    toks = torch.arange(40)
+    async with mc.Cache(host_config(spec)) as cache:
+        await cache.put(toks, prefix_kv(spec, toks))
+        shape = spec.shape(len(toks))
+        expanded = torch.zeros((1,) * len(shape), dtype=spec.dtype).expand(shape)
+        with pytest.raises(mc.InvalidInputError, match="overlapping"):
+            await cache.get(toks, out=expanded)
+        assert int(expanded.abs().sum()) == 0
+        grad_out = torch.zeros(shape, dtype=spec.dtype, requires_grad=True)
+        with pytest.raises(mc.InvalidInputError, match="requires grad"):
+            await cache.get(toks, out=grad_out)
+        assert int(grad_out.detach().abs().sum()) == 0
+
+
+@pytest.mark.parametrize("bad", ["1", [1], 1j, math.nan, -1.0, math.inf])
+async def test_a_bad_prefetch_timeout_starts_no_promotion(tmp_path, bad):
+    spec = small_spec()
+    disk = mc.DiskTier(path=str(tmp_path / "d"), capacity_bytes="16MiB", write_through=True)
+    config = mc.CacheConfig(spec=spec, namespace="t", chunk_size=16,
+                            tiers=(mc.HostTier(capacity_bytes=spec.nbytes(16)), disk))
+    toks = torch.arange(64)
+    async with mc.Cache(config) as cache:
+        await cache.put(toks, prefix_kv(spec, toks))
+        await cache.flush()
+        before = cache._engine.inflight["promotions"], dict(cache._engine.tiers[0].c)
+        with pytest.raises(mc.InvalidInputError, match="prefetch timeout"):
+            await cache.prefetch(toks, timeout=bad)
+        assert (cache._engine.inflight["promotions"], dict(cache._engine.tiers[0].c)) == before
+
+
+@pytest.mark.parametrize("bad", ["1", math.nan, -2])
+async def test_a_bad_ready_timeout_is_refused_before_the_pages_are_read(spec, bad):
+    caches = [torch.zeros(2, 4, 16, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype)
+              for _ in range(spec.num_layers)]
+    toks = torch.arange(20)
+    async with mc.Cache(host_config(spec)) as cache:
+        with pytest.raises(mc.InvalidInputError, match="ready_timeout"):
+            await cache.store(toks, caches, torch.arange(20), ready_timeout=bad)
+        assert await cache.lookup(toks) == 0
+
+
+async def test_store_from_meta_caches_is_a_typed_error(spec):
+    caches = [torch.empty(2, 4, 16, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype,
+                          device="meta") for _ in range(spec.num_layers)]
+    toks = torch.arange(20)
+    async with mc.Cache(host_config(spec)) as cache:
+        with pytest.raises(mc.MusaCacheError):
+            await cache.store(toks, caches, torch.arange(20))
+        assert await cache.lookup(toks) == 0

@@ -304,7 +304,8 @@ def test_capability_probe_is_cached(monkeypatch) -> None:
     assert event_ipc_capability("cuda") == "device"
     assert event_ipc_capability("cuda") == "device"
     assert fake.created == 1
-    assert fake.calls == [("Event", True)]
+    # One probe, the device layer's: it records an interprocess event and exports it.
+    assert fake.calls == [("Event", True), ("record", None)]
     assert event_ipc_capability("cpu") == "host-fallback"
 
 
@@ -373,3 +374,21 @@ async def test_host_fallback_synchronises_the_stream_in_a_thread(monkeypatch) ->
     with pytest.raises(IPCError, match="mode='host'"):
         IpcEvent.create("musa:0", mode="device")
     event.close()
+
+
+def test_ipc_uses_the_device_layer_and_its_overrides(monkeypatch) -> None:
+    """One device layer: ipc finds accelerator modules through ``devices`` (whose test
+    overrides it therefore honours) and shares its capability probe."""
+    from musacache import devices
+    from musacache.ipc import _events, _memory
+
+    assert not hasattr(_memory, "device_module") and not hasattr(_events, "device_module")
+    fake = make_device_module(("GPU-o",))
+    monkeypatch.setitem(devices._module_overrides, "cuda", fake)
+    _events._reset_capability_cache()
+    assert event_ipc_capability("cuda") == "device"
+    assert devices.capabilities("cuda").event_ipc
+    monkeypatch.setitem(devices._module_overrides, "cuda", None)
+    _events._reset_capability_cache()
+    assert event_ipc_capability("cuda") == "host-fallback"
+    _events._reset_capability_cache()

@@ -29,6 +29,7 @@ from musacache.ipc import (
     TensorHandle,
     empty_shared,
     is_shareable,
+    open_storage,
     open_tensor,
     share,
     to_shared,
@@ -69,8 +70,12 @@ def dup_fds(handle: TensorHandle) -> list[int]:
     return [os.dup(fd) for fd in handle.fds]
 
 
-def wire_trip(handle: TensorHandle) -> TensorHandle:
-    return TensorHandle.from_wire(msgpack.unpackb(msgpack.packb(handle.to_wire())))
+def wire_trip(handle: TensorHandle, *, foreign: bool = False) -> TensorHandle:
+    """``handle`` through msgpack; ``foreign``: as if another process had exported it."""
+    wire = handle.to_wire()
+    if foreign:
+        wire["pid"] = os.getpid() + 1
+    return TensorHandle.from_wire(msgpack.unpackb(msgpack.packb(wire)))
 
 
 # -- shared CPU memory -------------------------------------------------------------------
@@ -421,25 +426,68 @@ def test_device_dispatch_calls_the_backend_and_rebuilds_the_view(monkeypatch, ki
         return backing.untyped_storage()
 
     monkeypatch.setattr(torch.UntypedStorage, f"_new_shared_{kind}", new_shared, raising=False)
-    peer = open_tensor(wire_trip(handle))
+    peer = open_tensor(wire_trip(handle, foreign=True))
     assert opened == [ipc_tuple(0, 240)] and importer.inits == 1
     expected = base.permute(1, 0, 2)[1:]
     assert torch.equal(peer, expected) and peer.stride() == expected.stride()
     assert peer.storage_offset() == expected.storage_offset()
 
     table = MappingTable()
-    one = table.open_tensor(wire_trip(handle))
-    two = table.open_tensor(wire_trip(handle))
+    one = table.open_tensor(wire_trip(handle, foreign=True))
+    two = table.open_tensor(wire_trip(handle, foreign=True))
     assert table.open_mappings == 1 and table.open_imports == 2
     one.close()
     two.close()
     assert table.open_mappings == 0
 
     with pytest.raises(IPCError, match="takes no fds"):
-        open_tensor(wire_trip(handle), [os.eventfd(0)])
+        open_tensor(wire_trip(handle, foreign=True), [os.eventfd(0)])
     monkeypatch.setattr(torch, kind, fake_device_module(("UUID-C",)), raising=False)
     with pytest.raises(IPCError, match="not visible"):
-        open_tensor(wire_trip(handle))
+        open_tensor(wire_trip(handle, foreign=True))
+
+
+class _WeakStorage(SimpleNamespace):
+    """A fake device storage that, like torch's, can be weakly referenced."""
+
+    __slots__ = ("__weakref__",)
+
+
+def test_own_process_device_handle_uses_the_storage_directly(monkeypatch) -> None:
+    """A handle this process exported is resolved to its own storage: the driver cannot
+    open a process's own IPC handle ("invalid device context"), so the backend is never
+    asked, and a peer that claims our pid is refused."""
+    backing = torch.arange(24, dtype=torch.float32)
+    storage = _WeakStorage(nbytes=lambda: 96, _share_cuda_=lambda: ipc_tuple(0, 96))
+    tensor = torch.Tensor._make_subclass(FakeDeviceTensor, backing.view(4, 6))
+    tensor.fake_device = SimpleNamespace(type="cuda", index=0)
+    tensor.fake_storage = storage
+    monkeypatch.setattr(torch, "cuda", fake_device_module(("U",)))
+
+    def backend(*args: Any) -> Any:
+        raise AssertionError("the driver must not be asked to open our own handle")
+
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared_cuda", backend, raising=False)
+    handle = share(tensor)
+    assert handle.pid == os.getpid()
+    _, got = open_storage(wire_trip(handle), peer_pid=os.getpid())
+    assert got is storage
+    # The pid must be the peer's own (SO_PEERCRED), so no one can claim to be the server.
+    with pytest.raises(IPCError, match="claims pid"):
+        MappingTable(peer_pid=os.getpid() + 1).open_tensor(wire_trip(handle))
+    # Another process's handle still goes to the driver.
+    opened: list[Any] = []
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared_cuda",
+                        lambda *a: opened.append(a) or backing.untyped_storage(), raising=False)
+    open_storage(wire_trip(handle, foreign=True))
+    assert len(opened) == 1
+    # Once our tensor is gone, our old handle names nothing.
+    del tensor, storage, handle
+    gc.collect()
+    with pytest.raises(IPCError, match="no longer exported"):
+        open_storage(TensorHandle.from_wire({**_wire(kind="cuda", nfds=0, nbytes=96,
+                                                     ipc=list(ipc_tuple(0, 96))),
+                                             "pid": os.getpid()}))
 
 
 def test_musa_without_torch_musa_is_a_device_error(monkeypatch) -> None:

@@ -152,7 +152,7 @@ async def model_check(make_store: Callable[[], mc.StorageTier], seed: int, steps
                 await check(cache, spec, model, prompts, report)
             else:
                 await cache.aclose()
-                assert cache.stats()["close"]["not_persisted"] == 0
+                assert (await cache.stats())["close"]["not_persisted"] == 0
                 cache = mc.Cache(config())
                 await cache.open()
         await check(cache, spec, model, prompts, report)

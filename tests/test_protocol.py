@@ -623,3 +623,54 @@ async def test_unix_path_connect_and_peer_credentials() -> None:
             await client.send_request(9, "hello", {"v": 1})
             assert await server.receive() == Request(9, "hello", {"v": 1})
         listener.close()
+
+
+# -- bounded msgpack bodies ------------------------------------------------------------------
+
+_scalars = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1)
+            | st.floats(allow_nan=False) | st.text(max_size=40) | st.binary(max_size=300))
+_values = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=6)
+                       | st.dictionaries(st.text(max_size=8), inner, max_size=6), max_leaves=60)
+
+
+def _count(obj: object) -> tuple[int, int]:
+    """(objects, depth) of an unpacked msgpack value, as check_body_shape counts them (an
+    empty container opens no level: nothing can nest in it)."""
+    if isinstance(obj, (list, dict)) and not obj:
+        return 1, 0
+    if isinstance(obj, list):
+        inner = [_count(v) for v in obj]
+        return 1 + sum(n for n, _ in inner), 1 + max((d for _, d in inner), default=0)
+    if isinstance(obj, dict):
+        inner = [_count(v) for kv in obj.items() for v in kv]
+        return 1 + sum(n for n, _ in inner), 1 + max((d for _, d in inner), default=0)
+    return 1, 0
+
+
+@given(_values)
+@settings(max_examples=300, deadline=None)
+def test_body_shape_walk_agrees_with_msgpack(value) -> None:
+    from musacache.ipc._protocol import check_body_shape
+
+    body = msgpack.packb(value, use_bin_type=True)
+    objects, depth = _count(value)
+    if objects <= 64 and depth <= 3:
+        check_body_shape(body, max_objects=64, max_depth=3)
+    else:
+        with pytest.raises(FrameError, match="refused"):
+            check_body_shape(body, max_objects=64, max_depth=3)
+    check_body_shape(body)  # the real limits are far above anything generated here
+    # A cut body is never accepted.
+    if len(body) > 1:
+        with pytest.raises(FrameError):
+            check_body_shape(body[:-1])
+
+
+def test_amplifying_bodies_are_refused_before_unpacking() -> None:
+    dec = FrameDecoder(expect="request")
+    flood = b"\x83\xa2id\x01\xa2op\xa6lookup\xa4args\x81\xa6tokens\xdd" + \
+        (8 << 20).to_bytes(4, "big") + b"\x90" * (8 << 20)
+    dec.feed(struct.pack(">2sBBI", MAGIC, PROTOCOL_VERSION, 0, len(flood)) + flood)
+    with pytest.raises(FrameError, match="refused") as info:
+        dec.next_frame()
+    assert not info.value.fatal and info.value.request_id is None

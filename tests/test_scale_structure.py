@@ -39,14 +39,14 @@ async def test_stats_counts_pins_without_walking_the_directory(spec):
         await c.put(toks, prefix_kv(spec, toks))
         eng = c._engine
         eng.dir.entries = _NoWalk(eng.dir.entries)
-        assert c.stats()["pins"] == 0
+        assert (await c.stats())["pins"] == 0
         m = eng.dir.get(next(iter(dict.values(eng.dir.entries))).key)
         eng.pin(m)
         eng.pin(m)
-        assert c.stats()["pins"] == 2
+        assert (await c.stats())["pins"] == 2
         eng.unpin(m)
         eng.unpin(m)
-        assert c.stats()["pins"] == 0
+        assert (await c.stats())["pins"] == 0
         eng.dir.entries = dict(eng.dir.entries)
 
 
@@ -129,7 +129,7 @@ async def test_long_directory_work_lets_the_loop_run(spec):
         # Nothing can be found from the start of a clear; memory is freed in batches.
         s = await _sampled(c, c.clear, lambda eng: len(eng.mem[0].lru))
         assert s.between(0, n)
-        assert len(c._engine.dir) == 0 and c.stats()["tiers"]["host"]["bytes_used"] == 0
+        assert len(c._engine.dir) == 0 and (await c.stats())["tiers"]["host"]["bytes_used"] == 0
 
 
 class _Listing(StorageTier):
@@ -227,7 +227,7 @@ async def test_evicting_a_long_prompt_walks_the_lru_once(spec, monkeypatch):
         await c.put(a, prefix_kv(spec, a))
         monkeypatch.setattr(SlotLRU, "items", counting)
         assert await c.put(b, prefix_kv(spec, b)) == n * CH
-        assert c.stats()["tiers"]["host"]["evictions"] == n
+        assert (await c.stats())["tiers"]["host"]["evictions"] == n
         assert visited[0] <= 3 * n, visited[0]
 
 

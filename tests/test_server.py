@@ -292,9 +292,35 @@ def test_stats_cli_shows_the_servers_tiers(server):
     assert "host" in table.stdout and "hits" in table.stdout and "srv" in table.stdout
     raw = subprocess.run(run + ["--json"], capture_output=True, text=True, timeout=60)
     st = json.loads(raw.stdout)
-    assert st["tiers"]["host"]["chunks"] == 4 and st["tiers"]["host"]["hits"] >= 4
+    (cache,) = st["caches"]
+    assert cache["namespace"] == "srv"
+    assert cache["tiers"]["host"]["chunks"] == 4 and cache["tiers"]["host"]["hits"] >= 4
     assert st["server"]["connections"] >= 2
+    # The stats client itself is a monitor, not one of the peers it reports.
+    assert st["server"]["peers"] == 0 and st["server"]["monitors"] == 1
     gone = subprocess.run([sys.executable, "-m", "musacache", "stats", "--socket",
                            proc.sock + ".nope", "--once"], capture_output=True, text=True,
                           timeout=60)
-    assert gone.returncode == 1 and "cannot reach" in gone.stderr
+    assert gone.returncode == 1 and "no musacache server listens at" in gone.stderr
+    assert gone.stderr.count(".nope") == 1, gone.stderr  # the path is named once
+
+
+def test_stats_table_names_tier_kinds_and_heads_every_column():
+    from musacache.stats_cli import render
+
+    snap = {"server": {"version": "x", "socket": "/run/musacache/s.sock", "caches": 1,
+                       "max_caches": 4},
+            "caches": [{"namespace": "llama", "chunk_size": 256, "tenant": "#abcd",
+                        "tiers": {"host": {"kind": "host", "bytes_out": 0},
+                                  "disk": {"kind": "DiskStore", "bytes_out": 0}}}]}
+    later = {**snap, "caches": [{**snap["caches"][0],
+                                 "tiers": {"host": {"kind": "host", "bytes_out": 2048},
+                                           "disk": {"kind": "disk", "bytes_out": 0}}}]}
+    table = render(later, 1.0, snap)
+    assert "DiskStore" not in table
+    disk_row = next(line for line in table.splitlines() if line.strip().startswith("disk"))
+    assert disk_row.split()[1] == "disk"
+    header = next(line for line in table.splitlines() if "capacity" in line)
+    assert header.rstrip().endswith("out/s")
+    host_row = next(line for line in table.splitlines() if line.strip().startswith("host"))
+    assert host_row.rstrip().endswith("2.0 KiB/s") and "out" not in host_row

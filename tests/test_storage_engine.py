@@ -33,14 +33,14 @@ async def test_host_evictions_are_demoted_to_storage_and_promoted_back(spec):
         b = seq(5000, 32)
         assert await c.put(b, prefix_kv(spec, b)) == 32  # pushes a's head down
         await c.flush()
-        st = c.stats()["tiers"]
+        st = (await c.stats())["tiers"]
         assert st["host"]["bytes_used"] <= spec.nbytes(CH) * 2
         assert st["mem"]["demotions"] == 2 and st["mem"]["chunks"] == 5
         assert await c.lookup(a) == 80
         hit = await c.get(a)
         assert hit.num_tokens == 80 and torch.equal(hit.kv, prefix_kv(spec, a))
-        assert c.stats()["tiers"]["host"]["promotions"] >= 1
-        assert c.stats()["tiers"]["mem"]["hits"] >= 1
+        assert (await c.stats())["tiers"]["host"]["promotions"] >= 1
+        assert (await c.stats())["tiers"]["mem"]["hits"] >= 1
 
 
 async def test_write_through_and_restart_find_old_chunks(spec):
@@ -81,7 +81,7 @@ async def test_read_faults_are_counted_misses(spec):
         store.fail_reads = True
         hit = await c.get(a)
         assert hit.num_tokens == 0
-        st = c.stats()["tiers"]["mem"]
+        st = (await c.stats())["tiers"]["mem"]
         assert st["faults"] >= 1 and st["misses"] >= 1
         store.fail_reads = False
         hit = await c.get(a)  # recovery: correct data again
@@ -98,7 +98,7 @@ async def test_slow_reads_never_hang_past_the_timeout(spec):
         t0 = time.monotonic()
         hit = await c.get(a)
         assert time.monotonic() - t0 < 2
-        assert hit.num_tokens == 0 and c.stats()["tiers"]["mem"]["timeouts"] >= 1
+        assert hit.num_tokens == 0 and (await c.stats())["tiers"]["mem"]["timeouts"] >= 1
 
 
 async def test_corrupt_objects_are_misses_and_deleted(spec):
@@ -116,7 +116,7 @@ async def test_corrupt_objects_are_misses_and_deleted(spec):
         hit = await c.get(a)
         assert hit.num_tokens == 0
         await c.flush()
-        assert c.stats()["tiers"]["mem"]["corrupt"] == 1
+        assert (await c.stats())["tiers"]["mem"]["corrupt"] == 1
         assert first not in store.objects  # quarantined by deletion
         assert key is not None
 
@@ -138,7 +138,7 @@ async def test_foreign_chunk_is_a_counted_miss_naming_both_sides(spec, caplog):
         with caplog.at_level("WARNING", logger="musacache"):
             hit = await c.get(a)
         assert hit.num_tokens == 0
-        st = c.stats()["tiers"]["mem"]
+        st = (await c.stats())["tiers"]["mem"]
         assert st["foreign"] == 1 and st["misses"] == 1 and st["corrupt"] == 0
         warned = " ".join(r.getMessage() for r in caplog.records)
         assert "other-model" in warned and "'store'" in warned
@@ -156,7 +156,7 @@ async def test_write_faults_are_dropped_and_counted_never_block_put(spec):
         with anyio.fail_after(5):
             assert await c.put(a, prefix_kv(spec, a)) == 64
         await c.flush()
-        assert c.stats()["tiers"]["wt"]["write_drops"] == 4
+        assert (await c.stats())["tiers"]["wt"]["write_drops"] == 4
         assert await c.lookup(a) == 64  # still served from host
 
 
@@ -198,7 +198,7 @@ async def test_bounded_storage_tier_evicts_leaves_first_and_never_exceeds(spec):
         b = seq(1000, 16)
         await c.put(b, prefix_kv(spec, b))
         await c.flush()
-        st = c.stats()["tiers"]["mem"]
+        st = (await c.stats())["tiers"]["mem"]
         assert st["bytes_used"] <= objsize * 3 and st["evictions"] == 1
         assert await c.lookup(a) == 32 and await c.lookup(b) == 16
 
@@ -269,7 +269,7 @@ async def test_foreign_format_version_is_a_counted_miss_not_deleted(spec):
         objects[key] = bytes(head)
         hit = await c.get(a)
         assert hit.num_tokens == 0
-        st = c.stats()["tiers"]["mem"]
+        st = (await c.stats())["tiers"]["mem"]
         assert st["foreign"] == 1 and st["corrupt"] == 0
         await c.flush()
         assert objects[key] == bytes(head)

@@ -198,7 +198,7 @@ async def test_bad_paged_arguments_are_typed_errors():
             await c.store(toks, wrong, slots, layout="vllm")
         with pytest.raises(mc.InvalidInputError):
             await c.retrieve(toks, pages, slots, layout="vllm", skip_prefix=99)
-        assert c.stats()["chunks"] == 0
+        assert (await c.stats())["chunks"] == 0
 
 
 async def test_ready_event_is_awaited_before_reading_pages():

@@ -258,7 +258,7 @@ def test_chunks_must_be_a_list_on_a_reachable_device() -> None:
         transfer.gather_chunks(caches, torch.arange(2),
                                torch.zeros(1, 2, 2, H, D, dtype=torch.bfloat16), "vllm")
     meta = torch.zeros(1, 2, 2, H, D, dtype=torch.bfloat16, device="meta")
-    with pytest.raises(DeviceError, match=r"dsts\[0\] is on meta"):
+    with pytest.raises(DeviceError, match=r"dsts\[0\] is on the meta device"):
         transfer.gather_chunks(caches, torch.arange(2), [meta], "vllm")
 
 

@@ -5,6 +5,7 @@ token prefixes across device, host, disk and S3 tiers. See docs/quickstart.md.
 """
 
 from . import devices, ipc, transfer
+from ._api import KVCache, TokensLike
 from ._config import CacheConfig, DeviceTier, HostTier
 from ._engine import Cache, Hit
 from ._errors import (
@@ -24,6 +25,7 @@ from ._errors import (
     PermissionDeniedError,
     ProtocolError,
     ReadyTimeoutError,
+    ServerLimitError,
     ShapeError,
     SlotRangeError,
     TierError,
@@ -54,6 +56,7 @@ __all__ = (
     "HostTier",
     "IPCError",
     "InvalidInputError",
+    "KVCache",
     "KVSpec",
     "LayoutError",
     "MusaCacheError",
@@ -63,12 +66,14 @@ __all__ = (
     "ProtocolError",
     "ReadyTimeoutError",
     "S3Tier",
+    "ServerLimitError",
     "ShapeError",
     "SlotRangeError",
     "StorageTier",
     "TierContext",
     "TierError",
     "TokensError",
+    "TokensLike",
     "__version__",
     "connect",
     "devices",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 import anyio.lowlevel
@@ -26,7 +26,39 @@ from ._tierstate import MemTier, StoreTier, Tier
 from .tiers.base import ChunkMeta
 
 if TYPE_CHECKING:
-    from ._core import Engine, Flight
+    from ._config import CacheConfig
+    from ._directory import Directory
+    from ._keys import Fingerprint
+    from ._move import Mover
+    from ._spec import KVSpec
+    from ._tasks import TaskOwner
+    from .tiers.memory import Slot
+
+
+class EngineServices(Protocol):
+    """What the cold path needs of the engine that owns it. A protocol, so that this module
+    depends on nothing above it (the engine imports the cold path, never the reverse)."""
+
+    config: CacheConfig
+    spec: KVSpec
+    fingerprint: Fingerprint
+    dir: Directory
+    tiers: list[Tier]
+    stores: list[StoreTier]
+    mover: Mover
+    tasks: TaskOwner
+    inflight: dict[str, int]
+    wt_sem: anyio.Semaphore
+
+    def pin(self, e: Entry) -> None: ...
+    def unpin(self, e: Entry) -> None: ...
+    def view(self, t: MemTier, e: Entry) -> torch.Tensor: ...
+    def hottest_mem(self, e: Entry) -> MemTier | None: ...
+    async def host_copy(self, data: torch.Tensor) -> torch.Tensor: ...
+    async def relocate(self, items: Sequence[tuple[Entry, torch.Tensor]], dest_from: int,
+                       dest_to: int | None = None, *, counter: str) -> list[Tier | None]: ...
+    async def evict(self, t: MemTier, count: int) -> int: ...
+    def block_view(self, slot: Slot, n: int) -> torch.Tensor: ...
 
 __all__ = ["ColdPath"]
 
@@ -34,17 +66,16 @@ __all__ = ["ColdPath"]
 _PERSIST_BATCH = 16
 
 # Objects that are intact but not for this cache: another model, layout or chunk size
-# (FingerprintMismatchError), or another format version (ForeignFormatError, from the codec's
-# typed errors where this build has them). Unreadable here, counted as "foreign", not deleted.
-_FOREIGN: tuple[type[BaseException], ...] = tuple(
-    getattr(_errors, name) for name in ("FingerprintMismatchError", "ForeignFormatError")
-    if hasattr(_errors, name))
+# (FingerprintMismatchError), or another format version (ForeignFormatError). Unreadable here,
+# counted as "foreign", not deleted.
+_FOREIGN: tuple[type[BaseException], ...] = (_errors.FingerprintMismatchError,
+                                             _errors.ForeignFormatError)
 
 log = logging.getLogger("musacache")
 
 
 class ColdPath:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: EngineServices) -> None:
         self.eng = engine
         self.errlog = RateLimitedLog(log)
 
@@ -102,37 +133,37 @@ class ColdPath:
         t.c["bytes_out"] += len(obj)
         return data
 
-    async def promote_decoding(self, e: Entry, f: Flight) -> tuple[bool, Tier | None]:
+    async def promote_decoding(self, e: Entry,
+                               ) -> tuple[torch.Tensor | None, str, Tier | None]:
         """When ``e`` lives only in storage and the top tier is host memory: decode it
         straight into a top-tier slot (one decode, no fresh tensor, no second copy). Returns
-        whether it did, and the tier it read if that read missed (not to be asked again)."""
+        the data and the tier it came from, or None and the tier whose read missed (not to be
+        asked again; None if this did not apply)."""
         eng = self.eng
         top = eng.tiers[0]
         src = next((t for t in eng.tiers if t.holds(e)), None)
         if not isinstance(top, MemTier) or top.device.type != "cpu" \
                 or not isinstance(src, StoreTier) or e.dead:
-            return False, None
+            return None, "", None
         idx = top.pool.reserve()
         if idx is None and await eng.evict(top, 1):
             idx = top.pool.reserve()
         if idx is None:
-            return False, None
+            return None, "", None
         committed = False
         try:
             slot = await top.pool.materialize(idx)
             view = eng.block_view(slot, e.num_tokens)
             if await self.read(src, e, out=view) is None:
-                return False, src
+                return None, "", src
             src.c["hits"] += 1
-            f.source = src.name
-            f.tensor = view
             if not e.dead and not top.holds(e):
                 top.commit(e, slot)
                 top.c["promotions"] += 1
                 committed = True
-            else:  # deleted (or promoted by another path) meanwhile: serve this read only
-                f.tensor = view.clone()
-            return True, None
+                return view, src.name, None
+            # Deleted (or promoted by another path) meanwhile: serve this read only.
+            return view.clone(), src.name, None
         finally:
             if not committed:
                 top.pool.release(idx)

@@ -568,8 +568,9 @@ class Engine:
         self.pin(e)
         self.inflight["promotions"] += 1
         try:
-            done, tried = await self.cold.promote_decoding(e, f)
-            if done:
+            got, source, tried = await self.cold.promote_decoding(e)
+            if got is not None:
+                f.tensor, f.source = got, source
                 return
             data, src = await self.read_lower(e, skip=tried)
             f.tensor = data

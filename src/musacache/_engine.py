@@ -13,7 +13,7 @@ import anyio
 import numpy as np
 import torch
 
-from . import _removal, devices
+from . import _removal, _validate, devices
 from ._config import CacheConfig, DeviceTier, HostTier
 from ._core import BATCH, DenseSource, Engine, PagedSource
 from ._directory import Match
@@ -122,7 +122,7 @@ class Cache:
                           int(cfg.inline_copy_bytes))
             await self._tasks.start()
             eng = Engine(cfg, self.fingerprint, self._chain, tiers, mover, self._tasks)
-            ctx = TierContext(self.fingerprint)
+            ctx = TierContext(self.fingerprint, tenant=self.config.tenant)
             for st in eng.stores:
                 metas = await st.store.start(ctx)
                 started.append(st.store)
@@ -225,6 +225,7 @@ class Cache:
         toks = as_tokens(tokens)
         if out is not None:
             self._check_kv(out, toks, "out", exact=True)
+            self.spec.check_out(out)
         self._ops["gets"] += 1
         eng.inflight["gets"] += 1
         td = self.spec.token_dim
@@ -272,6 +273,7 @@ class Cache:
         """
         eng = self._check_open()
         toks = as_tokens(tokens)
+        timeout = _validate.timeout(timeout, "prefetch timeout")
         self._ops["prefetches"] += 1
         eng.inflight["prefetches"] += 1
         try:
@@ -408,7 +410,7 @@ class Cache:
         self._check_open()
         await self._tasks.drain()
 
-    def stats(self) -> dict[str, Any]:
+    async def stats(self) -> dict[str, Any]:
         """Counters: per tier hits, misses, bytes in/out, evictions, bytes used, capacity;
         operations in flight; tokens hit and missed; pins held; what ``aclose`` left."""
         eng = self._eng
@@ -443,6 +445,7 @@ class Cache:
         would block it until the engine's stream has produced them."""
         from . import transfer
 
+        ready_timeout = _validate.timeout(ready_timeout, "ready_timeout")
         paged = transfer.describe(kv_caches, layout)
         if paged.spec() != self.spec:
             raise ShapeError(f"kv_caches hold {paged.spec().describe()}, this cache stores "

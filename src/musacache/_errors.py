@@ -21,6 +21,7 @@ __all__ = [
     "CacheClosedError",
     "TierError",
     "CorruptChunkError",
+    "ForeignFormatError",
     "FingerprintMismatchError",
     "NativeError",
     "NativeBuildError",
@@ -29,6 +30,7 @@ __all__ = [
     "CacheUnavailableError",
     "PermissionDeniedError",
     "ReadyTimeoutError",
+    "ServerLimitError",
 ]
 
 
@@ -95,6 +97,14 @@ class CorruptChunkError(TierError):
     and quarantined/deleted."""
 
 
+class ForeignFormatError(CorruptChunkError):
+    """An intact stored chunk object (its header checksum holds) of another format version.
+
+    This musacache cannot read it, so it is an unreadable cold chunk like a corrupt one: a
+    counted miss, never an error of the call that met it.
+    """
+
+
 class FingerprintMismatchError(MusaCacheError):
     """A stored chunk was written for another namespace, ``KVSpec``, chunk size or format version.
 
@@ -135,3 +145,8 @@ class PermissionDeniedError(MusaCacheError, PermissionError):
 
 class ReadyTimeoutError(MusaCacheError, TimeoutError):
     """A ``ready`` event was not set within its timeout; nothing was read or written."""
+
+
+class ServerLimitError(ProtocolError):
+    """A peer went past a limit of the node server (requests in flight, fds held, caches
+    served, staging bytes). The request was refused; nothing was changed."""

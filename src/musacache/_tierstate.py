@@ -252,7 +252,7 @@ class StoreTier:
         return False
 
     def stats(self) -> dict[str, Any]:
-        return {"kind": type(self.store).__name__, **self.c, "bytes_used": self.used,
+        return {"kind": self.store.kind, **self.c, "bytes_used": self.used,
                 "capacity_bytes": self.capacity, "chunks": len(self.lru),
                 "pending_writes": len(self.pending), "pending_bytes": self.pending_bytes,
                 "codec": self.store.codec, "write_through": self.store.write_through,

@@ -22,6 +22,7 @@ import anyio
 import torch
 
 from . import devices, ipc, transfer
+from ._api import TokensLike
 from ._engine import Hit
 from ._errors import (
     CacheClosedError,
@@ -57,12 +58,21 @@ class Client:
     """A connection to ``musacache serve``. Use ``async with connect(path, spec=..., ...)``."""
 
     def __init__(self, path: str, *, spec: KVSpec, namespace: str, chunk_size: int | None = None,
-                 timeout: float = 30.0, connect_timeout: float = 5.0) -> None:
+                 tenant: str | None = None, timeout: float = 30.0,
+                 connect_timeout: float = 5.0) -> None:
         if not isinstance(spec, KVSpec):
             raise InvalidInputError(f"spec must be a KVSpec, got {type(spec).__name__}")
+        if not isinstance(namespace, str) or not namespace:
+            raise InvalidInputError(f"namespace must be a non-empty string, got {namespace!r}")
+        if tenant is not None and (not isinstance(tenant, str) or not tenant):
+            raise InvalidInputError(f"tenant must be a non-empty string or None, got {tenant!r}")
+        if chunk_size is not None and (isinstance(chunk_size, bool)
+                                       or not isinstance(chunk_size, int) or chunk_size <= 0):
+            raise InvalidInputError(f"chunk_size must be a positive int, got {chunk_size!r}")
         self.path = str(path)
         self.spec = spec
         self.namespace = namespace
+        self.tenant = tenant
         self.chunk_size = chunk_size
         self.timeout = timeout
         self.connect_timeout = connect_timeout
@@ -128,7 +138,8 @@ class Client:
         try:
             self.server_info = await self._request(conn, "hello", {
                 "protocol": ipc.PROTOCOL_VERSION, "namespace": self.namespace,
-                "spec": self.spec.to_dict(), "chunk_size": self.chunk_size})
+                "spec": self.spec.to_dict(), "chunk_size": self.chunk_size,
+                "tenant": self.tenant})
             for reg in self._regs:
                 reg.remote = None
                 await self._register_remote(conn, reg)
@@ -212,14 +223,14 @@ class Client:
 
     # -- the Cache API ----------------------------------------------------------------------
 
-    async def lookup(self, tokens: Any) -> int:
+    async def lookup(self, tokens: TokensLike) -> int:
         return int(await self._call("lookup", {"tokens": _tok_bytes(tokens)}))
 
-    async def prefetch(self, tokens: Any, timeout: float | None = None) -> int:
+    async def prefetch(self, tokens: TokensLike, timeout: float | None = None) -> int:
         return int(await self._call("prefetch", {"tokens": _tok_bytes(tokens),
                                                  "timeout": timeout}))
 
-    async def delete(self, tokens: Any) -> int:
+    async def delete(self, tokens: TokensLike) -> int:
         return int(await self._call("delete", {"tokens": _tok_bytes(tokens)}))
 
     async def clear(self) -> None:
@@ -229,11 +240,11 @@ class Client:
         await self._call("flush", {})
 
     async def stats(self) -> dict[str, Any]:
-        """The server's ``Cache.stats()`` plus a ``server`` section (a coroutine here: it asks
-        the server)."""
+        """The server's ``Cache.stats()`` for this connection's cache, plus a ``server``
+        section (a coroutine, as on :class:`~musacache.Cache`)."""
         return dict(await self._call("stats", {}))
 
-    async def put(self, tokens: Any, kv: torch.Tensor) -> int:
+    async def put(self, tokens: TokensLike, kv: torch.Tensor) -> int:
         self._check_open()
         toks = as_tokens(tokens)
         have = self.spec.check_dense(kv, what="kv")
@@ -243,8 +254,10 @@ class Client:
             return 0
         dense = kv.narrow(self.spec.token_dim, 0, len(toks))
         raw: torch.Tensor | None = None
-        if not ipc.is_shareable(dense):
-            # One copy into shared memory; the server then copies once into its tier.
+        if not ipc.is_sealed(dense):
+            # One copy into sealed shared memory (private memory cannot be mapped, and the
+            # server refuses memory that could shrink under it); the server then copies once
+            # into its tier.
             raw = self._take_staging(self.spec.nbytes(len(toks)))
             staged = raw[:self.spec.nbytes(len(toks))].view(self.spec.dtype).view(
                 self.spec.shape(len(toks)))
@@ -258,7 +271,7 @@ class Client:
             if raw is not None:
                 self._give_staging(raw)
 
-    async def get(self, tokens: Any, out: torch.Tensor | None = None) -> Hit:
+    async def get(self, tokens: TokensLike, out: torch.Tensor | None = None) -> Hit:
         self._check_open()
         toks = as_tokens(tokens)
         n = len(toks)
@@ -268,7 +281,7 @@ class Client:
                 raise ShapeError(f"out holds {have} tokens, tokens has {n}: out must have shape "
                                  f"{self.spec.shape(n)}")
         td = self.spec.token_dim
-        target = out if out is not None and ipc.is_shareable(out) else \
+        target = out if out is not None and ipc.is_sealed(out) else \
             ipc.empty_shared(self.spec.shape(n), self.spec.dtype)
         if n == 0:
             return Hit(0, target.narrow(td, 0, 0), {})
@@ -286,9 +299,10 @@ class Client:
     async def register_kv_caches(self, kv_caches: Any, layout: str = "vllm") -> int:
         """Share the worker's paged KV caches with the server once (zero copy).
 
-        CPU caches must live in shared memory: allocate them with
-        ``musacache.ipc.empty_shared``. Returns a registration number for ``store``/``retrieve``
-        (the last registration is the default).
+        CPU caches must live in sealed shared memory: allocate them with
+        ``musacache.ipc.empty_shared`` (torch's ``share_memory_()`` memory is refused: its
+        owner could shrink it under the server's mapping). Returns a registration number for
+        ``store``/``retrieve`` (the last registration is the default).
         """
         self._check_open()
         paged = transfer.describe(kv_caches, layout)
@@ -299,6 +313,10 @@ class Client:
         for t in tensors:
             if not ipc.is_shareable(t):
                 raise IPCError("kv_caches live in private memory the server cannot map; "
+                               "allocate them with musacache.ipc.empty_shared(shape, dtype)")
+            if not ipc.is_sealed(t):
+                raise IPCError("kv_caches live in shared memory that is not sealed against "
+                               "shrinking (share_memory_()), which the server refuses; "
                                "allocate them with musacache.ipc.empty_shared(shape, dtype)")
         reg = _LocalRegistration(layout, kv_caches, tensors, paged)
         conn = await self._ensure()
@@ -329,7 +347,7 @@ class Client:
             raise InvalidInputError(f"no registration {reg}")
         return self._regs[reg]
 
-    async def store(self, tokens: Any, *args: Any, layout: str | None = None,
+    async def store(self, tokens: TokensLike, *args: Any, layout: str | None = None,
                     skip_prefix: int = 0, ready: Any = None, reg: int | None = None,
                     ready_timeout: float | None = None) -> int:
         """``store(tokens, slot_mapping, ready=event)`` for the registered caches, or
@@ -338,7 +356,7 @@ class Client:
         return await self._paged("store", tokens, args, layout, skip_prefix, ready, reg,
                                  ready_timeout, None)
 
-    async def retrieve(self, tokens: Any, *args: Any, layout: str | None = None,
+    async def retrieve(self, tokens: TokensLike, *args: Any, layout: str | None = None,
                        skip_prefix: int = 0, ready: Any = None, reg: int | None = None,
                        ready_timeout: float | None = None, done: Any = None) -> int:
         """Scatter the cached prefix straight into the registered pages; ``done`` (an
@@ -346,7 +364,7 @@ class Client:
         return await self._paged("retrieve", tokens, args, layout, skip_prefix, ready, reg,
                                  ready_timeout, done)
 
-    async def _paged(self, op: str, tokens: Any, args: tuple[Any, ...], layout: str | None,
+    async def _paged(self, op: str, tokens: TokensLike, args: tuple[Any, ...], layout: str | None,
                      skip_prefix: int, ready: Any, reg: int | None,
                      ready_timeout: float | None, done: Any) -> int:
         self._check_open()
@@ -410,7 +428,7 @@ def _flatten(kv_caches: Any, layout: str) -> list[torch.Tensor]:
     return list(kv_caches)
 
 
-def _tok_bytes(tokens: Any) -> bytes:
+def _tok_bytes(tokens: TokensLike) -> bytes:
     return as_tokens(tokens).tobytes()
 
 
@@ -422,12 +440,15 @@ async def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def connect(path: str, *, spec: KVSpec, namespace: str, chunk_size: int | None = None,
-            timeout: float = 30.0, connect_timeout: float = 5.0) -> Client:
+            tenant: str | None = None, timeout: float = 30.0,
+            connect_timeout: float = 5.0) -> Client:
     """A client of the node server at ``path``: ``async with musacache.connect(...) as cache``.
 
-    ``spec`` and ``namespace`` must match the server's cache; a mismatch fails at connect
-    with :class:`~musacache.FingerprintMismatchError` naming both sides.
+    The server holds one cache per (``namespace``, ``spec``, ``chunk_size``, ``tenant``) and
+    opens it on first use; this connection reaches that cache and no other. ``chunk_size``
+    None takes the server's default. A server configured for one cache only
+    (``max_caches=1``) refuses another with :class:`~musacache.FingerprintMismatchError`.
     """
-    return Client(path, spec=spec, namespace=namespace, chunk_size=chunk_size, timeout=timeout,
-                  connect_timeout=connect_timeout)
+    return Client(path, spec=spec, namespace=namespace, chunk_size=chunk_size, tenant=tenant,
+                  timeout=timeout, connect_timeout=connect_timeout)
 

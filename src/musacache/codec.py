@@ -69,6 +69,7 @@ from ._errors import (
     CorruptChunkError,
     DeviceError,
     FingerprintMismatchError,
+    ForeignFormatError,
     InvalidInputError,
     ShapeError,
 )
@@ -213,8 +214,8 @@ def read_header(obj: bytes | bytearray | memoryview) -> ChunkHeader:
     are needed, so a tier may pass a ranged read).
 
     Raises :class:`CorruptChunkError` for a short buffer, bad magic or a header checksum
-    mismatch, and :class:`FingerprintMismatchError` for an intact header of another format
-    version. It does not check the payload: :func:`decode_chunk` does.
+    mismatch, and its subclass :class:`ForeignFormatError` for an intact header of another
+    format version. It does not check the payload: :func:`decode_chunk` does.
     """
     view = memoryview(obj).cast("B") if isinstance(obj, memoryview) else memoryview(obj)
     if len(view) < HEADER_SIZE:
@@ -231,7 +232,7 @@ def read_header(obj: bytes | bytearray | memoryview) -> ChunkHeader:
     if crc != _header_crc(head):
         raise CorruptChunkError("chunk header checksum mismatch (the header is damaged)")
     if version != FORMAT_VERSION:
-        raise FingerprintMismatchError(
+        raise ForeignFormatError(
             f"chunk object is format v{version}, this musacache reads format v{FORMAT_VERSION}")
     if header_size != HEADER_SIZE or codec_id not in _CODEC_NAMES:
         raise CorruptChunkError(
@@ -492,8 +493,9 @@ def decode_chunk(fp: Fingerprint, obj: bytes | bytearray | memoryview, *,
     Returns the chunk's :class:`ChunkMeta` (``stored_bytes`` = ``len(obj)``) and its dense KV,
     written into ``out`` when given (a contiguous CPU tensor of the chunk's shape and dtype).
 
-    Raises :class:`FingerprintMismatchError` (naming both sides) when the object was written
-    for another namespace, spec, chunk size or format version, and :class:`CorruptChunkError`
+    Raises :class:`ForeignFormatError` for an object of another format version,
+    :class:`FingerprintMismatchError` (naming both sides) when the object was written for
+    another namespace, spec or chunk size, and :class:`CorruptChunkError`
     for bad magic, a damaged header or block table, truncation or trailing bytes, a payload
     checksum mismatch, or a key/parent/token count that differs from ``expect``. On any error
     ``out`` is left untouched.

@@ -23,7 +23,7 @@ from typing import Any, Protocol, runtime_checkable
 import anyio
 import torch
 
-from ._errors import ConfigError, DeviceError, ReadyTimeoutError
+from ._errors import ConfigError, DeviceError, IPCError, ReadyTimeoutError
 
 __all__ = [
     "ACCELERATORS",
@@ -187,6 +187,77 @@ def _probe_event_ipc(mod: ModuleType) -> bool:
         return bool(handle)
     except Exception:
         return False
+
+
+# -- device identity for IPC (musacache.ipc) -------------------------------------------
+# Kinds are strings here, not torch.device: without torch_musa, torch.device("musa") does not
+# parse, yet a peer's handle naming a MUSA device must still be decoded (and refused cleanly).
+
+
+def ipc_module(kind: str) -> ModuleType:
+    """:func:`accelerator_module` for IPC: the module, or DeviceError saying why there is none."""
+    if kind not in ACCELERATORS:
+        raise DeviceError(f"device kind {kind!r} is not an accelerator")
+    mod = accelerator_module(kind)
+    if mod is None:
+        if kind == "musa":
+            raise DeviceError("a MUSA device was named but torch_musa is not installed (or "
+                              "does not load) in this process")
+        raise DeviceError(f"{kind} is not available in this process")
+    return mod
+
+
+def parse_device(device: torch.device | str) -> tuple[str, int | None]:
+    """Split ``"cuda:1"`` / ``torch.device("musa", 0)`` / ``"cpu"`` into ``(kind, index)``."""
+    index: int | None
+    if isinstance(device, torch.device):
+        kind, index = device.type, device.index
+    elif isinstance(device, str):
+        kind, _, rest = device.partition(":")
+        if rest and not rest.isdigit():
+            raise DeviceError(f"cannot parse device {device!r}; use 'cpu', 'cuda:N' or 'musa:N'")
+        index = int(rest) if rest else None
+    else:
+        raise DeviceError(f"expected a torch.device or a string, got {type(device).__name__}")
+    if kind not in _KINDS:
+        raise DeviceError(f"device kind {kind!r} has no IPC support; use one of {_KINDS}")
+    return kind, index
+
+
+def device_uuid(kind: str, index: int) -> str | None:
+    """A stable identity of device ``index`` (its UUID), or None where the backend has none.
+
+    The index alone is not an identity across processes: two processes with different
+    ``CUDA_VISIBLE_DEVICES`` / ``MUSA_VISIBLE_DEVICES`` number the same GPU differently.
+    """
+    try:
+        props = ipc_module(kind).get_device_properties(index)
+    except (RuntimeError, AttributeError, AssertionError, DeviceError):
+        # Backends without properties (or without a UUID in them) fall back to index matching.
+        return None
+    uuid = getattr(props, "uuid", None)
+    return None if uuid is None else str(uuid)
+
+
+def local_device_index(kind: str, index: int | None, uuid: str | None) -> int:
+    """The index, in this process, of a peer's device ``(index, uuid)``.
+
+    The UUID wins when both sides know it; otherwise the peer's index is trusted. Raises
+    IPCError when the device is not visible here.
+    """
+    count = int(ipc_module(kind).device_count())
+    if uuid is not None:
+        for local in range(count):
+            if device_uuid(kind, local) == uuid:
+                return local
+        if any(device_uuid(kind, local) is not None for local in range(count)):
+            raise IPCError(
+                f"the exporter's {kind} device {uuid} is not visible in this process "
+                f"(check {kind.upper()}_VISIBLE_DEVICES on both sides)")
+    if index is None or not 0 <= index < count:
+        raise IPCError(f"the exporter's {kind} device index {index} does not exist here "
+                       f"({count} {kind} device(s) visible)")
+    return index
 
 
 # -- pinned host memory -----------------------------------------------------------------

@@ -1,10 +1,18 @@
 """``musacache serve``: the node server.
 
-One process owns the tiers of a node. Workers in other processes connect over a Unix socket
-(:func:`musacache.connect`), register their paged KV caches once through memory IPC, and from
-then on a ``store`` or ``retrieve`` sends only metadata: the server waits on the worker's
-ready event without blocking its loop, then gathers from (or scatters into) the worker's pages
-directly. Dense ``put``/``get`` pass a shared tensor handle, never the bytes.
+One process owns the tiers of a node and serves any number of caches over them, one per
+(namespace, KVSpec, chunk size, tenant) that a client names at :func:`musacache.connect`.
+Workers in other processes connect over a Unix socket, register their paged KV caches once
+through memory IPC, and from then on a ``store`` or ``retrieve`` sends only metadata: the
+server waits on the worker's ready event without blocking its loop, then gathers from (or
+scatters into) the worker's pages directly. Dense ``put``/``get`` pass a shared tensor
+handle, never the bytes.
+
+A connection touches only its own cache: keys of another namespace, spec or tenant are
+unreachable through it. A ``monitor`` connection (``musacache stats``) sees counters only.
+Every peer is bounded (requests in flight, fds held, staging bytes), every frame is bounded
+(size, msgpack objects and depth) and every op's arguments are decoded into a typed message
+first, so no client can exhaust or crash the server. See ``docs/security.md``.
 
 The wire protocol is in ``docs/protocol.md``; the ops are the ``_op_*`` methods below.
 """
@@ -13,16 +21,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import errno
+import hashlib
 import logging
 import os
 import signal
 import socket
 import stat
 import sys
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import anyio
 import numpy as np
@@ -39,10 +51,12 @@ from ._errors import (
     MusaCacheError,
     PermissionDeniedError,
     ProtocolError,
+    ServerLimitError,
 )
 from ._keys import Fingerprint
 from ._spec import KVSpec
 from ._version import __version__
+from .ipc import _messages as msgs
 
 __all__ = ["OPS", "Server", "ServerConfig", "main"]
 
@@ -51,49 +65,174 @@ log = logging.getLogger("musacache.server")
 #: Every op a client may send (the decoder refuses others before they reach a handler).
 OPS = ("hello", "register", "unregister", "put", "get", "lookup", "prefetch", "store",
        "retrieve", "delete", "clear", "flush", "stats", "stage_bytes", "put_staged")
+#: What a ``monitor: true`` connection may do: read counters, nothing else.
+MONITOR_OPS: Final = frozenset({"hello", "stats"})
+
+# accept() failures that mean "out of resources for now": back off and retry, never exit.
+_ACCEPT_BACKOFF_ERRNOS: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS,
+                                           errno.ENOMEM})
+_ACCEPT_BACKOFF_S: Final = 0.1
+# CacheConfig fields that belong to one cache, named by the client, not by the server config.
+_PER_CACHE_FIELDS: Final = frozenset({"spec", "namespace", "tenant", "chunk_size", "tiers"})
+# Only used to validate the server's tiers and cache options before any client names a spec.
+_PROBE_SPEC: Final = KVSpec(1, 1, 8, torch.float16)
+_SUN_PATH_MAX: Final = 107  # sockaddr_un.sun_path is 108 bytes with the terminating NUL
+
+#: (namespace, spec, chunk size, tenant, uid): one cache of the server.
+CacheKey = tuple[str, KVSpec, int, str | None, int]
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """The node server: where it listens, who may connect, and the cache it serves.
+    """The node server: where it listens, who may connect, its tiers and its limits.
 
-    ``allow_uids`` adds uids besides the server's own that may connect (checked with
-    SO_PEERCRED on every connection). ``max_frame_size`` bounds one protocol frame; only the
-    baseline byte path (``stage_bytes``) sends large frames.
+    ``tiers`` are the node's tiers, hot to cold; their capacities are the node's totals.
+    Each cache the server opens (one per namespace, spec, chunk size, tenant and uid) gets an
+    equal share, ``1/max_caches`` of every bounded tier, so the totals are never exceeded
+    (``max_caches=0``: 1 when ``cache`` is given, else 4). ``cache_options`` are the other
+    :class:`~musacache.CacheConfig` settings every cache gets (``copy_threads``...).
+
+    ``cache``, when given, is opened at start; its tiers, chunk size and settings are the
+    defaults of the fields above. ``allow_uids`` adds uids besides the server's own that may
+    connect (checked with SO_PEERCRED on every connection). ``max_frame_size`` bounds one
+    protocol frame; only the baseline byte path (``stage_bytes``) sends large frames.
     """
 
     socket_path: str
-    cache: CacheConfig
+    cache: CacheConfig | None = None
+    tiers: tuple[Any, ...] = ()
+    chunk_size: int = 0
+    cache_options: Mapping[str, Any] = field(default_factory=dict)
+    max_caches: int = 0
     allow_uids: tuple[int, ...] = ()
     max_frame_size: int = 64 * 1024**2 + 4096
     max_connections: int = 512
+    #: Requests one connection may have in flight; more get ServerLimitError.
+    max_requests_per_peer: int = 64
+    #: fds one connection's in-flight requests may hold (ready/done events, handles).
+    max_fds_per_peer: int = 256
+    #: Largest staging buffer of the byte path (``stage_bytes``), per connection.
+    max_stage_bytes: int = 1024**3
     #: Longest wait for a worker's ready event (seconds).
     ready_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.socket_path, str) or not self.socket_path:
+            raise ConfigError("socket_path must be a non-empty string")
+        if self.cache is not None and not isinstance(self.cache, CacheConfig):
+            raise ConfigError(f"cache must be a CacheConfig, got {type(self.cache).__name__}")
+        cache = self.cache
+        if cache is not None:
+            if not self.tiers:
+                object.__setattr__(self, "tiers", cache.tiers)
+            if not self.chunk_size:
+                object.__setattr__(self, "chunk_size", cache.chunk_size)
+            if not self.cache_options:
+                object.__setattr__(self, "cache_options", {
+                    f.name: getattr(cache, f.name) for f in dataclasses.fields(cache)
+                    if f.name not in _PER_CACHE_FIELDS})
+        if not self.chunk_size:
+            object.__setattr__(self, "chunk_size", 256)
+        if not self.max_caches:
+            object.__setattr__(self, "max_caches", 1 if cache is not None else 4)
+        object.__setattr__(self, "tiers", tuple(self.tiers))
+        object.__setattr__(self, "cache_options", dict(self.cache_options))
+        object.__setattr__(self, "allow_uids", tuple(self.allow_uids))
+        if not self.tiers:
+            raise ConfigError("a server needs its tiers: [[tiers]] in the config file")
+        for name in ("max_caches", "max_connections", "max_requests_per_peer",
+                     "max_fds_per_peer", "max_stage_bytes", "max_frame_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"[server] {name} must be a positive int, got {value!r}")
+        if not isinstance(self.ready_timeout, (int, float)) or not self.ready_timeout > 0:
+            raise ConfigError(f"[server] ready_timeout must be > 0, got {self.ready_timeout!r}")
+        if any(isinstance(u, bool) or not isinstance(u, int) or u < 0 for u in self.allow_uids):
+            raise ConfigError(f"[server] allow_uids must be uids, got {self.allow_uids!r}")
+        bad = set(self.cache_options) & _PER_CACHE_FIELDS
+        if bad:
+            raise ConfigError(f"cache_options may not set {sorted(bad)}: each client names "
+                              f"its own namespace, spec, chunk size and tenant")
+        # Fail at start, not at the first client: build one cache config over the tiers.
+        self.cache_config(_PROBE_SPEC, "probe", self.chunk_size, None)
+
+    def shared_tiers(self) -> tuple[Any, ...]:
+        """The tier configs of one cache: each bounded tier's capacity over ``max_caches``."""
+        return tuple(_share_of(t, self.max_caches) for t in self.tiers)
+
+    def cache_config(self, spec: KVSpec, namespace: str, chunk_size: int,
+                     tenant: str | None) -> CacheConfig:
+        """The config of one cache of this server."""
+        return CacheConfig(spec=spec, namespace=namespace, tiers=self.shared_tiers(),
+                           chunk_size=chunk_size, tenant=tenant, **self.cache_options)
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str], socket_path: str | None = None,
                   ) -> ServerConfig:
-        """A cache config file (docs/configuration.md) with an optional ``[server]`` table:
-        ``socket``, ``allow_uids``, ``max_frame_size``, ``max_connections``, ``ready_timeout``."""
+        """A server config file: ``[[tiers]]`` (required), an optional ``[server]`` table
+        (``socket``, ``allow_uids``, ``max_caches``, ``max_frame_size``, ``max_connections``,
+        ``max_requests_per_peer``, ``max_fds_per_peer``, ``max_stage_bytes``,
+        ``ready_timeout``) and optional cache settings (``chunk_size``, ``copy_threads``...;
+        docs/configuration.md). ``namespace`` with ``[spec]`` names a cache opened at start."""
         import tomllib
 
         try:
             data = tomllib.loads(Path(path).read_text())
-        except (OSError, tomllib.TOMLDecodeError) as e:
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
             raise ConfigError(f"cannot read server config {path}: {e}") from e
-        server = dict(data.pop("server", {}))
-        sock = socket_path or server.pop("socket", None)
+        server = data.pop("server", {})
+        if not isinstance(server, dict):
+            raise ConfigError("[server] must be a table")
+        server = dict(server)
+        sock = socket_path or server.get("socket")
         server.pop("socket", None)
         if not sock:
             raise ConfigError("no socket path: pass --socket or set [server] socket")
-        known = {"allow_uids", "max_frame_size", "max_connections", "ready_timeout"}
+        known = {"allow_uids", "max_caches", "max_frame_size", "max_connections",
+                 "max_requests_per_peer", "max_fds_per_peer", "max_stage_bytes",
+                 "ready_timeout"}
         unknown = set(server) - known
         if unknown:
             raise ConfigError(
                 f"[server]: unknown setting(s) {sorted(unknown)}; known: {sorted(known)}")
+        if "max_caches" in server and (isinstance(server["max_caches"], bool)
+                                       or not isinstance(server["max_caches"], int)
+                                       or server["max_caches"] <= 0):
+            raise ConfigError(f"[server] max_caches must be a positive int, got "
+                              f"{server['max_caches']!r}")
         if "allow_uids" in server:
-            server["allow_uids"] = tuple(int(u) for u in server["allow_uids"])
-        return cls(socket_path=str(sock), cache=CacheConfig.from_dict(data), **server)
+            uids = server["allow_uids"]
+            if not isinstance(uids, list):
+                raise ConfigError("[server] allow_uids must be a list of uids")
+            server["allow_uids"] = tuple(uids)
+        if not data.get("tiers"):
+            raise ConfigError(f"{path}: a server config needs [[tiers]] (the node's tiers)")
+        if ("namespace" in data) != ("spec" in data):
+            raise ConfigError(f"{path}: namespace and [spec] name a cache together; give both "
+                              f"or neither")
+        if "namespace" in data:
+            cache = CacheConfig.from_dict(data)
+            return cls(socket_path=str(sock), cache=cache, **server)
+        probe = CacheConfig.from_dict({**data, "namespace": "probe",
+                                       "spec": _PROBE_SPEC.to_dict()})
+        options = {f.name: getattr(probe, f.name) for f in dataclasses.fields(probe)
+                   if f.name not in _PER_CACHE_FIELDS and f.name in data}
+        return cls(socket_path=str(sock), tiers=probe.tiers, chunk_size=probe.chunk_size,
+                   cache_options=options, **server)
+
+
+def _share_of(tier: Any, n: int) -> Any:
+    if n == 1:
+        return tier
+    if not dataclasses.is_dataclass(tier) or isinstance(tier, type):
+        # A StorageTier instance holds its own state: it can back one cache only.
+        raise ConfigError(f"tier {getattr(tier, 'name', tier)!r} is a StorageTier instance, "
+                          f"which can back one cache only; with max_caches={n} pass its "
+                          f"config (DiskTier, S3Tier) instead")
+    capacity = getattr(tier, "capacity_bytes", None)
+    if capacity is None:
+        return tier
+    return dataclasses.replace(tier, capacity_bytes=int(capacity) // n)
 
 
 @dataclass
@@ -106,15 +245,20 @@ class _Registration:
 
 @dataclass(eq=False)
 class _Peer:
-    """What one connection holds: its mappings, events and registrations."""
+    """What one connection holds: its cache, mappings, events and registrations."""
 
     pid: int
     uid: int
-    table: ipc.MappingTable = field(default_factory=ipc.MappingTable)
+    table: ipc.MappingTable
     regs: dict[int, _Registration] = field(default_factory=dict)
     next_reg: int = 1
     staged: torch.Tensor | None = None
     hello: bool = False
+    monitor: bool = False
+    cache: Cache | None = None
+    key: CacheKey | None = None
+    in_flight: int = 0
+    held_fds: int = 0
 
 
 class Server:
@@ -122,14 +266,26 @@ class Server:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.cache = Cache(config.cache)
+        self.caches: dict[CacheKey, Cache] = {}
+        self._cache_lock = anyio.Lock()
         self._listener: socket.socket | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._peers: set[_Peer] = set()
         self._stopped = anyio.Event()
+        self._last_backoff_log = 0.0
         self.counters = dict.fromkeys(
-            ("connections", "refused", "requests", "errors", "bad_frames", "bytes_copied",
-             "bytes_received"), 0)
+            ("connections", "refused", "requests", "errors", "bad_frames", "limited",
+             "accept_backoffs", "bytes_copied", "bytes_received"), 0)
+        #: What :meth:`aclose` did (for ``musacache serve`` to report): per cache, chunks
+        #: held and chunks written to storage while closing.
+        self.close_report: list[dict[str, Any]] = []
+
+    @property
+    def cache(self) -> Cache:
+        """The server's only cache (a server configured with ``cache=``); see :attr:`caches`."""
+        if len(self.caches) != 1:
+            raise InvalidInputError(f"this server holds {len(self.caches)} caches; use .caches")
+        return next(iter(self.caches.values()))
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -141,11 +297,13 @@ class Server:
         await self.aclose()
 
     async def start(self) -> None:
-        await self.cache.open()
+        self._listener = _listen(self.config.socket_path)
         try:
-            self._listener = _listen(self.config.socket_path)
+            if self.config.cache is not None:
+                c = self.config.cache
+                await self._cache_for((c.namespace, c.spec, c.chunk_size, c.tenant, os.getuid()))
         except BaseException:
-            await self.cache.aclose()
+            await self.aclose()
             raise
         log.info("musacache %s serving on %s", __version__, self.config.socket_path)
 
@@ -174,12 +332,40 @@ class Server:
                 pass
         for peer in list(self._peers):
             self._release_peer(peer)
-        await self.cache.aclose()
+        caches, self.caches = self.caches, {}
+        for key, cache in caches.items():
+            before = await _storage_writes(cache)
+            chunks = int((await cache.stats())["chunks"])
+            try:
+                await cache.aclose()
+            except Exception:  # one cache failing to close must not strand the others
+                log.exception("closing the cache of %s failed", key[0])
+            self.close_report.append({
+                "namespace": key[0], "tenant": _tenant_tag(key[3]), "chunks": chunks,
+                "persisted": await _storage_writes(cache) - before,
+                "storage": [n for n, t in (await cache.stats())["tiers"].items()
+                            if "pending_writes" in t]})
 
     async def _accept_loop(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            sock, _ = await loop.sock_accept(listener)
+            try:
+                sock, _ = await loop.sock_accept(listener)
+            except OSError as e:
+                if e.errno in _ACCEPT_BACKOFF_ERRNOS:
+                    # Out of fds or memory: the pending connection stays in the backlog. Wait
+                    # for peers to let go instead of dying (clients retry their connects).
+                    self.counters["accept_backoffs"] += 1
+                    now = time.monotonic()
+                    if now - self._last_backoff_log > 10:
+                        self._last_backoff_log = now
+                        log.warning("accept failed (%s); backing off: %d connections open, "
+                                    "%d fds", e, len(self._peers), _count_fds())
+                    await anyio.sleep(_ACCEPT_BACKOFF_S)
+                    continue
+                if e.errno in (errno.ECONNABORTED, errno.EINTR, errno.EPROTO):
+                    continue
+                raise
             if len(self._peers) >= self.config.max_connections:
                 self.counters["refused"] += 1
                 log.warning("refusing a connection: %d connections open", len(self._peers))
@@ -216,7 +402,8 @@ class Server:
                     f"uid {creds.uid} may not use this musacache server"))
             await conn.aclose()
             return
-        peer = _Peer(pid=creds.pid, uid=creds.uid)
+        peer = _Peer(pid=creds.pid, uid=creds.uid,
+                     table=ipc.MappingTable(require_sealed=True, peer_pid=creds.pid))
         self._peers.add(peer)
         self.counters["connections"] += 1
         try:
@@ -226,7 +413,7 @@ class Server:
                         frame = await conn.receive()
                     except ipc.FrameError as e:
                         self.counters["bad_frames"] += 1
-                        log.warning("bad frame from pid %d: %s", peer.pid, e)
+                        log.info("bad frame from pid %d: %s", peer.pid, e)
                         if e.fatal:
                             break
                         with anyio.move_on_after(1):
@@ -240,6 +427,15 @@ class Server:
                         ipc.close_fds(frame.fds)
                         self.counters["bad_frames"] += 1
                         continue
+                    limit = self._over_limit(peer, frame)
+                    if limit is not None:
+                        ipc.close_fds(frame.fds)
+                        self.counters["limited"] += 1
+                        with anyio.move_on_after(1):
+                            await conn.send_error(frame.id, limit)
+                        continue
+                    peer.in_flight += 1
+                    peer.held_fds += len(frame.fds)
                     tg.start_soon(self._dispatch, conn, peer, frame)
                 # The peer is gone (or broke the protocol): its in-flight ops are cancelled,
                 # which releases their pins in the cache.
@@ -247,6 +443,18 @@ class Server:
         finally:
             self._release_peer(peer)
             await conn.aclose()
+
+    def _over_limit(self, peer: _Peer, req: ipc.Request) -> ServerLimitError | None:
+        cfg = self.config
+        if peer.in_flight >= cfg.max_requests_per_peer:
+            return ServerLimitError(f"{req.op}: {peer.in_flight} requests already in flight "
+                                    f"on this connection (max_requests_per_peer="
+                                    f"{cfg.max_requests_per_peer})")
+        if peer.held_fds + len(req.fds) > cfg.max_fds_per_peer:
+            return ServerLimitError(f"{req.op}: this connection's requests would hold "
+                                    f"{peer.held_fds + len(req.fds)} fds (max_fds_per_peer="
+                                    f"{cfg.max_fds_per_peer})")
+        return None
 
     def _release_peer(self, peer: _Peer) -> None:
         peer.regs.clear()
@@ -257,30 +465,33 @@ class Server:
     async def _dispatch(self, conn: ipc.Connection, peer: _Peer, req: ipc.Request) -> None:
         self.counters["requests"] += 1
         fds = list(req.fds)
+        held = len(fds)
         try:
-            handler: Callable[[_Peer, Mapping[str, Any], list[int]], Awaitable[Any]] = getattr(
-                self, f"_op_{req.op}")
-            if req.op != "hello" and not peer.hello:
-                raise ProtocolError("the first request on a connection must be hello")
-            result = await handler(peer, req.args, fds)
+            try:
+                msg = msgs.decode_args(req.op, req.args, len(fds),
+                                       max_stage_bytes=self.config.max_stage_bytes)
+                if req.op != "hello":
+                    if not peer.hello:
+                        raise ProtocolError("the first request on a connection must be hello")
+                    if peer.monitor and req.op not in MONITOR_OPS:
+                        raise PermissionDeniedError(
+                            f"{req.op}: a monitor connection may only read stats")
+                result = await getattr(self, f"_op_{req.op}")(peer, msg, fds)
+            finally:
+                ipc.close_fds(fds)  # whatever a handler did not take
         except MusaCacheError as e:
+            # The peer's mistake (or a refused request): answered, never logged as a bug.
             self.counters["errors"] += 1
-            ipc.close_fds(fds)
             await self._reply_error(conn, req.id, e)
-            return
-        except (KeyError, TypeError, ValueError) as e:
-            self.counters["errors"] += 1
-            ipc.close_fds(fds)
-            await self._reply_error(
-                conn, req.id, ProtocolError(f"bad arguments to {req.op}: {e!r}"))
             return
         except Exception as e:  # a server bug: answer, log, keep serving everyone else
             self.counters["errors"] += 1
-            ipc.close_fds(fds)
             log.exception("op %s failed", req.op)
             await self._reply_error(conn, req.id, e)
             return
-        ipc.close_fds(fds)  # whatever a handler did not take
+        finally:
+            peer.in_flight -= 1
+            peer.held_fds -= held
         try:
             await conn.send_reply(req.id, result)
         except (CacheUnavailableError, OSError):
@@ -289,113 +500,148 @@ class Server:
     @staticmethod
     async def _reply_error(conn: ipc.Connection, rid: int, e: BaseException) -> None:
         try:
-            await conn.send_error(rid, e)
+            with anyio.move_on_after(5):
+                await conn.send_error(rid, e)
         except (CacheUnavailableError, OSError):
             pass
 
+    # -- caches -------------------------------------------------------------------------------
+
+    async def _cache_for(self, key: CacheKey) -> Cache:
+        async with self._cache_lock:
+            cache = self.caches.get(key)
+            if cache is not None:
+                return cache
+            namespace, spec, chunk, tenant, uid = key
+            if len(self.caches) >= self.config.max_caches:
+                wanted = Fingerprint(namespace, spec, chunk).describe()
+                held = "; ".join(Fingerprint(k[0], k[1], k[2]).describe() for k in self.caches)
+                if self.config.max_caches == 1:
+                    raise FingerprintMismatchError(
+                        f"client wants {wanted}, this server caches {held} (max_caches=1)")
+                raise ServerLimitError(f"cannot open a cache for {wanted}: the server holds "
+                                       f"max_caches={self.config.max_caches} caches already")
+            # Another uid's chunks are salted apart even when the tenant names match:
+            # isolation between users rests on SO_PEERCRED, not on a shared secret.
+            salt = tenant if uid == os.getuid() else f"uid:{uid}:{tenant or ''}"
+            cache = Cache(self.config.cache_config(spec, namespace, chunk, salt))
+            await cache.open()
+            self.caches[key] = cache
+            log.info("opened a cache for %s (tenant %s)",
+                     Fingerprint(namespace, spec, chunk).describe(), _tenant_tag(tenant))
+            return cache
+
+    @staticmethod
+    def _cache_of(peer: _Peer) -> Cache:
+        if peer.cache is None:  # unreachable past the monitor check; kept as a typed refusal
+            raise PermissionDeniedError("this connection has no cache")
+        return peer.cache
+
     # -- ops --------------------------------------------------------------------------------
 
-    async def _op_hello(self, peer: _Peer, args: Mapping[str, Any], fds: list[int]) -> Any:
-        version = args.get("protocol")
-        if version != ipc.PROTOCOL_VERSION:
-            raise ProtocolError(f"client speaks protocol {version}, server "
+    async def _op_hello(self, peer: _Peer, msg: msgs.HelloMessage, fds: list[int]) -> Any:
+        if peer.hello:
+            raise ProtocolError("hello was already said on this connection")
+        if msg.protocol != ipc.PROTOCOL_VERSION:
+            raise ProtocolError(f"client speaks protocol {msg.protocol}, server "
                                 f"{ipc.PROTOCOL_VERSION}")
-        if not args.get("monitor"):
-            theirs = Fingerprint(str(args["namespace"]), KVSpec.from_dict(args["spec"]),
-                                 int(args.get("chunk_size") or self.config.cache.chunk_size))
-            ours = self.cache.fingerprint
-            if theirs != ours:
-                raise FingerprintMismatchError(
-                    f"client wants {theirs.describe()}, this server caches {ours.describe()}")
-        peer.hello = True
-        return {"server": __version__, "protocol": ipc.PROTOCOL_VERSION,
-                "namespace": self.config.cache.namespace,
-                "spec": self.config.cache.spec.to_dict(),
-                "chunk_size": self.config.cache.chunk_size,
-                "device": str(self.cache.device),
-                "event_ipc": {k: ipc.event_ipc_capability(k)
-                              for k in ("cpu", "cuda", "musa")}}
+        info: dict[str, Any] = {"server": __version__, "protocol": ipc.PROTOCOL_VERSION,
+                                "event_ipc": {k: ipc.event_ipc_capability(k)
+                                              for k in ("cpu", "cuda", "musa")}}
+        if msg.monitor:
+            peer.monitor = True
+            peer.hello = True
+            return info
+        if msg.spec is None or msg.namespace is None:  # HelloMessage guarantees both
+            raise ProtocolError("hello: namespace and spec are required")
+        try:
+            spec = KVSpec.from_dict(dict(msg.spec))
+        except (MusaCacheError, TypeError, ValueError) as e:
+            raise ProtocolError(f"hello: malformed spec: {e}") from None
+        chunk = msg.chunk_size or self.config.chunk_size
+        key: CacheKey = (msg.namespace, spec, chunk, msg.tenant, peer.uid)
+        cache = await self._cache_for(key)
+        peer.cache, peer.key, peer.hello = cache, key, True
+        return {**info, "namespace": msg.namespace, "spec": spec.to_dict(),
+                "chunk_size": chunk, "device": str(cache.device)}
 
-    async def _op_register(self, peer: _Peer, args: Mapping[str, Any], fds: list[int]) -> Any:
-        layout = str(args["layout"])
-        wires = args["handles"]
-        if not isinstance(wires, list) or not wires:
-            raise ProtocolError("register needs a non-empty list of handles")
-        handles = [ipc.TensorHandle.from_wire(w) for w in wires]
-        if sum(h.num_fds for h in handles) != len(fds):
-            raise ProtocolError(f"register: the handles need {sum(h.num_fds for h in handles)} "
-                                f"fds, the frame carried {len(fds)}")
+    async def _op_register(self, peer: _Peer, msg: msgs.RegisterMessage,
+                           fds: list[int]) -> Any:
+        cache = self._cache_of(peer)
         imports: list[ipc.ImportedTensor] = []
         try:
-            for h in handles:
-                mine = [fds.pop(0) for _ in range(h.num_fds)]
-                imports.append(await peer.table.aopen_tensor(h, mine))
+            for h in msg.handles:
+                imports.append(await peer.table.aopen_tensor(h, msgs.take_fds(fds, h.num_fds)))
             tensors = [imp.tensor for imp in imports]
             kv_caches: Any = tensors
-            if layout == "sglang":
+            if msg.layout == "sglang":
                 half = len(tensors) // 2
                 kv_caches = (tensors[:half], tensors[half:])
-            paged = transfer.describe(kv_caches, layout)
-            if paged.spec() != self.cache.spec:
+            paged = transfer.describe(kv_caches, msg.layout)
+            if paged.spec() != cache.spec:
                 raise InvalidInputError(f"registered caches hold {paged.spec().describe()}, "
-                                        f"this server caches {self.cache.spec.describe()}")
+                                        f"this connection caches {cache.spec.describe()}")
         except BaseException:
             for imp in imports:
                 imp.close()
             raise
         reg = peer.next_reg
         peer.next_reg += 1
-        peer.regs[reg] = _Registration(layout, kv_caches, imports, paged)
+        peer.regs[reg] = _Registration(msg.layout, kv_caches, imports, paged)
         return {"reg": reg, "num_slots": paged.num_slots}
 
-    async def _op_unregister(self, peer: _Peer, args: Mapping[str, Any], fds: list[int]) -> Any:
-        reg = peer.regs.pop(int(args["reg"]), None)
+    async def _op_unregister(self, peer: _Peer, msg: msgs.UnregisterMessage,
+                             fds: list[int]) -> Any:
+        reg = peer.regs.pop(msg.reg, None)
         if reg is None:
-            raise InvalidInputError(f"no registration {args['reg']!r} on this connection")
+            raise InvalidInputError(f"no registration {msg.reg} on this connection")
         for imp in reg.imports:
             imp.close()
         return True
 
-    def _reg(self, peer: _Peer, args: Mapping[str, Any]) -> _Registration:
-        reg = peer.regs.get(int(args["reg"]))
+    def _reg(self, peer: _Peer, number: int) -> _Registration:
+        reg = peer.regs.get(number)
         if reg is None:
-            raise InvalidInputError(f"no registration {args['reg']!r}: call register_kv_caches")
+            raise InvalidInputError(f"no registration {number}: call register_kv_caches")
         return reg
 
-    async def _ready(self, peer: _Peer, args: Mapping[str, Any], fds: list[int],
-                     key: str) -> ipc.IpcEvent | None:
-        wire = args.get(key)
+    def _open_event(self, peer: _Peer, wire: msgs.EventWire | None,
+                    fds: list[int]) -> ipc.IpcEvent | None:
         if wire is None:
             return None
-        n = int(wire.get("nfds", 0))
-        mine = [fds.pop(0) for _ in range(n)]
-        return peer.table.open_event(wire, mine)
+        return peer.table.open_event(wire.wire, msgs.take_fds(fds, wire.nfds))
 
-    async def _op_store(self, peer: _Peer, args: Mapping[str, Any], fds: list[int]) -> Any:
-        reg = self._reg(peer, args)
-        ready = await self._ready(peer, args, fds, "ready")
+    async def _op_store(self, peer: _Peer, msg: msgs.PagedMessage, fds: list[int]) -> Any:
+        cache = self._cache_of(peer)
+        reg = self._reg(peer, msg.reg)
+        ready = self._open_event(peer, msg.ready, fds)
         try:
-            before = self._tier_bytes_in()
-            n = await self.cache.store(
-                _tokens(args), reg.kv_caches, _slots(args), layout=reg.layout,
-                skip_prefix=int(args.get("skip_prefix", 0)), ready=ready,
+            n = await cache.store(
+                _tokens(msg.tokens), reg.kv_caches, _slots(msg.slots), layout=reg.layout,
+                skip_prefix=msg.skip_prefix, ready=ready,
                 ready_timeout=self.config.ready_timeout)
-            self.counters["bytes_copied"] += self._tier_bytes_in() - before
+            self.counters["bytes_copied"] += cache.spec.nbytes(max(0, n - msg.skip_prefix))
             return n
         finally:
             if ready is not None:
                 peer.table.close_event(ready)
 
-    async def _op_retrieve(self, peer: _Peer, args: Mapping[str, Any], fds: list[int]) -> Any:
-        reg = self._reg(peer, args)
-        ready = await self._ready(peer, args, fds, "ready")
-        done = await self._ready(peer, args, fds, "done")
+    async def _op_retrieve(self, peer: _Peer, msg: msgs.PagedMessage, fds: list[int]) -> Any:
+        cache = self._cache_of(peer)
+        reg = self._reg(peer, msg.reg)
+        ready = self._open_event(peer, msg.ready, fds)
         try:
-            n = await self.cache.retrieve(
-                _tokens(args), reg.kv_caches, _slots(args), layout=reg.layout,
-                skip_prefix=int(args.get("skip_prefix", 0)), ready=ready,
+            done = self._open_event(peer, msg.done, fds)
+        except BaseException:
+            if ready is not None:
+                peer.table.close_event(ready)
+            raise
+        try:
+            n = await cache.retrieve(
+                _tokens(msg.tokens), reg.kv_caches, _slots(msg.slots), layout=reg.layout,
+                skip_prefix=msg.skip_prefix, ready=ready,
                 ready_timeout=self.config.ready_timeout)
-            self.counters["bytes_copied"] += self.cache.spec.nbytes(n)
+            self.counters["bytes_copied"] += cache.spec.nbytes(max(0, n - msg.skip_prefix))
             if done is not None:
                 done.set()
             return n
@@ -404,67 +650,61 @@ class Server:
                 if ev is not None:
                     peer.table.close_event(ev)
 
-    async def _open_dense(self, peer: _Peer, args: Mapping[str, Any], fds: list[int],
-                          key: str) -> ipc.ImportedTensor:
-        handle = ipc.TensorHandle.from_wire(args[key])
-        mine = [fds.pop(0) for _ in range(handle.num_fds)]
-        return await peer.table.aopen_tensor(handle, mine)
-
-    async def _op_put(self, peer: _Peer, args: Mapping[str, Any], fds: list[int]) -> Any:
-        imp = await self._open_dense(peer, args, fds, "kv")
+    async def _op_put(self, peer: _Peer, msg: msgs.DenseMessage, fds: list[int]) -> Any:
+        cache = self._cache_of(peer)
+        imp = await peer.table.aopen_tensor(msg.handle, msgs.take_fds(fds, msg.nfds))
         try:
-            before = self._tier_bytes_in()
-            n = await self.cache.put(_tokens(args), imp.tensor)
-            self.counters["bytes_copied"] += self._tier_bytes_in() - before
+            n = await cache.put(_tokens(msg.tokens), imp.tensor)
+            # Counted from the answer, not from per-request stats() calls: the bytes of KV
+            # the put covered (chunks already cached are not copied again).
+            self.counters["bytes_copied"] += cache.spec.nbytes(n)
             return n
         finally:
             imp.close()
 
-    async def _op_get(self, peer: _Peer, args: Mapping[str, Any], fds: list[int]) -> Any:
-        imp = await self._open_dense(peer, args, fds, "out")
+    async def _op_get(self, peer: _Peer, msg: msgs.DenseMessage, fds: list[int]) -> Any:
+        cache = self._cache_of(peer)
+        imp = await peer.table.aopen_tensor(msg.handle, msgs.take_fds(fds, msg.nfds))
         try:
-            hit = await self.cache.get(_tokens(args), out=imp.tensor)
-            self.counters["bytes_copied"] += self.cache.spec.nbytes(hit.num_tokens)
+            hit = await cache.get(_tokens(msg.tokens), out=imp.tensor)
+            self.counters["bytes_copied"] += cache.spec.nbytes(hit.num_tokens)
             return {"num_tokens": hit.num_tokens, "tiers": hit.tiers}
         finally:
             imp.close()
 
-    async def _op_lookup(self, peer: _Peer, args: Mapping[str, Any], fds: list[int]) -> Any:
-        return await self.cache.lookup(_tokens(args))
+    async def _op_lookup(self, peer: _Peer, msg: msgs.TokensMessage, fds: list[int]) -> Any:
+        return await self._cache_of(peer).lookup(_tokens(msg.tokens))
 
-    async def _op_prefetch(self, peer: _Peer, args: Mapping[str, Any], fds: list[int]) -> Any:
-        timeout = args.get("timeout")
-        return await self.cache.prefetch(_tokens(args),
-                                         timeout=None if timeout is None else float(timeout))
+    async def _op_prefetch(self, peer: _Peer, msg: msgs.PrefetchMessage,
+                           fds: list[int]) -> Any:
+        return await self._cache_of(peer).prefetch(_tokens(msg.tokens), timeout=msg.timeout)
 
-    async def _op_delete(self, peer: _Peer, args: Mapping[str, Any], fds: list[int]) -> Any:
-        return await self.cache.delete(_tokens(args))
+    async def _op_delete(self, peer: _Peer, msg: msgs.TokensMessage, fds: list[int]) -> Any:
+        return await self._cache_of(peer).delete(_tokens(msg.tokens))
 
-    async def _op_clear(self, peer: _Peer, args: Mapping[str, Any], fds: list[int]) -> Any:
-        await self.cache.clear()
+    async def _op_clear(self, peer: _Peer, msg: msgs.EmptyMessage, fds: list[int]) -> Any:
+        await self._cache_of(peer).clear()
         return True
 
-    async def _op_flush(self, peer: _Peer, args: Mapping[str, Any], fds: list[int]) -> Any:
-        await self.cache.flush()
+    async def _op_flush(self, peer: _Peer, msg: msgs.EmptyMessage, fds: list[int]) -> Any:
+        await self._cache_of(peer).flush()
         return True
 
-    async def _op_stats(self, peer: _Peer, args: Mapping[str, Any], fds: list[int]) -> Any:
-        return self.stats()
+    async def _op_stats(self, peer: _Peer, msg: msgs.EmptyMessage, fds: list[int]) -> Any:
+        if peer.cache is None:
+            return await self.stats()
+        return {**(await peer.cache.stats()), "server": self._server_stats()}
 
     # The baseline byte path, kept for `musacache bench ipc`: the worker gathers its KV into a
     # buffer and sends the bytes through the socket; the server copies them into a staging
     # tensor and then puts that. Three copies of the payload, against one for `store`.
-    async def _op_stage_bytes(self, peer: _Peer, args: Mapping[str, Any], fds: list[int]) -> Any:
-        total = int(args["total"])
-        offset = int(args["offset"])
-        data = args["data"]
-        if not isinstance(data, bytes) or not 0 <= offset <= offset + len(data) <= total:
-            raise ProtocolError("stage_bytes: data must be bytes inside [0, total)")
-        if total > 1 << 40:
-            raise ProtocolError("stage_bytes: total is absurd")
-        if peer.staged is None or peer.staged.numel() != total:
-            peer.staged = torch.empty(total, dtype=torch.uint8)
-        staged = peer.staged
+    async def _op_stage_bytes(self, peer: _Peer, msg: msgs.StageBytesMessage,
+                              fds: list[int]) -> Any:
+        self._cache_of(peer)
+        if peer.staged is None or peer.staged.numel() != msg.total:
+            peer.staged = None  # let go of the old buffer before the new one is allocated
+            peer.staged = torch.empty(msg.total, dtype=torch.uint8)
+        staged, offset, data = peer.staged, msg.offset, msg.data
         if data:
             src = np.frombuffer(data, dtype=np.uint8)
             await anyio.to_thread.run_sync(
@@ -473,48 +713,67 @@ class Server:
         self.counters["bytes_copied"] += len(data)
         return len(data)
 
-    async def _op_put_staged(self, peer: _Peer, args: Mapping[str, Any], fds: list[int]) -> Any:
-        toks = _tokens(args)
-        spec = self.cache.spec
+    async def _op_put_staged(self, peer: _Peer, msg: msgs.PutStagedMessage,
+                             fds: list[int]) -> Any:
+        cache = self._cache_of(peer)
+        toks = _tokens(msg.tokens)
+        spec = cache.spec
         if peer.staged is None or peer.staged.numel() != spec.nbytes(len(toks)):
             raise InvalidInputError("put_staged: the staged bytes do not hold these tokens")
         kv = peer.staged.view(spec.dtype).view(spec.shape(len(toks)))
-        before = self._tier_bytes_in()
-        n = await self.cache.put(toks, kv)
-        self.counters["bytes_copied"] += self._tier_bytes_in() - before
+        n = await cache.put(toks, kv)
+        self.counters["bytes_copied"] += spec.nbytes(n)
         peer.staged = None
         return n
 
-    def _tier_bytes_in(self) -> int:
-        return sum(int(t["bytes_in"]) for t in self.cache.stats()["tiers"].values())
+    # -- stats ------------------------------------------------------------------------------
 
-    def stats(self) -> dict[str, Any]:
-        st = self.cache.stats()
-        st["server"] = {
+    def _server_stats(self) -> dict[str, Any]:
+        workers = [p for p in self._peers if not p.monitor]
+        return {
             **self.counters,
             "version": __version__,
             "socket": self.config.socket_path,
-            "peers": len(self._peers),
+            # Monitors (musacache stats itself) are counted apart from the workers they watch.
+            "peers": len(workers),
+            "monitors": len(self._peers) - len(workers),
+            "caches": len(self.caches),
+            "max_caches": self.config.max_caches,
             "registrations": sum(len(p.regs) for p in self._peers),
             "open_mappings": sum(p.table.open_mappings for p in self._peers),
             "open_events": sum(p.table.open_events for p in self._peers),
+            "requests_in_flight": sum(p.in_flight for p in self._peers),
             "open_fds": _count_fds(),
             "event_ipc": {k: ipc.event_ipc_capability(k) for k in ("cpu", "cuda", "musa")},
         }
-        return st
+
+    async def stats(self) -> dict[str, Any]:
+        """The server's counters and, per cache, its ``Cache.stats()`` (tenant names are
+        shown as digests: a tenant string is a capability, see docs/security.md)."""
+        return {
+            "server": self._server_stats(),
+            "caches": [{"namespace": k[0], "spec": k[1].describe(), "chunk_size": k[2],
+                        "tenant": _tenant_tag(k[3]), "uid": k[4], **(await c.stats())}
+                       for k, c in self.caches.items()],
+        }
 
 
-def _tokens(args: Mapping[str, Any]) -> np.ndarray:
-    raw = args["tokens"]
-    if not isinstance(raw, bytes) or len(raw) % 4:
-        raise ProtocolError("tokens must be little-endian int32 bytes")
+def _tenant_tag(tenant: str | None) -> str | None:
+    if tenant is None:
+        return None
+    return "#" + hashlib.blake2b(tenant.encode(), digest_size=4).hexdigest()
+
+
+async def _storage_writes(cache: Cache) -> int:
+    return sum(int(t.get("writes", 0)) for t in (await cache.stats())["tiers"].values()
+               if "pending_writes" in t)
+
+
+def _tokens(raw: bytes) -> np.ndarray:
     return np.frombuffer(raw, dtype="<i4").copy()
 
 
-def _slots(args: Mapping[str, Any]) -> torch.Tensor:
-    raw = args["slots"]
-    if not isinstance(raw, bytes) or len(raw) % 8:
-        raise ProtocolError("slots must be little-endian int64 bytes")
+def _slots(raw: bytes) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(raw, dtype="<i8").copy())
 
 
@@ -525,22 +784,61 @@ def _count_fds() -> int:
         return -1
 
 
-def _listen(path: str) -> socket.socket:
-    """A listening socket at ``path``: mode 0600 in a directory of mode 0700."""
-    sock_path = Path(path)
-    parent = sock_path.parent
-    parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = parent.stat()
+def socket_dir_problem(path: str) -> str | None:
+    """Why the socket's folder is unsafe to listen in, or None (it may not exist yet).
+
+    Safe: a folder owned by us (or created by us, mode 0700) that no one else can write, on
+    a path whose every existing component is a real folder, not a symlink. Never changes
+    the mode of an existing folder: ``/tmp`` or the current folder belong to everyone.
+    """
+    parent = Path(os.path.abspath(path)).parent
+    for part in [*reversed(parent.parents), parent]:
+        try:
+            st = os.lstat(part)
+        except FileNotFoundError:
+            return None  # this and what is below it do not exist yet: they will be created
+        except OSError as e:
+            return f"cannot inspect {part}: {e.strerror}"
+        if stat.S_ISLNK(st.st_mode):
+            return f"{part} is a symlink; give the socket's real path"
+        if not stat.S_ISDIR(st.st_mode):
+            return f"{part} is not a folder"
+    st = os.lstat(parent)
     if st.st_uid != os.getuid():
-        raise ConfigError(f"socket directory {parent} belongs to uid {st.st_uid}, not us")
-    if stat.S_IMODE(st.st_mode) & 0o077:
-        os.chmod(parent, 0o700)
+        return (f"the socket folder {parent} belongs to uid {st.st_uid}, not to this server "
+                f"(uid {os.getuid()}); use a folder of its own, e.g. /run/musacache/")
+    if stat.S_IMODE(st.st_mode) & 0o022:
+        return (f"the socket folder {parent} is writable by others (mode "
+                f"{stat.S_IMODE(st.st_mode):o}): another user could replace the socket; use "
+                f"a folder of its own, e.g. /run/musacache/ (mode 0700)")
+    return None
+
+
+def _listen(path: str) -> socket.socket:
+    """A listening socket at ``path`` (mode 0600). Missing folders are created 0700; an
+    existing folder is used only if it is safe (see :func:`socket_dir_problem`), never
+    chmodded."""
+    if len(os.fsencode(path)) > _SUN_PATH_MAX:
+        raise ConfigError(f"socket path is {len(os.fsencode(path))} bytes; Unix sockets allow "
+                          f"{_SUN_PATH_MAX}: use a shorter path such as /run/musacache/x.sock")
+    problem = socket_dir_problem(path)
+    if problem is not None:
+        raise ConfigError(problem)
+    sock_path = Path(os.path.abspath(path))
+    try:
+        sock_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot create the socket folder {sock_path.parent}: "
+                          f"{e.strerror}") from e
+    problem = socket_dir_problem(path)  # re-checked: a folder may have appeared meanwhile
+    if problem is not None:
+        raise ConfigError(problem)
     if sock_path.exists() or sock_path.is_symlink():
         if not stat.S_ISSOCK(sock_path.lstat().st_mode):
             raise ConfigError(f"{path} exists and is not a socket")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            probe.connect(path)
+            probe.connect(str(sock_path))
         except OSError:
             sock_path.unlink()  # a stale socket of a dead server
         else:
@@ -550,13 +848,24 @@ def _listen(path: str) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o177)  # the socket is created 0600: no window where others could connect
     try:
-        sock.bind(path)
+        sock.bind(str(sock_path))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {path}: {e.strerror}") from e
     finally:
         os.umask(old)
-    os.chmod(path, 0o600)
+    os.chmod(sock_path, 0o600)
     sock.listen(128)
     sock.setblocking(False)
     return sock
+
+
+def _log_level(text: str) -> str:
+    level = text.upper()
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise argparse.ArgumentTypeError(
+            f"unknown log level {text!r}; use debug, info, warning, error or critical")
+    return level
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -564,13 +873,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="musacache serve",
         description="Run the musacache node server: it owns the tiers of this node, and "
                     "workers reach it with musacache.connect(SOCKET, spec=..., namespace=...).")
-    p.add_argument("--socket", help="Unix socket path (its directory is made mode 0700)")
+    p.add_argument("--socket", help="Unix socket path, e.g. /run/musacache/cache.sock (a "
+                                    "missing folder is created mode 0700)")
     p.add_argument("--config", required=True,
-                   help="TOML file: the cache settings (docs/configuration.md) plus an "
-                        "optional [server] table")
-    p.add_argument("--log-level", default="INFO")
+                   help="TOML file: [[tiers]], an optional [server] table and cache settings "
+                        "(docs/deployment.md)")
+    p.add_argument("--log-level", default="INFO", type=_log_level,
+                   help="debug, info (default), warning, error or critical")
     args = p.parse_args(list(argv) if argv is not None else None)
-    logging.basicConfig(level=args.log_level.upper(),
+    logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         config = ServerConfig.from_toml(args.config, socket_path=args.socket)
@@ -578,17 +889,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"musacache serve: {e}", file=sys.stderr)
         return 2
 
+    def say(text: str) -> None:
+        print(f"musacache serve: {text}", flush=True)
+
     async def run() -> None:
-        async with Server(config) as server:
+        server = Server(config)
+        try:
+            await server.start()
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, server.stop)
-            print(f"musacache serve: listening on {config.socket_path}", flush=True)
+            say(f"listening on {config.socket_path} ({len(config.tiers)} tier(s), up to "
+                f"{config.max_caches} cache(s))")
             await server.serve_forever()
+            say(f"stopping: closing {len(server._peers)} connection(s) and "
+                f"{len(server.caches)} cache(s), writing memory-only chunks to storage")
+        finally:
+            await server.aclose()
+        for r in server.close_report:
+            where = ", ".join(r["storage"]) or "no storage tier"
+            tenant = f" tenant {r['tenant']}" if r["tenant"] else ""
+            say(f"{r['namespace']}{tenant}: {r['chunks']} chunk(s) held, {r['persisted']} "
+                f"written to {where} while closing")
+        say("stopped")
 
     try:
         asyncio.run(run())
     except MusaCacheError as e:
         print(f"musacache serve: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        return 130
     return 0

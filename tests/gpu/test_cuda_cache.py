@@ -40,7 +40,7 @@ async def test_put_get_on_a_cuda_device_tier_with_host_below():
              mc.HostTier(capacity_bytes=spec.nbytes(CH) * 64))
     async with mc.Cache(mc.CacheConfig(spec, "gpu", tiers=tiers, chunk_size=CH)) as c:
         assert c.device.type == "cuda"
-        assert c.stats()["tiers"]["host"]["pinned"] is True
+        assert (await c.stats())["tiers"]["host"]["pinned"] is True
         toks = list(range(150))
         kv = kv_for(spec, 150, "cuda")
         assert await c.put(toks, kv) == 150
@@ -54,7 +54,7 @@ async def test_put_get_on_a_cuda_device_tier_with_host_below():
         out = backing.permute(0, 1, 3, 2, 4)
         hit = await c.get(other, out=out)
         assert hit.num_tokens == 40 and torch.equal(out.cpu(), kv2)
-        st = c.stats()["tiers"]
+        st = (await c.stats())["tiers"]
         assert st["device"]["evictions"] > 0 and st["host"]["demotions"] > 0
 
 

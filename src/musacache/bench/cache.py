@@ -142,14 +142,26 @@ async def run(tokens: int, lookup_tokens: int, gap_mib: int, repeats: int) -> di
     return res
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1 (0 or a negative count would time nothing)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="musacache bench cache", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=8192,
+    p.add_argument("--tokens", type=positive_int, default=8192,
                    help="prompt length for put/get (32 layers, 8 heads, 128 dim, bf16)")
-    p.add_argument("--lookup-tokens", type=int, default=131072)
-    p.add_argument("--gap-mib", type=int, default=512, help="size of the put/get for the loop gap")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--lookup-tokens", type=positive_int, default=131072)
+    p.add_argument("--gap-mib", type=positive_int, default=512,
+                   help="size of the put/get for the loop gap")
+    p.add_argument("--repeats", type=positive_int, default=5)
     p.add_argument("--json", action="store_true", help="print machine-readable results")
     args = p.parse_args(argv)
     res = asyncio.run(run(args.tokens, args.lookup_tokens, args.gap_mib, args.repeats))

@@ -29,8 +29,14 @@ import torch
 from .. import ipc, transfer
 from .._spec import KVSpec
 from ..client import connect
+from .cache import positive_int
 
 _FRAME = 32 * 1024**2
+
+
+def _progress(text: str) -> None:
+    """Progress on stderr, so ``--json`` stdout stays one JSON object."""
+    print(f"bench ipc: {text}", file=sys.stderr, flush=True)
 
 
 def _start_server(tmp: Path, spec: KVSpec, capacity: int) -> tuple[subprocess.Popen[bytes], str]:
@@ -38,7 +44,9 @@ def _start_server(tmp: Path, spec: KVSpec, capacity: int) -> tuple[subprocess.Po
     cfg.write_text(
         f'namespace = "bench-ipc"\n[spec]\nnum_layers = {spec.num_layers}\n'
         f"num_kv_heads = {spec.num_kv_heads}\nhead_dim = {spec.head_dim}\n"
-        f'dtype = "bfloat16"\n[[tiers]]\nkind = "host"\ncapacity = {capacity}\n')
+        f'dtype = "bfloat16"\n[[tiers]]\nkind = "host"\ncapacity = {capacity}\n'
+        # the byte baseline stages a whole prompt at once
+        f"[server]\nmax_stage_bytes = {max(capacity, 1)}\n")
     sock = str(tmp / "run" / "bench.sock")
     proc = subprocess.Popen([sys.executable, "-m", "musacache", "serve", "--socket", sock,
                              "--config", str(cfg), "--log-level", "WARNING"],
@@ -63,8 +71,11 @@ async def _run(tokens: int, repeats: int) -> dict[str, Any]:
     nblocks = (tokens + block - 1) // block + 8
     nbytes = spec.nbytes(tokens)
     with tempfile.TemporaryDirectory() as tmp:
+        _progress("starting the node server")
         proc, sock = _start_server(Path(tmp), spec, capacity=int(nbytes * 1.2))
         try:
+            _progress(f"filling {spec.num_layers} layers of paged KV "
+                      f"({nbytes / 1024**3:.2f} GiB to store per run)")
             pages = [ipc.empty_shared((2, nblocks, block, 8, 128), spec.dtype)
                      for _ in range(spec.num_layers)]
             for p in pages:
@@ -79,6 +90,7 @@ async def _run(tokens: int, repeats: int) -> dict[str, Any]:
                 copied_zero = copied_base = 0
                 gather_s: list[float] = []
                 for r in range(repeats):
+                    _progress(f"run {r + 1}/{repeats}: zero-copy store")
                     toks = torch.arange(tokens) + r * 10_000_000
                     ready = ipc.IpcEvent.create("cpu")
                     ready.set()
@@ -92,6 +104,7 @@ async def _run(tokens: int, repeats: int) -> dict[str, Any]:
                         raise RuntimeError(f"store kept {n} of {tokens} tokens")
                     await c.delete(toks)
 
+                    _progress(f"run {r + 1}/{repeats}: baseline, bytes through the socket")
                     toks = toks + 5_000_000
                     before = (await c.stats())["server"]["bytes_copied"]
                     t0 = time.perf_counter()
@@ -118,6 +131,7 @@ async def _run(tokens: int, repeats: int) -> dict[str, Any]:
                     if n != tokens:
                         raise RuntimeError(f"baseline put kept {n} of {tokens} tokens")
                     await c.delete(toks)
+            _progress("timing a bare socket transfer of the same bytes")
             raw_socket_s = _raw_socket_seconds(nbytes, min(gather_s))
         finally:
             proc.terminate()
@@ -165,9 +179,9 @@ def _raw_socket_seconds(nbytes: int, gather_s: float) -> float:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="musacache bench ipc", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=8192,
+    p.add_argument("--tokens", type=positive_int, default=8192,
                    help="prompt length; 8192 tokens of 32x8x128 bf16 = 1 GiB")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     res = asyncio.run(_run(args.tokens, args.repeats))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -31,8 +32,14 @@ from .._spec import KVSpec, dtype_from_name
 from ..codec import encode_chunk
 from ..tiers.base import ChunkMeta, TierContext
 from ..tiers.s3 import S3Store, S3Tier
+from .cache import positive_int
 
 GOAL_RATIO = 0.9
+
+
+def _progress(text: str) -> None:
+    """Progress on stderr, so ``--json`` stdout stays one JSON object."""
+    print(f"bench tiers: {text}", file=sys.stderr, flush=True)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -44,17 +51,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--access-key", default=None)
     p.add_argument("--secret-key", default=None)
     p.add_argument("--region", default=None)
-    p.add_argument("--objects", type=int, default=8, help="objects per phase")
-    p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--objects", type=positive_int, default=8, help="objects per phase")
+    p.add_argument("--concurrency", type=positive_int, default=4)
+    p.add_argument("--layers", type=positive_int, default=32)
+    p.add_argument("--heads", type=positive_int, default=8)
+    p.add_argument("--head-dim", type=positive_int, default=128)
+    p.add_argument("--tokens", type=positive_int, default=256)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--multipart", action="store_true",
                    help="also time multipart uploads + ranged GETs (parts of --part-size)")
     p.add_argument("--part-size", default="8MiB")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs; the best is kept")
+    p.add_argument("--repeats", type=positive_int, default=3,
+                   help="timed runs; the best is kept")
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
     return p
 
@@ -126,6 +134,8 @@ async def _bench(args: argparse.Namespace, endpoint: str, access_key: str | None
                 if rep % 2:
                     phases.reverse()
                 for name, phase_store in phases:
+                    _progress(f"run {rep + 1}/{args.repeats}: {name}, {args.objects} puts "
+                              f"then gets")
                     metas = [meta_of(f"{name}-{rep}-{i}") for i in range(args.objects)]
                     names = [base.object_name(m.key, m.parent, m.num_tokens) for m in metas]
                     if phase_store is None:
@@ -167,7 +177,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return anyio.run(_bench, args, args.endpoint_url, args.access_key, args.secret_key)
     from .._testing.swift import SwiftServer
 
+    _progress("starting a local Swift with s3api (about 20 s; --endpoint-url skips this)")
     with SwiftServer() as swift:
+        _progress(f"Swift is up at {swift.endpoint_url}")
         results = anyio.run(_bench, args, swift.endpoint_url, swift.access_key,
                             swift.secret_key)
     results["server"] = "swift (started by the benchmark)"

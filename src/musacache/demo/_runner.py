@@ -200,7 +200,7 @@ def _tier_stats(before: dict[str, dict[str, Any]], after: dict[str, dict[str, An
 
 async def _run_workload(cache: Cache, model: LlamaForCausalLM, workload: Workload,
                         opts: DemoOptions) -> WorkloadResult:
-    before = cache.stats()["tiers"]
+    before = (await cache.stats())["tiers"]
     with tqdm(total=len(workload.ingest) + len(workload.requests), desc=workload.name,
               unit="prefill", file=sys.stderr, disable=not opts.progress,
               dynamic_ncols=True) as bar:
@@ -216,7 +216,7 @@ async def _run_workload(cache: Cache, model: LlamaForCausalLM, workload: Workloa
         name=workload.name, title=workload.title, reuse=workload.reuse,
         requests=tuple(results), ingest_prompts=len(workload.ingest),
         ingest_tokens=sum(len(p) for p in workload.ingest), ingest_ms=_ms(ingest_s),
-        tier_stats=_tier_stats(before, cache.stats()["tiers"]), groups=workload.groups,
+        tier_stats=_tier_stats(before, (await cache.stats())["tiers"]), groups=workload.groups,
         unit=workload.unit,
     )
 

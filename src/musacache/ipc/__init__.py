@@ -15,7 +15,6 @@ Protocol and transport:
 See ``docs/protocol.md`` for the wire format and the fd/lifetime rules.
 """
 
-from ._device import DeviceKind
 from ._events import EventCapability, IpcEvent, event_ipc_capability
 from ._fdpass import (
     Connection,
@@ -28,11 +27,13 @@ from ._fdpass import (
     wait_fd_writable,
 )
 from ._memory import (
+    DeviceKind,
     ExportTable,
     MappingKey,
     TensorHandle,
     close_fds,
     empty_shared,
+    is_sealed,
     is_shareable,
     open_storage,
     open_tensor,
@@ -91,6 +92,7 @@ __all__ = (
     "error_from_wire",
     "error_to_wire",
     "event_ipc_capability",
+    "is_sealed",
     "is_shareable",
     "open_storage",
     "open_tensor",

@@ -30,17 +30,17 @@ from typing import Any, Final, Literal
 import anyio
 import anyio.to_thread
 
-from .._errors import DeviceError, IPCError, ProtocolError
-from ._device import DEVICE_KINDS, device_module, device_uuid, local_device_index, parse_device
+from .. import devices
+from .._errors import IPCError, ProtocolError
+from ..devices import device_uuid, ipc_module, local_device_index, parse_device
 from ._fdpass import wait_fd_readable
+from ._memory import DEVICE_KINDS
 
 __all__ = ["EventCapability", "IpcEvent", "event_ipc_capability"]
 
 EventCapability = Literal["device", "host-fallback"]
 EventMode = Literal["host", "device"]
 
-_FIRST_POLL_DELAY: Final = 20e-6
-_MAX_POLL_DELAY: Final = 2e-3
 # Failures a device backend raises while creating or exporting an interprocess event.
 _BACKEND_ERRORS: Final = (RuntimeError, AttributeError, TypeError, NotImplementedError,
                           ValueError)
@@ -62,24 +62,16 @@ def event_ipc_capability(device_kind: str) -> EventCapability:
 
 
 def _probe_capability(device_kind: str) -> EventCapability:
+    # One probe for the whole package: the device layer's (it exports a recorded event).
     if device_kind not in DEVICE_KINDS or device_kind == "cpu":
         return "host-fallback"
-    try:
-        module = device_module(device_kind)
-    except DeviceError:
-        return "host-fallback"
-    try:
-        if not module.is_available() or int(module.device_count()) == 0:
-            return "host-fallback"
-        handle = module.Event(interprocess=True).ipc_handle()
-    except _BACKEND_ERRORS:
-        return "host-fallback"
-    return "device" if isinstance(handle, bytes) and handle else "host-fallback"
+    return "device" if devices.capabilities(device_kind).event_ipc else "host-fallback"
 
 
 def _reset_capability_cache() -> None:
     """Forget probed capabilities (tests swap device modules under the probe)."""
     _capabilities.clear()
+    devices._reset_probes()
 
 
 def _poll_readable(fd: int) -> bool:
@@ -144,7 +136,7 @@ class IpcEvent:
             except OSError as exc:
                 raise IPCError(f"eventfd failed: {exc}") from exc
             return cls(mode="host", device_kind=kind, device_index=index, fd=fd)
-        module = device_module(kind)
+        module = ipc_module(kind)
         try:
             if index is None:
                 index = int(module.current_device())
@@ -208,7 +200,7 @@ class IpcEvent:
                     or not (index is None or type(index) is int)
                     or not (uuid is None or type(uuid) is str)):
                 raise ProtocolError("malformed device event")
-            module = device_module(kind)
+            module = ipc_module(kind)
             local = local_device_index(kind, index, uuid)
             try:
                 event = module.Event.from_ipc_handle(local, handle)
@@ -299,7 +291,7 @@ class IpcEvent:
     def _synchronize(self, stream: Any) -> None:
         try:
             if stream is None:
-                stream = device_module(self.device_kind).current_stream(self.device_index)
+                stream = ipc_module(self.device_kind).current_stream(self.device_index)
             stream.synchronize()
         except _BACKEND_ERRORS as exc:
             raise IPCError(f"synchronising the {self.device_kind} stream failed: {exc}") from exc
@@ -342,10 +334,7 @@ class IpcEvent:
             os.close(waiter)
 
     async def _wait_device(self) -> None:
-        delay = _FIRST_POLL_DELAY
-        while not self.is_set():
-            await anyio.sleep(delay)
-            delay = min(delay * 2, _MAX_POLL_DELAY)
+        await devices.poll_until(self.is_set, None)
 
     # -- closing --------------------------------------------------------------------------
 

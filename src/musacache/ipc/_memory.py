@@ -25,19 +25,22 @@ import stat
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, cast
+from typing import Any, Final, Literal, cast
 
 import torch
 
 from .._errors import DeviceError, IPCError, ProtocolError, ShapeError
-from ._device import DEVICE_KINDS, DeviceKind, device_module, device_uuid, local_device_index
+from ..devices import device_uuid, ipc_module, local_device_index
 
 __all__ = [
+    "DEVICE_KINDS",
+    "DeviceKind",
     "ExportTable",
     "MappingKey",
     "TensorHandle",
     "close_fds",
     "empty_shared",
+    "is_sealed",
     "is_shareable",
     "open_storage",
     "open_tensor",
@@ -45,6 +48,10 @@ __all__ = [
     "share",
     "to_shared",
 ]
+
+#: A device kind as IPC names it (a string: "musa" parses only where torch_musa is loaded).
+DeviceKind = Literal["cpu", "cuda", "musa"]
+DEVICE_KINDS: Final[tuple[DeviceKind, ...]] = ("cpu", "cuda", "musa")
 
 #: Identity of one mapped storage in the importing process (used to map it only once).
 MappingKey = tuple[Any, ...]
@@ -80,6 +87,9 @@ class TensorHandle:
     stride: tuple[int, ...]
     storage_offset: int
     storage_nbytes: int
+    #: The exporting process. A device handle cannot be opened by the process that made it
+    #: (the driver refuses its own IPC handle), so that process uses its own storage instead.
+    pid: int | None = None
     fds: tuple[int, ...] = field(default=(), compare=False, repr=False)
     keepalive: object = field(default=None, compare=False, repr=False)
 
@@ -101,6 +111,7 @@ class TensorHandle:
             "offset": self.storage_offset,
             "nbytes": self.storage_nbytes,
             "nfds": self.num_fds,
+            "pid": self.pid,
         }
 
     @classmethod
@@ -124,6 +135,7 @@ class TensorHandle:
         nbytes = _field(wire, "nbytes", int)
         nfds = _field(wire, "nfds", int)
         ipc = tuple(_field(wire, "ipc", list))
+        pid = _field(wire, "pid", int, optional=True) if "pid" in wire else None
         if len(shape) != len(stride):
             raise ProtocolError(f"shape {shape} and stride {stride} differ in rank")
         if not 0 <= nbytes <= _MAX_EXTENT or not 0 <= offset <= _MAX_EXTENT:
@@ -135,7 +147,7 @@ class TensorHandle:
                 raise ProtocolError("a cpu tensor handle carries no backend payload")
         else:
             _check_device_ipc(ipc, nbytes)
-        handle = cls(kind, index, uuid, ipc, dtype, shape, stride, offset, nbytes)
+        handle = cls(kind, index, uuid, ipc, dtype, shape, stride, offset, nbytes, pid)
         if nfds != handle.num_fds:
             raise ProtocolError(f"a {kind} handle of {nbytes} bytes has {handle.num_fds} fds, "
                                 f"the peer says {nfds}")
@@ -337,6 +349,23 @@ def is_shareable(tensor: torch.Tensor) -> bool:
     return storage.nbytes() == 0 or _cpu_storage_fd(storage) is not None
 
 
+def is_sealed(tensor: torch.Tensor) -> bool:
+    """Whether the node server can map ``tensor`` safely: device memory, or CPU shared memory
+    sealed against shrinking (:func:`empty_shared`). torch's ``share_memory_()`` memory is
+    shareable but not sealed: its owner could truncate it under the server's mapping, so the
+    server refuses it."""
+    kind = tensor.device.type
+    if kind in ("cuda", "musa"):
+        return True
+    if kind != "cpu":
+        return False
+    storage = tensor.untyped_storage()
+    if storage.nbytes() == 0:
+        return True
+    fd = _cpu_storage_fd(storage)
+    return fd is not None and bool(_seals(fd) & fcntl.F_SEAL_SHRINK)
+
+
 # -- export -------------------------------------------------------------------------------
 
 
@@ -368,8 +397,8 @@ def share(tensor: torch.Tensor) -> TensorHandle:
                 "allocate it with musacache.ipc.empty_shared(shape, dtype), or copy it once "
                 "with musacache.ipc.to_shared(tensor)"
             )
-        return TensorHandle("cpu", None, None, (), fds=() if fd is None else (fd,),
-                            keepalive=storage, **meta)
+        return TensorHandle("cpu", None, None, (), pid=os.getpid(),
+                            fds=() if fd is None else (fd,), keepalive=storage, **meta)
     if kind in ("cuda", "musa"):
         return _share_device(tensor, cast(DeviceKind, kind), storage, meta)
     raise DeviceError(f"tensors on {kind} cannot be shared; use cpu, cuda or musa")
@@ -389,7 +418,13 @@ def _share_device(tensor: torch.Tensor, kind: DeviceKind, storage: torch.Untyped
         raise IPCError(f"_share_{kind}_() returned {len(ipc)} items, expected "
                        f"{_DEVICE_IPC_TUPLE_LEN}; this torch build is not supported")
     index = tensor.device.index if tensor.device.index is not None else int(ipc[0])
-    return TensorHandle(kind, index, device_uuid(kind, index), ipc, keepalive=storage, **meta)
+    handle = TensorHandle(kind, index, device_uuid(kind, index), ipc, pid=os.getpid(),
+                          keepalive=storage, **meta)
+    try:
+        _own_device_exports[_device_key(handle)] = weakref.ref(storage)
+    except TypeError:
+        pass  # a storage without weak references (test doubles) cannot be found again
+    return handle
 
 
 class ExportTable:
@@ -434,6 +469,9 @@ class ExportTable:
 _cpu_mappings: weakref.WeakValueDictionary[MappingKey, _Mapping] = (
     weakref.WeakValueDictionary()
 )
+# Device storages this process exported, by mapping key: an import of our own handle (the
+# server and a client in one process) resolves here, since the driver refuses to open it.
+_own_device_exports: dict[MappingKey, weakref.ref[torch.UntypedStorage]] = {}
 
 
 def close_fds(fds: Sequence[int]) -> None:
@@ -455,20 +493,30 @@ def _fstat(fds: Sequence[int]) -> os.stat_result:
 
 
 def open_storage(handle: TensorHandle, fds: Sequence[int] = (), *,
-                 require_sealed: bool = False) -> tuple[MappingKey, torch.UntypedStorage]:
+                 require_sealed: bool = False,
+                 peer_pid: int | None = None) -> tuple[MappingKey, torch.UntypedStorage]:
     """Map the storage behind ``handle``; return its key and a storage over the mapping.
 
     Takes ownership of ``fds``: they are closed before this returns, whatever happens (a
     CPU mapping does not need its fd once mapped). ``require_sealed`` refuses CPU memory that
     the exporter could still shrink (which would crash us with SIGBUS on access); memory from
     :func:`empty_shared` is sealed, torch's ``share_memory_()`` memory is not.
+
+    ``peer_pid`` (the kernel's word for who sent the handle, from SO_PEERCRED) must match
+    the handle's ``pid`` when both are known: the pid decides whether a device handle is
+    opened as our own storage, so a peer may not claim to be us.
     """
     try:
+        if peer_pid is not None and handle.pid is not None and handle.pid != peer_pid:
+            raise IPCError(f"the handle claims pid {handle.pid}, the peer is pid {peer_pid}")
         if handle.device_kind == "cpu":
             return _open_cpu(handle, fds, require_sealed)
         if fds:
             raise IPCError(f"a {handle.device_kind} tensor handle takes no fds, got {len(fds)}")
-        return _device_key(handle), _open_device(handle)
+        key = _device_key(handle)
+        if handle.pid is not None and handle.pid == os.getpid():
+            return key, _own_device_storage(key)
+        return key, _open_device(handle)
     finally:
         close_fds(fds)
 
@@ -515,9 +563,19 @@ def _device_key(handle: TensorHandle) -> MappingKey:
             handle.ipc[1], handle.ipc[3])
 
 
+def _own_device_storage(key: MappingKey) -> torch.UntypedStorage:
+    ref = _own_device_exports.get(key)
+    storage = None if ref is None else ref()
+    if storage is None:
+        _own_device_exports.pop(key, None)
+        raise IPCError("the handle names device memory of this process that is no longer "
+                       "exported (its tensor was freed)")
+    return storage
+
+
 def _open_device(handle: TensorHandle) -> torch.UntypedStorage:
     kind = handle.device_kind
-    module = device_module(kind)
+    module = ipc_module(kind)
     local = local_device_index(kind, handle.device_index, handle.device_uuid)
     init = getattr(module, "init", None)
     if callable(init):

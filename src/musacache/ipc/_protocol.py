@@ -56,6 +56,20 @@ MAX_FDS_PER_FRAME: Final = 253
 _MAX_BODY_LENGTH: Final = (1 << 32) - 1
 _MAX_REQUEST_ID: Final = (1 << 64) - 1
 _MAX_OP_LENGTH: Final = 128
+#: What one frame body may unpack to. msgpack turns each byte of an 8 MiB body of empty
+#: arrays into a Python list (~70x the bytes); these bounds keep a frame's objects, nesting and
+#: container lengths to what the real ops need (a registration of 512 handles is ~18k objects),
+#: and the walk that checks them to a few milliseconds of the loop per frame.
+MAX_OBJECTS: Final = 1 << 15
+MAX_DEPTH: Final = 16
+MAX_CONTAINER_LEN: Final = 1 << 16
+
+# msgpack lead bytes -> (length-field size, extra bytes) of str/bin/ext; fixed-size scalars.
+_VARLEN: Final = {0xC4: 1, 0xC5: 2, 0xC6: 4, 0xD9: 1, 0xDA: 2, 0xDB: 4}
+_EXTLEN: Final = {0xC7: 1, 0xC8: 2, 0xC9: 4}
+_FIXED: Final = {0xC0: 0, 0xC2: 0, 0xC3: 0, 0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4,
+                 0xCF: 8, 0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8, 0xD4: 2, 0xD5: 3, 0xD6: 5,
+                 0xD7: 9, 0xD8: 17}
 
 
 class FrameError(ProtocolError):
@@ -208,6 +222,87 @@ class _FdBatch:
     fds: list[int]
 
 
+def check_body_shape(body: bytes | bytearray | memoryview, *, max_objects: int = MAX_OBJECTS,
+                     max_depth: int = MAX_DEPTH,
+                     max_container_len: int = MAX_CONTAINER_LEN) -> None:
+    """Refuse a msgpack body that would unpack to too many objects, too deep a nesting, or
+    too long an array or map, before anything is built from it (a recoverable FrameError).
+
+    It walks the encoding without building objects (str/bin payloads are skipped, not
+    read), so its cost is bounded by ``max_objects`` however the body was crafted.
+    """
+    data = memoryview(body).cast("B")
+    n = len(data)
+    pos = 0
+    count = 0
+    open_items: list[int] = []  # items still expected by each open array/map
+
+    def fail(why: str) -> FrameError:
+        return FrameError(f"frame body refused: {why}", fatal=False)
+
+    def length(size: int) -> int:
+        nonlocal pos
+        if pos + size > n:
+            raise fail("truncated")
+        value = int.from_bytes(data[pos:pos + size], "big")
+        pos += size
+        return value
+
+    while True:
+        if pos >= n:
+            raise fail("truncated")
+        lead = data[pos]
+        pos += 1
+        count += 1
+        if count > max_objects:
+            raise fail(f"more than {max_objects} msgpack objects")
+        items = 0
+        if lead <= 0x7F or lead >= 0xE0:
+            pass
+        elif lead <= 0x8F:
+            items = 2 * (lead & 0x0F)
+        elif lead <= 0x9F:
+            items = lead & 0x0F
+        elif lead <= 0xBF:
+            pos += lead & 0x1F
+        elif lead in _FIXED:
+            pos += _FIXED[lead]
+        elif lead in _VARLEN:
+            size = length(_VARLEN[lead])  # (length() moves pos past the length field)
+            pos += size
+        elif lead in _EXTLEN:
+            size = length(_EXTLEN[lead])
+            pos += size + 1
+        elif lead in (0xDC, 0xDD):
+            items = length(2 if lead == 0xDC else 4)
+            if items > max_container_len:
+                raise fail(f"an array of {items} items (limit {max_container_len})")
+        elif lead in (0xDE, 0xDF):
+            pairs = length(2 if lead == 0xDE else 4)
+            if pairs > max_container_len:
+                raise fail(f"a map of {pairs} entries (limit {max_container_len})")
+            items = 2 * pairs
+        else:
+            raise fail(f"invalid msgpack byte 0x{lead:02x}")
+        if pos > n:
+            raise fail("truncated")
+        if items:
+            if len(open_items) >= max_depth:
+                raise fail(f"nested deeper than {max_depth}")
+            open_items.append(items)
+            continue
+        # One item is complete: close every container it completes.
+        while open_items:
+            open_items[-1] -= 1
+            if open_items[-1]:
+                break
+            open_items.pop()
+        if not open_items:
+            break
+    if pos != n:
+        raise fail(f"{n - pos} bytes after the body")
+
+
 def _reject_ext(code: int, data: bytes) -> object:
     raise ValueError(f"msgpack extension types are not part of the protocol (type {code})")
 
@@ -333,9 +428,12 @@ class FrameDecoder:
         return tuple(batch.fds)
 
     def _parse_body(self, body: bytes, fds: tuple[int, ...]) -> Frame:
+        check_body_shape(body)
         try:
-            obj = msgpack.unpackb(body, raw=False, strict_map_key=True, ext_hook=_reject_ext)
-        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            obj = msgpack.unpackb(body, raw=False, strict_map_key=True, ext_hook=_reject_ext,
+                                  max_array_len=MAX_CONTAINER_LEN, max_map_len=MAX_CONTAINER_LEN,
+                                  max_ext_len=0)
+        except (ValueError, TypeError, msgpack.UnpackException, msgpack.ExtraData) as exc:
             raise FrameError(f"undecodable frame body: {exc}", fatal=False) from None
         if not isinstance(obj, dict):
             raise FrameError(f"a frame body must be a map, got {type(obj).__name__}",

@@ -73,12 +73,15 @@ class MappingTable:
     * Counters (:attr:`open_mappings`, :attr:`open_imports`, :attr:`open_events`,
       :attr:`open_fds`) feed server stats and leak tests.
 
-    ``require_sealed=True`` refuses CPU memory the peer could still shrink under us; see
+    ``require_sealed=True`` refuses CPU memory the peer could still shrink under us (a later
+    access would be SIGBUS); the node server always sets it. ``peer_pid`` is the peer's pid
+    from SO_PEERCRED: handles claiming another pid are refused. See
     :func:`musacache.ipc.open_storage`. Not thread-safe: use it from one event loop.
     """
 
-    def __init__(self, *, require_sealed: bool = False) -> None:
+    def __init__(self, *, require_sealed: bool = False, peer_pid: int | None = None) -> None:
         self.require_sealed = require_sealed
+        self.peer_pid = peer_pid
         self._mappings: dict[MappingKey, _Mapping] = {}
         self._imports: set[ImportedTensor] = set()
         self._events: set[IpcEvent] = set()
@@ -93,7 +96,8 @@ class MappingTable:
         milliseconds, so the server should prefer :meth:`aopen_tensor`.
         """
         self._check_open(fds)
-        key, storage = open_storage(handle, fds, require_sealed=self.require_sealed)
+        key, storage = open_storage(handle, fds, require_sealed=self.require_sealed,
+                                    peer_pid=self.peer_pid)
         return self._adopt(key, storage, handle)
 
     async def aopen_tensor(self, handle: TensorHandle,
@@ -105,7 +109,8 @@ class MappingTable:
         def open_in_thread() -> tuple[MappingKey, torch.UntypedStorage]:
             nonlocal started
             started = True
-            return open_storage(handle, fds, require_sealed=self.require_sealed)
+            return open_storage(handle, fds, require_sealed=self.require_sealed,
+                                peer_pid=self.peer_pid)
 
         try:
             key, storage = await anyio.to_thread.run_sync(open_in_thread)

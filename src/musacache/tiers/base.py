@@ -17,6 +17,7 @@ exceed its capacity.
 from __future__ import annotations
 
 import abc
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -29,9 +30,16 @@ __all__ = ["ChunkMeta", "StorageTier", "TierConfig", "TierContext"]
 
 @dataclass(frozen=True)
 class TierContext:
-    """Given to a storage tier at start: what the cache stores and how to name it."""
+    """Given to a storage tier at start: what the cache stores and how to name it.
+
+    ``storage_name`` is the folder or prefix a tier keeps this cache's objects under. It names
+    the fingerprint and, when the cache has a ``tenant``, the tenant too: tenants sharing one
+    folder or bucket never list, read or delete each other's objects.
+    """
 
     fingerprint: Fingerprint
+    #: The cache's tenant salt (``CacheConfig.tenant``); ``None`` or ``""`` for no tenant.
+    tenant: str | None = None
     spec: KVSpec = field(init=False)
     chunk_size: int = field(init=False)
 
@@ -39,13 +47,30 @@ class TierContext:
         object.__setattr__(self, "spec", self.fingerprint.spec)
         object.__setattr__(self, "chunk_size", self.fingerprint.chunk_size)
 
+    @property
+    def storage_name(self) -> str:
+        """``<fingerprint digest hex>``, or ``<fingerprint digest hex>.<tenant digest hex>``.
+
+        The tenant part is a digest so that a tenant's name never appears in a path; the
+        fingerprint part stays first so one model's objects still sort together. A cache
+        without a tenant keeps the name it always had.
+        """
+        fp = self.fingerprint.digest().hex()
+        if not self.tenant:
+            return fp
+        tenant = hashlib.blake2b(self.tenant.encode(), digest_size=16,
+                                 person=b"musacache-tenant").hexdigest()
+        return f"{fp}.{tenant}"
+
 
 class StorageTier(abc.ABC):
     """A tier that stores encoded chunk objects by key. Subclass it to plug in a backend.
 
     Contract:
 
-    * ``write`` is idempotent: writing the same key twice stores the same bytes. It raises
+    * ``write`` stores ``obj``, replacing whatever the key held (the last write wins: a key
+      re-put after a delete may carry new bytes, so never skip a write because the key looks
+      present). Operations on one key take effect in the order they were called. It raises
       :class:`~musacache.TierError` after the tier's own retries are spent; the engine then counts
       the write as dropped. It is always called from a background task, never on ``put``'s path.
     * ``read`` returns the object's bytes, ``None`` when the key is absent, and raises
@@ -53,10 +78,19 @@ class StorageTier(abc.ABC):
       turns faults and timeouts into counted misses.
     * ``start`` returns the chunks that already exist (after a restart, or written by other
       nodes), so the engine can rebuild its directory. ``refresh`` is asked again on a miss.
+    * Keep each cache's objects under its ``ctx.storage_name`` (fingerprint and tenant), and
+      list, read and delete only there: another tenant's ``clear()`` must not reach them.
     """
 
     #: Shown in stats and logs.
     name: str = "storage"
+
+    @property
+    def kind(self) -> str:
+        """What backend this is, for stats (``"disk"``, ``"s3"``); a plug-in tier that does not
+        set it shows its class name."""
+        return type(self).__name__
+
     #: Bytes the engine may store here; ``None`` means unbounded (an object store).
     capacity_bytes: int | None = None
     #: Every put is also written here in the background (sharing between nodes).

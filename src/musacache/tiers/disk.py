@@ -2,11 +2,15 @@
 
 Layout under ``path``::
 
-    <path>/<fingerprint digest hex>/          one folder per namespace/spec/chunk size
+    <path>/<storage name>/                    one folder per namespace/spec/chunk size and tenant
         .lock                                 flock'ed while a cache uses the folder
         <kk>/                                 fan-out: the first byte of the key, 256 folders
             <key hex>.<parent hex>.<tokens>.kvc
             .<final name>.<random>.tmp        a write in progress (or a crashed one)
+
+The storage name is the fingerprint digest, followed by ``.<tenant digest>`` for a cache with a
+tenant (:attr:`TierContext.storage_name`): tenants sharing ``path`` each scan, read and delete
+only their own folder, so one tenant's ``clear()`` never reaches another's chunks.
 
 A file's name alone rebuilds its directory entry (key, parent, token count); the start-up scan
 still reads each header (256 bytes) and checks the file size against it, and removes what
@@ -22,6 +26,18 @@ the rename and of its folder after it, for deployments that want the chunks to s
 
 Reads touch the file's mtime, which is what ``last_used`` reports after a restart (access times
 are unreliable under ``noatime``/``relatime``).
+
+**Writes and deletes of one key are ordered.** They take effect one at a time, in the order the
+engine called them (:class:`~musacache.tiers._ordering.KeyOrder`), so a delete never races a
+rename of the same key. A write always replaces the file: a key re-put after a delete may carry
+new bytes, so a file that merely looks the same is never trusted over the newer write.
+
+**A read never hangs the cache.** Files are opened with ``O_NONBLOCK | O_NOFOLLOW`` and checked
+with ``fstat``: anything but a regular file under a chunk's name (a FIFO, a device, a symlink)
+is removed and read as absent, without blocking on it. A read that outlives ``timeout`` (a hung
+network file system) is abandoned to its thread; its key is quarantined (read as absent until
+it is written again) and such stuck threads are counted: while ``max_concurrency`` of them are
+stuck, reads fail at once instead of starting more threads.
 """
 
 from __future__ import annotations
@@ -32,6 +48,8 @@ import fcntl
 import os
 import re
 import secrets
+import stat
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -46,8 +64,9 @@ from .._errors import (
     TierError,
 )
 from .._keys import KEY_BYTES, Fingerprint
-from .._validate import parse_size
+from .._validate import boolean, parse_size, positive_float, positive_int
 from ..codec import CODECS, HEADER_SIZE, read_header
+from ._ordering import KeyOrder
 from .base import ChunkMeta, StorageTier, TierContext
 
 __all__ = ["DiskStore", "DiskTier"]
@@ -55,16 +74,6 @@ __all__ = ["DiskStore", "DiskTier"]
 _SUFFIX = ".kvc"
 _NAME_RE = re.compile(r"^([0-9a-f]{64})\.([0-9a-f]{64})\.([1-9][0-9]{0,9})\.kvc$")
 _HEX2_RE = re.compile(r"^[0-9a-f]{2}$")
-
-
-def _check_positive(value: Any, what: str, *, integer: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{what} must be a number, got {value!r}")
-    if integer and not float(value).is_integer():
-        raise ConfigError(f"{what} must be an integer, got {value!r}")
-    if value <= 0:
-        raise ConfigError(f"{what} must be positive, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -100,13 +109,11 @@ class DiskTier:
         if self.codec not in CODECS:
             raise ConfigError(f"{self.name}.codec must be one of {CODECS}, got {self.codec!r}")
         for flag in ("write_through", "fsync"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ConfigError(f"{self.name}.{flag} must be true or false, "
-                                  f"got {getattr(self, flag)!r}")
+            boolean(getattr(self, flag), f"{self.name}.{flag}")
         object.__setattr__(self, "timeout",
-                           float(_check_positive(self.timeout, f"{self.name}.timeout")))
-        object.__setattr__(self, "max_concurrency", int(_check_positive(
-            self.max_concurrency, f"{self.name}.max_concurrency", integer=True)))
+                           positive_float(self.timeout, f"{self.name}.timeout"))
+        object.__setattr__(self, "max_concurrency",
+                           positive_int(self.max_concurrency, f"{self.name}.max_concurrency"))
 
     def build(self) -> DiskStore:
         return DiskStore(self)
@@ -117,11 +124,28 @@ def file_name(key: bytes, parent: bytes, num_tokens: int) -> str:
     return f"{key.hex()}.{parent.hex()}.{num_tokens}{_SUFFIX}"
 
 
+class _ThreadRead:
+    """The state of one read handed to a worker thread, shared under ``DiskStore._tlock``."""
+
+    __slots__ = ("abandoned", "cancelled", "done", "started")
+
+    def __init__(self) -> None:
+        self.started = self.done = self.abandoned = self.cancelled = False
+
+
+class _NotAFile:
+    """What _read_file returns for a name that held no regular file (it was removed)."""
+
+
+_NOT_A_FILE = _NotAFile()
+
+
 class DiskStore(StorageTier):
     """The running disk tier built by :meth:`DiskTier.build`. All file I/O runs in worker
     threads bounded by ``max_concurrency``."""
 
     shared = False
+    kind = "disk"
 
     def __init__(self, config: DiskTier) -> None:
         self.config = config
@@ -137,10 +161,17 @@ class DiskStore(StorageTier):
         self._lock_fd: int | None = None
         # key -> file name, so delete(key) needs no folder listing.
         self._names: dict[bytes, str] = {}
+        self._order = KeyOrder()
+        # Keys whose read timed out: read as absent until written again.
+        self._quarantined: set[bytes] = set()
+        # Read threads abandoned after a timeout that have not returned yet, and the lock that
+        # guards this count and every _ThreadRead (worker threads update them).
+        self._stuck = 0
+        self._tlock = threading.Lock()
         self._c: dict[str, Any] = dict.fromkeys(
-            ("reads", "read_misses", "read_faults", "writes", "writes_skipped",
+            ("reads", "read_misses", "read_faults", "read_timeouts", "reads_refused", "writes",
              "write_failures", "deletes", "bytes_in", "bytes_out", "removed_temp",
-             "removed_corrupt", "ignored_files"), 0)
+             "removed_corrupt", "removed_not_files", "quarantined", "ignored_files"), 0)
         self._c["last_error"] = None
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -153,7 +184,7 @@ class DiskStore(StorageTier):
 
     async def start(self, ctx: TierContext) -> list[ChunkMeta]:
         self._fp = ctx.fingerprint
-        root = Path(self.config.path) / ctx.fingerprint.digest().hex()
+        root = Path(self.config.path) / ctx.storage_name
         try:
             await anyio.to_thread.run_sync(self._open_root, root, limiter=self._limiter)
         except OSError as e:
@@ -247,9 +278,15 @@ class DiskStore(StorageTier):
         if fp is None or key[:1].hex() != fan_out:
             return None
         try:
-            with open(path, "rb") as f:
-                st = os.fstat(f.fileno())
-                head = f.read(HEADER_SIZE)
+            # O_NONBLOCK: a FIFO under a chunk's name must not hang the start-up scan.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    return None
+                head = os.pread(fd, HEADER_SIZE, 0)
+            finally:
+                os.close(fd)
             hdr = read_header(head)
         except (CorruptChunkError, FingerprintMismatchError):
             return None
@@ -281,26 +318,21 @@ class DiskStore(StorageTier):
 
     async def write(self, meta: ChunkMeta, obj: bytes) -> None:
         path = self._path(meta.key, meta.parent, meta.num_tokens)
-        try:
-            wrote = await anyio.to_thread.run_sync(self._write_file, path, obj,
-                                                   limiter=self._limiter)
-        except OSError as e:
-            self._c["write_failures"] += 1
-            self._c["last_error"] = f"write {path.name}: {e}"
-            raise TierError(f"disk tier {self.name!r}: cannot write {path}: {e}") from e
-        self._names[meta.key] = path.name
-        if wrote:
-            self._c["writes"] += 1
-            self._c["bytes_in"] += len(obj)
-        else:
-            self._c["writes_skipped"] += 1
+        async with self._order.hold(meta.key):
+            try:
+                await anyio.to_thread.run_sync(self._write_file, path, obj,
+                                               limiter=self._limiter)
+            except OSError as e:
+                self._c["write_failures"] += 1
+                self._c["last_error"] = f"write {path.name}: {e}"
+                raise TierError(f"disk tier {self.name!r}: cannot write {path}: {e}") from e
+            self._names[meta.key] = path.name
+            self._quarantined.discard(meta.key)  # a fresh file under the name
+        self._c["writes"] += 1
+        self._c["bytes_in"] += len(obj)
 
-    def _write_file(self, path: Path, obj: bytes) -> bool:
-        """Write ``obj`` atomically at ``path``; False if an equal-sized file is there already
-        (a key names its content, so it is the same chunk)."""
-        with contextlib.suppress(FileNotFoundError):
-            if os.stat(path).st_size == len(obj):
-                return False
+    def _write_file(self, path: Path, obj: bytes) -> None:
+        """Write ``obj`` atomically at ``path``, replacing what is there."""
         folder = path.parent
         folder.mkdir(exist_ok=True)
         tmp = folder / f".{path.name}.{secrets.token_hex(4)}.tmp"
@@ -325,25 +357,58 @@ class DiskStore(StorageTier):
                 os.fsync(dfd)
             finally:
                 os.close(dfd)
-        return True
 
     async def read(self, meta: ChunkMeta) -> bytes | None:
         path = self._path(meta.key, meta.parent, meta.num_tokens)
+        if meta.key in self._quarantined:
+            self._c["read_misses"] += 1
+            return None
+        if self._stuck >= self.max_concurrency:
+            # Every thread we may use is stuck in the file system: starting another one would
+            # only leak it too.
+            self._c["read_faults"] += 1
+            self._c["reads_refused"] += 1
+            raise TierError(f"disk tier {self.name!r}: {self._stuck} reads are stuck in "
+                            f"{self.config.path}; not reading {path.name}")
+        call = _ThreadRead()
         try:
             with anyio.fail_after(self.timeout):
                 # abandon_on_cancel: a hung disk (NFS) must not hold the caller past timeout.
-                obj = await anyio.to_thread.run_sync(self._read_file, path,
+                obj = await anyio.to_thread.run_sync(self._read_file, path, call,
                                                      limiter=self._limiter,
                                                      abandon_on_cancel=True)
         except TimeoutError as e:
             self._c["read_faults"] += 1
+            self._c["read_timeouts"] += 1
             self._c["last_error"] = f"read {path.name}: timed out"
+            self._abandon(call, meta.key)
             raise TierError(f"disk tier {self.name!r}: read of {path} took over "
                             f"{self.timeout} s") from e
-        except OSError as e:
+        except BaseException:
+            # Cancelled from outside. When that is the caller's own deadline (the engine bounds
+            # the read too, and its deadline comes first), the file hung just the same.
+            expired = anyio.current_effective_deadline() <= anyio.current_time()
+            self._abandon(call, meta.key if expired else None)
+            raise
+        if isinstance(obj, _NotAFile):
+            # Removed under the key's lock, so that a write renaming a new file into place
+            # at this moment cannot be the one removed.
+            async with self._order.hold(meta.key):
+                removed = await anyio.to_thread.run_sync(self._remove_not_file, path,
+                                                         limiter=self._limiter)
+                if isinstance(removed, OSError):
+                    self._c["read_faults"] += 1
+                    self._c["last_error"] = f"read {path.name}: {removed}"
+                    raise TierError(f"disk tier {self.name!r}: {path} is not a chunk file and "
+                                    f"cannot be removed: {removed}") from removed
+                self._names.pop(meta.key, None)
+            self._c["read_misses"] += 1
+            self._c["removed_not_files"] += removed
+            return None
+        if isinstance(obj, OSError):
             self._c["read_faults"] += 1
-            self._c["last_error"] = f"read {path.name}: {e}"
-            raise TierError(f"disk tier {self.name!r}: cannot read {path}: {e}") from e
+            self._c["last_error"] = f"read {path.name}: {obj}"
+            raise TierError(f"disk tier {self.name!r}: cannot read {path}: {obj}") from obj
         if obj is None:
             self._c["read_misses"] += 1
             self._names.pop(meta.key, None)
@@ -352,27 +417,92 @@ class DiskStore(StorageTier):
         self._c["bytes_out"] += len(obj)
         return obj
 
-    @staticmethod
-    def _read_file(path: Path) -> bytes | None:
+    def _abandon(self, call: _ThreadRead, hung_key: bytes | None) -> None:
+        """The caller stopped waiting for ``call``. If its thread is still in the read, count it
+        in ``_stuck`` until it returns, and quarantine ``hung_key`` (when given): that file
+        hung, so no other thread is handed to it. A read that had not started never will."""
+        with self._tlock:
+            if call.done:
+                return
+            if not call.started:
+                call.cancelled = True
+                return
+            call.abandoned = True
+            self._stuck += 1
+        if hung_key is not None:
+            self._quarantined.add(hung_key)
+            self._names.pop(hung_key, None)
+            self._c["quarantined"] += 1
+
+    def _read_file(self, path: Path, call: _ThreadRead) -> bytes | OSError | _NotAFile | None:
+        """The file's bytes; None if absent; _NOT_A_FILE if the name held something else (now
+        removed); an OSError (returned, so the caller can count it) for any other fault."""
+        with self._tlock:
+            if call.cancelled:
+                return None
+            call.started = True
         try:
-            with open(path, "rb") as f:
-                obj = f.read()
+            return self._read_regular(path)
+        finally:
+            with self._tlock:
+                call.done = True
+                if call.abandoned:
+                    self._stuck -= 1
+
+    @staticmethod
+    def _read_regular(path: Path) -> bytes | OSError | _NotAFile | None:
+        try:
+            # O_NONBLOCK: opening a FIFO for reading otherwise waits for a writer, forever.
+            # O_NOFOLLOW: we only ever write regular files, so a symlink is not ours.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                return e
+            fd = -1  # a symlink
+        try:
+            if fd < 0 or not stat.S_ISREG(os.fstat(fd).st_mode):
+                return _NOT_A_FILE
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                obj = f.read()
+        except OSError as e:
+            return e
+        finally:
+            if fd >= 0:
+                os.close(fd)
         # Recency for the LRU order rebuilt after a restart; losing it is harmless.
         with contextlib.suppress(OSError):
             os.utime(path)
         return obj
 
-    async def delete(self, key: bytes) -> None:
-        name = self._names.pop(key, None)
-        folder = self.root / key[:1].hex()
+    @staticmethod
+    def _remove_not_file(path: Path) -> OSError | bool:
+        """Remove what is at ``path`` unless it is a regular file by now: whether something was
+        removed, or the error if it cannot be (a folder, say: it stays a fault until someone
+        removes it)."""
         try:
-            await anyio.to_thread.run_sync(self._delete_files, folder, key, name,
-                                           limiter=self._limiter)
+            if not stat.S_ISREG(os.lstat(path).st_mode):
+                os.unlink(path)
+                return True
+        except FileNotFoundError:
+            pass
         except OSError as e:
-            self._c["last_error"] = f"delete {key.hex()}: {e}"
-            raise TierError(f"disk tier {self.name!r}: cannot delete {key.hex()}: {e}") from e
+            return e
+        return False
+
+    async def delete(self, key: bytes) -> None:
+        folder = self.root / key[:1].hex()
+        async with self._order.hold(key):
+            name = self._names.pop(key, None)
+            self._quarantined.discard(key)
+            try:
+                await anyio.to_thread.run_sync(self._delete_files, folder, key, name,
+                                               limiter=self._limiter)
+            except OSError as e:
+                self._c["last_error"] = f"delete {key.hex()}: {e}"
+                raise TierError(f"disk tier {self.name!r}: cannot delete {key.hex()}: "
+                                f"{e}") from e
         self._c["deletes"] += 1
 
     @staticmethod
@@ -390,7 +520,8 @@ class DiskStore(StorageTier):
                 os.unlink(folder / n)
 
     def stats(self) -> dict[str, Any]:
-        return {**self._c, "files": len(self._names), "path": str(self._root or "")}
+        return {**self._c, "kind": self.kind, "files": len(self._names),
+                "stuck_reads": self._stuck, "path": str(self._root or "")}
 
     def __repr__(self) -> str:
         return (f"DiskStore(name={self.name!r}, path={self.config.path!r}, "

@@ -2,10 +2,21 @@
 
 Object names let any node rebuild the directory from a listing alone::
 
-    <prefix>/<fingerprint digest hex>/<parent key hex>/<key hex>.<tokens>.kvc
+    <prefix>/<storage name>/<parent key hex>/<key hex>.<tokens>.kvc
 
-Chunks are grouped by their *parent*, so "what extends this prefix?" is one prefix listing,
+The storage name is the fingerprint digest, followed by ``.<tenant digest>`` for a cache with a
+tenant (:attr:`TierContext.storage_name`): tenants sharing a bucket list, read and delete only
+their own objects, so one tenant's ``clear()`` never reaches another's chunks. Chunks are
+grouped by their *parent*, so "what extends this prefix?" is one prefix listing,
 ``refresh(parent)``. Partial tail chunks sit next to full ones under the same parent.
+
+**What this node knows of the bucket.** ``_known`` maps the keys it listed or wrote to their
+object names (a delete needs the name). It never decides whether to upload: every write is sent,
+because a key re-put after a delete may carry new bytes. Writes and deletes of one key take
+effect in the order they were called (:class:`~musacache.tiers._ordering.KeyOrder`), so a delete
+always sees the name of the write before it. Listings reused by ``refresh_interval`` are kept
+for that long and for at most ``_MAX_LISTINGS`` prefixes: a miss per distinct prompt must not
+grow memory without bound.
 
 Behaviour on faults (the engine turns every raised fault into a counted miss):
 
@@ -32,6 +43,7 @@ import logging
 import random
 import re
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -40,8 +52,17 @@ import anyio
 
 from .._errors import ConfigError, TierError
 from .._keys import KEY_BYTES
-from .._validate import parse_size
+from .._log import RateLimitedLog
+from .._validate import (
+    boolean,
+    non_negative_float,
+    non_negative_int,
+    parse_size,
+    positive_float,
+    positive_int,
+)
 from ..codec import CODECS
+from ._ordering import KeyOrder
 from .base import ChunkMeta, StorageTier, TierContext
 
 __all__ = ["S3Store", "S3Tier"]
@@ -60,18 +81,9 @@ _CONFIG_CODES = frozenset({"NoSuchBucket", "AccessDenied", "InvalidAccessKeyId",
                            "SignatureDoesNotMatch", "AllBucketsDisabled", "InvalidBucketName",
                            "AuthorizationHeaderMalformed", "PermanentRedirect"})
 _MIN_PART = 5 * 1024**2  # S3's smallest multipart part (except the last)
-
-
-def _number(value: Any, what: str, *, minimum: float, integer: bool = False,
-            inclusive: bool = True) -> Any:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{what} must be a number, got {value!r}")
-    if integer and not float(value).is_integer():
-        raise ConfigError(f"{what} must be an integer, got {value!r}")
-    if value < minimum or (not inclusive and value == minimum):
-        bound = ">=" if inclusive else ">"
-        raise ConfigError(f"{what} must be {bound} {minimum}, got {value!r}")
-    return int(value) if integer else float(value)
+# Reused listings kept at most (each holds one prefix's ChunkMetas): the prefixes a node asks
+# about are one per distinct miss, so without a bound they grow with the traffic.
+_MAX_LISTINGS = 256
 
 
 @dataclass(frozen=True)
@@ -148,17 +160,14 @@ class S3Tier:
         if self.codec not in CODECS:
             raise ConfigError(f"{n}.codec must be one of {CODECS}, got {self.codec!r}")
         for flag in ("write_through", "create_bucket", "sign_payload"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ConfigError(f"{n}.{flag} must be true or false, got {getattr(self, flag)!r}")
-        object.__setattr__(self, "max_concurrency", _number(
-            self.max_concurrency, f"{n}.max_concurrency", minimum=1, integer=True))
-        object.__setattr__(self, "retries", _number(self.retries, f"{n}.retries", minimum=0,
-                                                    integer=True))
+            boolean(getattr(self, flag), f"{n}.{flag}")
+        object.__setattr__(self, "max_concurrency", positive_int(
+            self.max_concurrency, f"{n}.max_concurrency"))
+        object.__setattr__(self, "retries", non_negative_int(self.retries, f"{n}.retries"))
         for opt in ("timeout", "connect_timeout", "read_timeout", "write_timeout"):
-            object.__setattr__(self, opt, _number(getattr(self, opt), f"{n}.{opt}", minimum=0,
-                                                  inclusive=False))
+            object.__setattr__(self, opt, positive_float(getattr(self, opt), f"{n}.{opt}"))
         for opt in ("retry_backoff", "refresh_interval", "log_interval"):
-            object.__setattr__(self, opt, _number(getattr(self, opt), f"{n}.{opt}", minimum=0))
+            object.__setattr__(self, opt, non_negative_float(getattr(self, opt), f"{n}.{opt}"))
         object.__setattr__(self, "multipart_threshold",
                            parse_size(self.multipart_threshold, what=f"{n}.multipart_threshold"))
         part = parse_size(self.part_size, what=f"{n}.part_size")
@@ -172,26 +181,6 @@ class S3Tier:
 
     def build(self) -> S3Store:
         return S3Store(self)
-
-
-class _FaultLog:
-    """Logs at most one line per fault kind per ``interval`` seconds, counting the rest."""
-
-    def __init__(self, interval: float) -> None:
-        self.interval = interval
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-
-    def warn(self, kind: str, message: str) -> None:
-        now = time.monotonic()
-        last = self._last.get(kind)
-        if last is not None and now - last < self.interval:
-            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
-            return
-        self._last[kind] = now
-        quiet = self._suppressed.pop(kind, 0)
-        tail = f" ({quiet} more since the last report)" if quiet else ""
-        logger.warning("%s%s", message, tail)
 
 
 def _error_code(e: BaseException) -> tuple[str, int]:
@@ -229,6 +218,7 @@ class S3Store(StorageTier):
     ``start`` and closed in ``aclose``."""
 
     shared = True
+    kind = "s3"
 
     def __init__(self, config: S3Tier) -> None:
         self.config = config
@@ -243,12 +233,14 @@ class S3Store(StorageTier):
         self._base = ""
         self._ctx: TierContext | None = None
         # key -> (object name, size) of every chunk we listed or wrote: delete(key) needs the
-        # name, and a write of a chunk known to be there is skipped.
+        # name. Never a reason to skip a write (see the module docstring).
         self._known: dict[bytes, tuple[str, int]] = {}
-        self._listings: dict[str, tuple[float, list[ChunkMeta]]] = {}
-        self._log = _FaultLog(config.log_interval)
+        self._order = KeyOrder()
+        # prefix -> (when listed, what was there), least recently used first.
+        self._listings: OrderedDict[str, tuple[float, list[ChunkMeta]]] = OrderedDict()
+        self._log = RateLimitedLog(logger, config.log_interval)
         self._c: dict[str, Any] = dict.fromkeys(
-            ("reads", "read_misses", "read_faults", "writes", "writes_skipped", "write_retries",
+            ("reads", "read_misses", "read_faults", "writes", "write_retries",
              "write_failures", "deletes", "lists", "list_faults", "bytes_in", "bytes_out",
              "multipart_writes", "ranged_reads"), 0)
         self._c["last_error"] = None
@@ -261,8 +253,8 @@ class S3Store(StorageTier):
 
         cfg = self.config
         self._ctx = ctx
-        digest = ctx.fingerprint.digest().hex()
-        self._base = f"{cfg.prefix}/{digest}" if cfg.prefix else digest
+        name = ctx.storage_name
+        self._base = f"{cfg.prefix}/{name}" if cfg.prefix else name
         s3_options: dict[str, Any] = {"addressing_style": "path"}
         if not cfg.sign_payload:
             s3_options["payload_signing_enabled"] = False
@@ -352,10 +344,13 @@ class S3Store(StorageTier):
 
     async def _list(self, parent: bytes | None, *, at_start: bool = False) -> list[ChunkMeta]:
         prefix = f"{self._base}/" if parent is None else f"{self._base}/{parent.hex()}/"
-        cached = self._listings.get(prefix)
         interval = self.config.refresh_interval
-        if cached is not None and interval > 0 and time.monotonic() - cached[0] < interval:
-            return list(cached[1])
+        cached = self._listings.get(prefix)
+        if cached is not None:
+            if time.monotonic() - cached[0] < interval:
+                self._listings.move_to_end(prefix)
+                return list(cached[1])
+            del self._listings[prefix]  # expired: never reused again
         metas: list[ChunkMeta] = []
         try:
             async for page in self._pages(prefix):
@@ -376,7 +371,10 @@ class S3Store(StorageTier):
         for m in metas:
             self._known[m.key] = (self.object_name(m.key, m.parent, m.num_tokens),
                                   m.stored_bytes)
-        self._listings[prefix] = (time.monotonic(), metas)
+        if interval > 0:  # with 0 a listing is never reused: keeping it would only cost memory
+            self._listings[prefix] = (time.monotonic(), metas)
+            while len(self._listings) > _MAX_LISTINGS:
+                self._listings.popitem(last=False)
         return list(metas)
 
     async def _pages(self, prefix: str) -> AsyncIterator[dict[str, Any]]:
@@ -470,10 +468,10 @@ class S3Store(StorageTier):
 
     async def write(self, meta: ChunkMeta, obj: bytes) -> None:
         name = self.object_name(meta.key, meta.parent, meta.num_tokens)
-        if self._known.get(meta.key) == (name, len(obj)):
-            # A key names its content: the same object is already there (we wrote or listed it).
-            self._c["writes_skipped"] += 1
-            return
+        async with self._order.hold(meta.key):
+            await self._write(meta, name, obj)
+
+    async def _write(self, meta: ChunkMeta, name: str, obj: bytes) -> None:
         cfg = self.config
         threshold = int(cfg.multipart_threshold)
         attempt = 0
@@ -541,6 +539,10 @@ class S3Store(StorageTier):
         self._c["multipart_writes"] += 1
 
     async def delete(self, key: bytes) -> None:
+        async with self._order.hold(key):
+            await self._delete(key)
+
+    async def _delete(self, key: bytes) -> None:
         known = self._known.pop(key, None)
         if known is None:
             return  # never listed or written here: there is no name to delete
@@ -564,10 +566,11 @@ class S3Store(StorageTier):
 
     def _fault(self, op: str, kind: str, message: str) -> None:
         self._c["last_error"] = f"{op} ({kind}): {message}"
-        self._log.warn(f"{op}:{kind}", f"s3 tier {self.name!r}: {message}")
+        self._log.warn(self.name, f"{op} ({kind})", message)
 
     def stats(self) -> dict[str, Any]:
-        return {**self._c, "known_objects": len(self._known)}
+        return {**self._c, "kind": self.kind, "known_objects": len(self._known),
+                "listings_kept": len(self._listings)}
 
     def __repr__(self) -> str:
         cfg = self.config
