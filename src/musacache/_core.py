@@ -163,6 +163,8 @@ class Engine:
         self.mem = [t for t in tiers if isinstance(t, MemTier)]
         self.tier_by_name = {t.name: t for t in tiers}
         self.stores = [t for t in tiers if isinstance(t, StoreTier)]
+        # Whether a miss may ask a storage tier for chunks other nodes wrote.
+        self.shared = any(t.store.shared for t in self.stores)
         # Memory tiers a put may place into: those before the first storage tier.
         lead = next((i for i, t in enumerate(tiers) if isinstance(t, StoreTier)), len(tiers))
         self.put_mem = [t for t in tiers[:lead] if isinstance(t, MemTier)]
@@ -616,8 +618,8 @@ class Engine:
 
     async def match(self, toks: np.ndarray) -> list[Match]:
         matches, stop_parent = self.dir.match(toks)
-        covered = sum(m.num_tokens for m in matches)
-        if covered < len(toks) and stop_parent is not None \
+        if stop_parent is not None and self.shared \
+                and sum(m.num_tokens for m in matches) < len(toks) \
                 and await self.cold.refresh(stop_parent):
             matches, _ = self.dir.match(toks)
         return matches

@@ -231,7 +231,7 @@ class Directory:
 
     def get(self, key: bytes) -> Entry | None:
         e = self.entries.get(key)
-        return None if e is None or e.dead else e
+        return None if e is None or e._gen < 0 else e  # not dead (the property, inlined)
 
     def _kids(self, parent: bytes) -> Entry | Siblings | None:
         p = self.entries.get(parent)
@@ -358,7 +358,7 @@ class Directory:
             h.update(view[start * 4 : end * 4])
             key = h.digest()
             e = entries.get(key)
-            if e is not None and not e.dead:
+            if e is not None and e._gen >= 0:  # not dead
                 if e.tokens is None:  # the key proves these are its tokens
                     self._learn_tokens(e, view[start * 4 : end * 4].tobytes())
                 out.append(Match(start, end - start, e))
