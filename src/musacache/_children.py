@@ -21,12 +21,23 @@ from bisect import bisect_left
 from collections.abc import Iterator
 from itertools import chain
 from operator import attrgetter
-from typing import TYPE_CHECKING
+from typing import Generic, Protocol, TypeVar
 
-if TYPE_CHECKING:
-    from ._directory import Entry
+__all__ = ["Child", "Siblings", "common_tokens"]
 
-__all__ = ["Siblings", "common_tokens"]
+
+class Child(Protocol):
+    """What the index reads of a child (a directory ``Entry``; this module imports none)."""
+
+    key: bytes
+    num_tokens: int
+    tokens: bytes | None
+
+    @property
+    def dead(self) -> bool: ...
+
+
+Entry = TypeVar("Entry", bound=Child)
 
 # Children per sorted run; a run is split in two when it reaches twice this.
 _RUN = 256
@@ -45,7 +56,7 @@ def common_tokens(a: bytes, b: bytes) -> int:
     return (k - ((x.bit_length() + 7) >> 3)) >> 2
 
 
-class Siblings:
+class Siblings(Generic[Entry]):
     """Two or more children of one parent (a parent with one child stores the child itself)."""
 
     __slots__ = ("_maxes", "_n", "_runs", "_tokenless")

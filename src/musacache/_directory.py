@@ -97,7 +97,7 @@ class Entry:
         # The generation, drawn on first use; negative once the entry is dead.
         self._gen = 0
         # This chunk's children, kept by the directory: the only one, or an index of them.
-        self.kids: Entry | Siblings | None = None
+        self.kids: Entry | Siblings[Entry] | None = None
 
     @property
     def gen(self) -> int:
@@ -224,7 +224,7 @@ class Directory:
         # entry: the chain's seed, and the parents of orphans (learned before, or kept
         # after, their parent). Either way: the only child, or an index of the children
         # (see ``_children``).
-        self.children: dict[bytes, Entry | Siblings] = {}
+        self.children: dict[bytes, Entry | Siblings[Entry]] = {}
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -233,11 +233,11 @@ class Directory:
         e = self.entries.get(key)
         return None if e is None or e._gen < 0 else e  # not dead (the property, inlined)
 
-    def _kids(self, parent: bytes) -> Entry | Siblings | None:
+    def _kids(self, parent: bytes) -> Entry | Siblings[Entry] | None:
         p = self.entries.get(parent)
         return p.kids if p is not None else self.children.get(parent)
 
-    def _set_kids(self, parent: bytes, kids: Entry | Siblings | None) -> None:
+    def _set_kids(self, parent: bytes, kids: Entry | Siblings[Entry] | None) -> None:
         p = self.entries.get(parent)
         if p is not None:
             p.kids = kids
@@ -262,7 +262,7 @@ class Directory:
         elif isinstance(have, Siblings):
             have.add(e)
         else:
-            sib = Siblings()
+            sib: Siblings[Entry] = Siblings()
             sib.add(have)
             sib.add(e)
             self._set_kids(e.parent, sib)
