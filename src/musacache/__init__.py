@@ -4,6 +4,8 @@
 token prefixes across device, host, disk and S3 tiers. See docs/quickstart.md.
 """
 
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+
 from . import devices, ipc, transfer
 from ._api import KVCache, TokensLike
 from ._config import CacheConfig, DeviceTier, HostTier
@@ -80,3 +82,13 @@ __all__ = (
     "ipc",
     "transfer",
 )
+
+if _TYPE_CHECKING:
+    # mypy checks both implementations against the one protocol: a method that drifts on
+    # either side fails the type check, not a user's code. Here, above both, so that neither
+    # module has to import the other or the protocol's module import them.
+    def _client_is_a_kvcache(c: Client) -> KVCache:
+        return c
+
+    def _cache_is_a_kvcache(c: Cache) -> KVCache:
+        return c

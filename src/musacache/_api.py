@@ -1,9 +1,9 @@
 """The one async API of the embedded :class:`~musacache.Cache` and the node-server
 :class:`~musacache.client.Client`: code typed against :class:`KVCache` runs on either.
 
-mypy checks both classes against the protocol (the assignments at the bottom of this module),
-so a method that drifts on one side (a missing ``await``-able, another signature) fails the
-type check, not a user's quickstart.
+mypy checks both classes against the protocol (the functions at the bottom of
+``musacache/__init__.py``, which sits above both), so a method that drifts on one side (a
+missing ``await``-able, another signature) fails the type check, not a user's quickstart.
 """
 
 from __future__ import annotations
@@ -61,15 +61,4 @@ class KVCache(Protocol):
     async def retrieve(self, tokens: TokensLike, kv_caches: Any, slot_mapping: Any, /, *,
                        layout: str = "vllm", skip_prefix: int = 0, ready: Any = None,
                        ready_timeout: float | None = None) -> int: ...
-
-
-if TYPE_CHECKING:
-    from ._engine import Cache
-    from .client import Client
-
-    def _client_is_a_kvcache(c: Client) -> KVCache:
-        return c
-
-    def _cache_is_a_kvcache(c: Cache) -> KVCache:
-        return c
 
