@@ -125,7 +125,12 @@ def subtree_batches(directory: Directory, roots: list[bytes],
     while stack:
         cur = stack.pop()
         steps += 1
-        for c in directory.child_list(cur):
+        kids = directory.child_list(cur)
+        kids.reverse()
+        while kids:
+            # Popped, not iterated: once removed, an entry's last reference is the batch it
+            # went out in, so it is freed with that batch, not all at once with this list.
+            c = kids.pop()
             steps += 1
             if c.key in seen:
                 continue
