@@ -118,8 +118,11 @@ def subtree_batches(directory: Directory, roots: list[bytes],
     in between: a removed entry's children stay findable by its key. A batch is cut after
     ``batch`` steps of work (an entry found, or a key looked at), so it may be short, or empty:
     looking at a million leaves for children is work too."""
-    seen: set[bytes] = set(roots)
-    stack = list(dict.fromkeys(roots))
+    # Every entry has one parent, so below the roots this is a tree: only the roots (which
+    # may extend one another) can be met twice. No set of every key walked is kept (freeing
+    # a million of them at the end would be a stall of its own).
+    queued: set[bytes] = set(roots)
+    stack = list(queued)
     out: list[Entry] = []
     steps = 0
     while stack:
@@ -132,9 +135,8 @@ def subtree_batches(directory: Directory, roots: list[bytes],
             # went out in, so it is freed with that batch, not all at once with this list.
             c = kids.pop()
             steps += 1
-            if c.key in seen:
+            if c.key in queued:
                 continue
-            seen.add(c.key)
             out.append(c)
             stack.append(c.key)
             if steps >= batch:

@@ -28,13 +28,14 @@ async def delete(eng: Engine, toks: np.ndarray, batch: int) -> int:
     roots, keys = delete_roots(eng.dir, eng.chain, toks)
     first = [e for k in roots if (e := eng.dir.get(k)) is not None]
     eng.remove(first)
+    chain = set(keys)
     known = {e.key for e in first}
     removed = len(first)
     for part in subtree_batches(eng.dir, roots + keys, batch):
         live = [e for e in part if not e.dead]
         eng.remove(live)
         removed += len(live)
-        known.update(e.key for e in live)
+        known.update(e.key for e in live if e.key in chain)  # only the chain's are asked
         await anyio.lowlevel.cancel_shielded_checkpoint()
     for st in eng.stores:  # another node may have written the prompt's chunks
         if st.store.shared:
