@@ -14,8 +14,7 @@ from ._directory import Directory, Entry
 from ._keys import KeyChain
 from ._tierstate import MemTier, StoreTier, Tier
 
-__all__ = ["delete_roots", "delete_set", "persist_order", "reserve_slot", "subtree_batches",
-           "victims"]
+__all__ = ["delete_roots", "persist_order", "reserve_slot", "subtree_batches", "victims"]
 
 
 def victims(t: Tier, directory: Directory, count: int) -> list[Entry]:
@@ -147,19 +146,3 @@ def subtree_batches(directory: Directory, roots: list[bytes],
             out, steps = [], 0
     if out:
         yield out
-
-
-def delete_set(directory: Directory, chain: KeyChain, toks: np.ndarray,
-               ) -> tuple[list[Entry], list[bytes]]:
-    """Everything ``delete(toks)`` removes, in one list (see :func:`delete_roots`), and the
-    prompt's chain keys."""
-    roots, keys = delete_roots(directory, chain, toks)
-    doomed: dict[bytes, Entry] = {}
-    for root in roots:
-        found = directory.get(root)
-        if found is not None:
-            doomed[root] = found
-    for part in subtree_batches(directory, roots + keys, 1 << 30):
-        for e in part:
-            doomed.setdefault(e.key, e)
-    return list(doomed.values()), keys
