@@ -68,5 +68,5 @@ def demo(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """All benchmarks; each prints ratios measured in the same run."""
     _install(session, "test")
-    for which in ("cache", "transfer", "codec", "ipc"):
+    for which in ("cache", "transfer", "codec", "ipc", "scale"):
         session.run("musacache", "bench", which)

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import anyio
+import anyio.lowlevel
 import torch
 
 from . import _errors
@@ -21,7 +22,7 @@ from ._directory import Entry
 from ._errors import MusaCacheError
 from ._log import RateLimitedLog
 from ._placement import persist_order, victims
-from ._tierstate import StoreTier
+from ._tierstate import MemTier, StoreTier, Tier
 from .tiers.base import ChunkMeta
 
 if TYPE_CHECKING:
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from ._move import Mover
     from ._spec import KVSpec
     from ._tasks import TaskOwner
-    from ._tierstate import MemTier, Tier
+    from .tiers.memory import Slot
 
 
 class EngineServices(Protocol):
@@ -56,6 +57,8 @@ class EngineServices(Protocol):
     async def host_copy(self, data: torch.Tensor) -> torch.Tensor: ...
     async def relocate(self, items: Sequence[tuple[Entry, torch.Tensor]], dest_from: int,
                        dest_to: int | None = None, *, counter: str) -> list[Tier | None]: ...
+    async def evict(self, t: MemTier, count: int) -> int: ...
+    def block_view(self, slot: Slot, n: int) -> torch.Tensor: ...
 
 __all__ = ["ColdPath"]
 
@@ -78,17 +81,20 @@ class ColdPath:
 
     # -- reads ----------------------------------------------------------------------------
 
-    async def read(self, t: StoreTier, e: Entry) -> torch.Tensor | None:
-        """``e``'s KV from ``t`` (a host tensor), or None: absent, a fault, a timeout, or an
-        object that cannot be read here (corrupt, another model's, another format version).
-        Each is counted under its own name and is a miss, never an exception."""
+    async def read(self, t: StoreTier, e: Entry,
+                   out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """``e``'s KV from ``t`` (a host tensor, decoded into ``out`` when given: no fresh
+        allocation, no second copy), or None: absent, a fault, a timeout, or an object that
+        cannot be read here (corrupt, another model's, another format version). Each is
+        counted under its own name and is a miss, never an exception; ``out`` is then left
+        untouched."""
         from .codec import decode_chunk
 
         eng = self.eng
         obj = t.pending_obj(e)
         meta = t.meta(e)
         if obj is None:
-            if t.idx not in e.stored:
+            if e.stored_size(t.idx) is None:
                 return None
             try:
                 async with t.sem:
@@ -108,7 +114,7 @@ class ColdPath:
                 return None
         try:
             _, data = await eng.mover.in_thread(
-                lambda: decode_chunk(eng.fingerprint, obj, expect=meta))
+                lambda: decode_chunk(eng.fingerprint, obj, expect=meta, out=out))
         except _FOREIGN as exc:
             # Another model's, layout's or format version's object under our key: a miss, and
             # the message names both sides. It is not ours to delete.
@@ -126,6 +132,41 @@ class ColdPath:
             return None
         t.c["bytes_out"] += len(obj)
         return data
+
+    async def promote_decoding(self, e: Entry,
+                               ) -> tuple[torch.Tensor | None, str, Tier | None]:
+        """When ``e`` lives only in storage and the top tier is host memory: decode it
+        straight into a top-tier slot (one decode, no fresh tensor, no second copy). Returns
+        the data and the tier it came from, or None and the tier whose read missed (not to be
+        asked again; None if this did not apply)."""
+        eng = self.eng
+        top = eng.tiers[0]
+        src = next((t for t in eng.tiers if t.holds(e)), None)
+        if not isinstance(top, MemTier) or top.device.type != "cpu" \
+                or not isinstance(src, StoreTier) or e.dead:
+            return None, "", None
+        idx = top.pool.reserve()
+        if idx is None and await eng.evict(top, 1):
+            idx = top.pool.reserve()
+        if idx is None:
+            return None, "", None
+        committed = False
+        try:
+            slot = await top.pool.materialize(idx)
+            view = eng.block_view(slot, e.num_tokens)
+            if await self.read(src, e, out=view) is None:
+                return None, "", src
+            src.c["hits"] += 1
+            if not e.dead and not top.holds(e):
+                top.commit(e, slot)
+                top.c["promotions"] += 1
+                committed = True
+                return view, src.name, None
+            # Deleted (or promoted by another path) meanwhile: serve this read only.
+            return view.clone(), src.name, None
+        finally:
+            if not committed:
+                top.pool.release(idx)
 
     @staticmethod
     def _count(t: StoreTier, *names: str) -> None:
@@ -236,7 +277,8 @@ class ColdPath:
             e = found[0]
             eng.pin(e)
             try:
-                if t.idx in e.stored and not any(x.holds(e) for x in eng.tiers[t.idx + 1:]) \
+                if e.stored_size(t.idx) is not None \
+                        and not any(x.holds(e) for x in eng.tiers[t.idx + 1:]) \
                         and t.idx + 1 < len(eng.tiers):
                     data = await self.read(t, e)
                     if data is not None and not e.dead:
@@ -279,7 +321,7 @@ class ColdPath:
             return
         first = eng.stores[0]
         todo = persist_order([e for e in eng.dir.entries.values()
-                              if e.blocks and not any(t.holds(e) for t in eng.stores)],
+                              if e.in_memory and not any(t.holds(e) for t in eng.stores)],
                              eng.dir)
         progress["to_persist"] += len(todo)
         for i in range(0, len(todo), _PERSIST_BATCH):
@@ -327,13 +369,27 @@ class ColdPath:
                     cur = new[0].key if len(new) == 1 else None
         return learned
 
+    async def learn_all(self, st: StoreTier, metas: list[ChunkMeta], batch: int) -> None:
+        """Learn a whole listing (a restart): ``batch`` chunks at a time, with the loop free
+        in between, and sorted in a worker thread. A listing of a million objects never
+        stalls the loop."""
+        if len(metas) > batch:
+            # The key is a Python function, so the sorting thread gives the GIL back to the
+            # loop every switch interval.
+            metas = await self.eng.mover.in_thread(
+                lambda: sorted(metas, key=lambda m: m.last_used))
+        for i in range(0, len(metas), batch):
+            self.learn(st, metas[i : i + batch], ordered=True)
+            await anyio.lowlevel.checkpoint()
+
     def learn(self, st: StoreTier, metas: Iterable[ChunkMeta],
-              listed_at: float | None = None) -> list[Entry]:
-        """Record chunks a storage tier reports (in a listing taken at ``listed_at``);
-        returns the entries that were new to it. A chunk deleted since is not learned."""
+              listed_at: float | None = None, ordered: bool = False) -> list[Entry]:
+        """Record chunks a storage tier reports (in a listing taken at ``listed_at``; oldest
+        first if ``ordered``); returns the entries that were new to it. A chunk deleted since
+        is not learned."""
         eng = self.eng
         new: list[Entry] = []
-        for m in sorted(metas, key=lambda m: m.last_used):
+        for m in metas if ordered else sorted(metas, key=lambda m: m.last_used):
             if listed_at is not None and st.tombstoned(m.key, listed_at):
                 continue  # deleted here (or being deleted): the listing is older than that
             if m.raw_bytes != eng.spec.nbytes(m.num_tokens) or not (
@@ -344,7 +400,7 @@ class ColdPath:
                 e = Entry(m.key, m.parent, m.num_tokens, m.raw_bytes, None)
                 eng.dir.add(e)
             if not st.holds(e):
-                e.stored[st.idx] = m.stored_bytes
+                e.set_stored(st.idx, m.stored_bytes)
                 st.used += m.stored_bytes
                 st.lru[m.key] = e
                 new.append(e)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import torch
 
@@ -28,7 +29,7 @@ from ._config import CacheConfig
 from ._directory import Directory, Entry, Match
 from ._keys import Fingerprint, KeyChain
 from ._move import Mover, accelerator_of, gather_chunks
-from ._placement import delete_set, victims
+from ._placement import victims
 from ._tasks import TaskOwner
 from ._tierstate import MemTier, StoreTier, Tier, counters
 from .tiers.memory import Slot
@@ -36,6 +37,13 @@ from .transfer import Pages
 
 __all__ = ["ChunkSource", "DenseSource", "Engine", "PagedSource"]
 
+# Directory work on many entries (delete, clear, learning a listing, planning a long put)
+# is done this many at a time, letting other tasks run in between (well under a millisecond
+# each on an idle core).
+BATCH = 64
+# New chunks a put plans, moves and commits per round (a put costs several times more per
+# chunk than removing one; one round of a long prompt then stays near a millisecond).
+_PUT_ROUND = 16
 # Host bytes a put stages at once for chunks that go straight to a storage tier.
 _STAGE_BYTES = 256 * 1024 * 1024
 
@@ -100,6 +108,24 @@ class PagedSource:
         await mover.run(work, device=device, nbytes=max(nbytes, mover.inline_bytes))
 
 
+class _LazyKeys:
+    """A prompt's chunk keys, hashed as planning reaches them (a long prompt's keys are
+    not all hashed in one step of the loop)."""
+
+    def __init__(self, chain: KeyChain, toks: np.ndarray) -> None:
+        self._it = chain.iter_keys(toks)
+        self._done: list[tuple[int, int, bytes, bytes]] = []
+        self._n = -(-len(toks) // chain.chunk_size)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: int) -> tuple[int, int, bytes, bytes]:
+        while len(self._done) <= i:
+            self._done.append(next(self._it))
+        return self._done[i]
+
+
 @dataclass(eq=False)
 class _New:
     """A chunk a put places: where it goes, until its commit."""
@@ -133,7 +159,10 @@ class Engine:
         self.dir = Directory(chain)
         self.tiers = tiers
         self.mem = [t for t in tiers if isinstance(t, MemTier)]
+        self.tier_by_name = {t.name: t for t in tiers}
         self.stores = [t for t in tiers if isinstance(t, StoreTier)]
+        # Whether a miss may ask a storage tier for chunks other nodes wrote.
+        self.shared = any(t.store.shared for t in self.stores)
         # Memory tiers a put may place into: those before the first storage tier.
         lead = next((i for i, t in enumerate(tiers) if isinstance(t, StoreTier)), len(tiers))
         self.put_mem = [t for t in tiers[:lead] if isinstance(t, MemTier)]
@@ -145,6 +174,8 @@ class Engine:
         self.put_flights: dict[bytes, anyio.Event] = {}
         self.inflight = counters("puts", "gets", "lookups", "prefetches", "promotions", "writes")
         self.tok = counters("hit_tokens", "miss_tokens", "put_tokens", "stored_tokens")
+        # Pins held over all entries, kept as they change: stats() never walks the directory.
+        self.pins_held = 0
 
     # -- views, pins, recency --------------------------------------------------------------
 
@@ -152,39 +183,43 @@ class Engine:
         return slot.view(self.spec.dtype, self.spec.shape(n))
 
     def view(self, t: MemTier, e: Entry) -> torch.Tensor:
-        return self.block_view(e.blocks[t.idx], e.num_tokens)
+        index = e.slot_index(t.idx)
+        if index is None:
+            raise KeyError(f"{t.name} does not hold {e!r}")
+        return t.pool.view(index, self.spec.dtype, self.spec.shape(e.num_tokens))
 
     def hottest_mem(self, e: Entry) -> MemTier | None:
         return next((t for t in self.mem if t.holds(e)), None)
 
     def pin(self, e: Entry) -> None:
         e.pins += 1
+        self.pins_held += 1
 
     def unpin(self, e: Entry) -> None:
         e.pins -= 1
+        self.pins_held -= 1
         if e.pins == 0:
             self._free_detached(e)
 
     def _free_detached(self, e: Entry) -> None:
-        while e.detached:
-            idx, slot = e.detached.pop()
+        for idx, index in e.take_detached():
             t = self.tiers[idx]
             if isinstance(t, MemTier):
-                t.pool.release(slot.index)
+                t.pool.release(index)
         if e.dead:
-            for idx in list(e.blocks):
-                slot = e.blocks.pop(idx)
+            for idx, index in e.slots():
+                e.pop_slot(idx)
                 t = self.tiers[idx]
                 if isinstance(t, MemTier):
-                    t.pool.release(slot.index)
+                    t.lru.remove(index, e)
+                    t.pool.release(index)
 
     def touch(self, entries: Sequence[Entry]) -> None:
         # Children first, parents last: the parents end up most recent, so LRU order alone
         # already puts leaves ahead of their prefixes.
         for e in reversed(entries):
             for t in self.tiers:
-                if e.key in t.lru:
-                    t.lru.move_to_end(e.key)
+                t.touch(e)
 
     async def host_copy(self, data: torch.Tensor) -> torch.Tensor:
         if data.device.type == "cpu":
@@ -205,16 +240,18 @@ class Engine:
                   head_start: int | None = None,
                   keys: list[tuple[int, int, bytes, bytes]] | None = None) -> int:
         """Place each chunk of ``toks`` not yet cached; return the cached prefix length.
-        ``keys`` (``put_pages``) replaces the token chain's keys."""
-        keys = self.chain.keys(toks) if keys is None else keys
+        ``keys`` (``put_pages``) replaces the token chain's keys, which are otherwise hashed
+        as planning reaches them."""
+        plan_keys: _LazyKeys | list[tuple[int, int, bytes, bytes]] = (
+            _LazyKeys(self.chain, toks) if keys is None else keys)
         # Every chunk of this prompt stays pinned until the put ends: placing its tail must
         # never evict its own head (the head is what other prompts share).
         held: list[Entry] = []
         stored_to = 0
         pos = 0
         try:
-            while pos < len(keys):
-                items, pos, wait, stop, reached = self._plan_put(toks, keys, pos, held,
+            while pos < len(plan_keys):
+                items, pos, wait, stop, reached = self._plan_put(toks, plan_keys, pos, held,
                                                                  skip_prefix, head_start)
                 stored_to = max(stored_to, reached)
                 if items:
@@ -232,13 +269,24 @@ class Engine:
                     continue
                 if stop:
                     break
+                if pos < len(plan_keys):
+                    await anyio.lowlevel.checkpoint()  # between rounds of a long prompt
         finally:
+            # Once, for the whole prompt, leaf first and root last: every prefix ends up more
+            # recent than what extends it, so eviction finds leaves at the old end (touching
+            # round by round would leave each round's parents older than the next round).
+            # In batches, the loop free in between (shielded: this must finish).
+            for hi in range(len(held), 0, -BATCH):
+                self.touch(held[max(0, hi - BATCH) : hi])
+                if hi > BATCH:
+                    await anyio.lowlevel.cancel_shielded_checkpoint()
             for e in held:
                 self.unpin(e)
         self.tok["stored_tokens"] += stored_to
         return stored_to
 
-    def _plan_put(self, toks: np.ndarray, keys: list[tuple[int, int, bytes, bytes]], pos: int,
+    def _plan_put(self, toks: np.ndarray,
+                  keys: _LazyKeys | list[tuple[int, int, bytes, bytes]], pos: int,
                   held: list[Entry], skip_prefix: int, head_start: int | None,
                   ) -> tuple[list[_New], int, anyio.Event | None, bool, int]:
         """Synchronous: walk keys from ``pos``; pin the cached chunks before the first new
@@ -255,7 +303,6 @@ class Engine:
             if e is not None:
                 if items:
                     break  # commit the new run first; the next round pins this one
-                self.touch([e])
                 self.pin(e)
                 held.append(e)
                 reached = end
@@ -279,6 +326,8 @@ class Engine:
                     it.tier, it.index = top, idx
             items.append(it)
             pos += 1
+            if len(items) >= _PUT_ROUND:
+                break  # a long prompt is planned and placed in rounds: the loop runs between
         return items, pos, None, False, reached
 
     async def _place(self, items: list[_New], source: ChunkSource,
@@ -326,14 +375,11 @@ class Engine:
             await source.move(self.mover, (parts if b == 0 else [])
                               + [(it.start, it.end - it.start, h) for it, h in staged])
             if b == 0:
-                committed: list[Entry] = []
                 for it in items:  # commit, in prompt order: only now can a chunk be found
                     if it.tier is None or it.slot is None:
                         break
                     it.tier.commit(it.entry, it.slot)
                     self._commit_new(it, held)
-                    committed.append(it.entry)
-                self.touch(committed)
             if staged:
                 placed = await self._place_in_storage(staged, held)
                 if placed < len(staged):
@@ -384,8 +430,11 @@ class Engine:
         for e in chosen:
             self.pin(e)
         try:
-            await self.relocate([(e, self.view(t, e)) for e in chosen], t.idx + 1,
-                                counter="demotions")
+            if t.idx + 1 < len(self.tiers):
+                await self.relocate([(e, self.view(t, e)) for e in chosen], t.idx + 1,
+                                    counter="demotions")
+            else:  # nowhere to demote to (as relocate would count it), and no views to make
+                t.c["drops"] += len(chosen)
         finally:
             for e in chosen:
                 if t.holds(e):
@@ -524,7 +573,11 @@ class Engine:
         self.pin(e)
         self.inflight["promotions"] += 1
         try:
-            data, src = await self.read_lower(e)
+            got, source, tried = await self.cold.promote_decoding(e)
+            if got is not None:
+                f.tensor, f.source = got, source
+                return
+            data, src = await self.read_lower(e, skip=tried)
             f.tensor = data
             top = self.tiers[0]
             if data is not None and isinstance(top, MemTier) and not e.dead \
@@ -544,9 +597,13 @@ class Engine:
             f.done.set()
             self.unpin(e)
 
-    async def read_lower(self, e: Entry) -> tuple[torch.Tensor | None, Tier | None]:
-        """The data of ``e`` from the hottest tier that can produce it."""
+    async def read_lower(self, e: Entry, skip: Tier | None = None,
+                         ) -> tuple[torch.Tensor | None, Tier | None]:
+        """The data of ``e`` from the hottest tier that can produce it (other than
+        ``skip``)."""
         for t in self.tiers:
+            if t is skip:
+                continue
             if isinstance(t, MemTier):
                 if t.holds(e):
                     return self.view(t, e), t
@@ -564,22 +621,11 @@ class Engine:
 
     async def match(self, toks: np.ndarray) -> list[Match]:
         matches, stop_parent = self.dir.match(toks)
-        covered = sum(m.num_tokens for m in matches)
-        if covered < len(toks) and stop_parent is not None \
+        if stop_parent is not None and self.shared \
+                and sum(m.num_tokens for m in matches) < len(toks) \
                 and await self.cold.refresh(stop_parent):
             matches, _ = self.dir.match(toks)
         return matches
-
-    def delete(self, toks: np.ndarray) -> int:
-        doomed, keys = delete_set(self.dir, self.chain, toks)
-        self.remove(doomed)
-        known = {e.key for e in doomed}
-        for st in self.stores:  # another node may have written the prompt's chunks
-            if st.store.shared:
-                for k in keys:
-                    if k not in known:
-                        self.cold.schedule_delete(st, k)
-        return len(doomed)
 
     def remove(self, doomed: Sequence[Entry]) -> None:
         """Forget ``doomed`` in every tier now; storage deletes are chained after any write

@@ -14,45 +14,193 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ._children import Siblings, common_tokens
 from ._keys import KEY_BYTES, KeyChain
-from .tiers.memory import Slot
 
 __all__ = ["Directory", "Entry", "Match"]
+
+
+# Residency is packed into ints: ``value << 8 | tier index`` (with a flag in the tier byte),
+# where the value is the slot index in a memory tier, or the stored object's bytes in a storage
+# tier. Most chunks live in one tier of each kind, so each is one int (a tuple of them
+# otherwise), not a dict and a set per entry. A directory of a million chunks is a million of
+# these: every field counts (issue 12: at most 400 bytes per entry beyond its data).
+_TIER_BITS = 8
+_TIER_MASK = (1 << _TIER_BITS) - 1
+# In ``_mem``, a slot dropped while readers still hold the entry (freed by the last unpin).
+_DETACHED = 0x80
+# In ``_stored``, a write to that storage tier in flight (the value is unused).
+_PENDING = 0x80
+# One int object per distinct chunk size, shared by every entry of that size.
+_SIZES: dict[int, int] = {}
+
+_Packed = int | tuple[int, ...] | None
+
+
+def _find(packed: _Packed, tag: int) -> int | None:
+    if packed is None:
+        return None
+    if isinstance(packed, int):
+        return packed >> _TIER_BITS if packed & _TIER_MASK == tag else None
+    for code in packed:
+        if code & _TIER_MASK == tag:
+            return code >> _TIER_BITS
+    return None
+
+
+def _without(packed: _Packed, tag: int) -> _Packed:
+    if packed is None or isinstance(packed, int):
+        return None if packed is None or packed & _TIER_MASK == tag else packed
+    rest = tuple(c for c in packed if c & _TIER_MASK != tag)
+    return rest[0] if len(rest) == 1 else rest or None
+
+
+def _plus(packed: _Packed, code: int) -> _Packed:
+    if packed is None:
+        return code
+    return (packed, code) if isinstance(packed, int) else (*packed, code)
+
+
+def _with(packed: _Packed, tag: int, value: int) -> _Packed:
+    return _plus(_without(packed, tag), value << _TIER_BITS | tag)
+
+
+def _pairs(packed: _Packed, flag: int) -> list[tuple[int, int]]:
+    """``(tier, value)`` of the codes with (``flag``) or without (0) the flag."""
+    if packed is None:
+        return []
+    codes = (packed,) if isinstance(packed, int) else packed
+    return [(c & _TIER_MASK & ~_DETACHED, c >> _TIER_BITS) for c in codes
+            if c & flag == flag and (flag or not c & _DETACHED)]
 
 
 class Entry:
     """One chunk: its place in the chain, and its residency in each tier."""
 
-    __slots__ = ("blocks", "dead", "detached", "gen", "key", "num_tokens", "parent", "pending",
-                 "pins", "raw_bytes", "stored", "tokens")
+    __slots__ = ("_gen", "_mem", "_stored", "key", "kids", "num_tokens", "parent", "pins",
+                 "raw_bytes", "tokens")
 
     _generations = itertools.count(1)
 
     def __init__(self, key: bytes, parent: bytes, num_tokens: int, raw_bytes: int,
-                 tokens: np.ndarray | None) -> None:
+                 tokens: np.ndarray | bytes | None) -> None:
         self.key = key
-        # A chunk deleted and put again is a new entry with a new generation: every storage
-        # operation names the generation it is for, never the bare key.
-        self.gen = next(Entry._generations)
         self.parent = parent
         self.num_tokens = num_tokens
-        self.raw_bytes = raw_bytes
-        # The chunk's own token ids, when known: lets a lookup match a *prefix* of the chunk.
-        self.tokens = tokens
-        self.blocks: dict[int, Slot] = {}   # memory tier index -> slot holding the KV
-        self.stored: dict[int, int] = {}    # storage tier index -> stored object bytes
-        self.pending: set[int] = set()      # storage tiers with a write in flight
-        self.detached: list[tuple[int, Slot]] = []  # blocks dropped while pinned
+        self.raw_bytes = _SIZES.setdefault(raw_bytes, raw_bytes)
+        # The chunk's own token ids (int32 bytes), when known: lets a lookup match a *prefix*
+        # of the chunk. Bytes, not an array: 33 bytes of header instead of about 130.
+        self.tokens = tokens.tobytes() if isinstance(tokens, np.ndarray) else tokens
+        self._mem: _Packed = None      # memory tiers: slot index per tier (and detached slots)
+        self._stored: _Packed = None   # storage tiers: object bytes per tier (and pending writes)
         self.pins = 0
-        self.dead = False
+        # The generation, drawn on first use; negative once the entry is dead.
+        self._gen = 0
+        # This chunk's children, kept by the directory: the only one, or an index of them.
+        self.kids: Entry | Siblings[Entry] | None = None
+
+    @property
+    def gen(self) -> int:
+        """A chunk deleted and put again is a new entry with a new generation: every storage
+        operation names the generation it is for, never the bare key. Drawn on first use (a
+        chunk that never reaches storage never needs one)."""
+        if not self._gen:
+            self._gen = next(Entry._generations)
+        return abs(self._gen)
+
+    @property
+    def dead(self) -> bool:
+        """Deleted: never served again; its memory is freed by the last reader's unpin."""
+        return self._gen < 0
+
+    @dead.setter
+    def dead(self, value: bool) -> None:
+        if value != (self._gen < 0):
+            self._gen = -self.gen if value else self.gen
+
+    # -- memory tiers ----------------------------------------------------------------------
+
+    def slot_index(self, idx: int) -> int | None:
+        """The slot holding this chunk in memory tier ``idx``, or None."""
+        return _find(self._mem, idx)
+
+    def set_slot(self, idx: int, index: int) -> None:
+        self._mem = _with(self._mem, idx, index)
+
+    def pop_slot(self, idx: int) -> int | None:
+        index = _find(self._mem, idx)
+        if index is not None:
+            self._mem = _without(self._mem, idx)
+        return index
+
+    def slots(self) -> list[tuple[int, int]]:
+        """``(memory tier index, slot index)`` for every memory tier holding this chunk."""
+        return _pairs(self._mem, 0)
+
+    def detach_slot(self, idx: int, index: int) -> None:
+        """Keep slot ``index`` of tier ``idx`` until :meth:`take_detached` (the last unpin)."""
+        self._mem = _plus(self._mem, index << _TIER_BITS | idx | _DETACHED)
+
+    def take_detached(self) -> list[tuple[int, int]]:
+        """The ``(tier, slot)`` pairs detached so far, forgotten here."""
+        out = _pairs(self._mem, _DETACHED)
+        if out:
+            codes = (self._mem,) if isinstance(self._mem, int) else self._mem or ()
+            rest = tuple(c for c in codes if not c & _DETACHED)
+            self._mem = rest[0] if len(rest) == 1 else rest or None
+        return out
+
+    @property
+    def in_memory(self) -> bool:
+        return bool(self.slots()) if isinstance(self._mem, tuple) else (
+            self._mem is not None and not self._mem & _DETACHED)
+
+    @property
+    def blocks(self) -> dict[int, int]:
+        """A snapshot, memory tier index -> slot index (for inspection)."""
+        return dict(self.slots())
+
+    # -- storage tiers ---------------------------------------------------------------------
+
+    def stored_size(self, idx: int) -> int | None:
+        """The bytes of this chunk's object in storage tier ``idx``, or None."""
+        return _find(self._stored, idx)
+
+    def set_stored(self, idx: int, size: int) -> None:
+        self._stored = _with(self._stored, idx, size)
+
+    def pop_stored(self, idx: int) -> int | None:
+        size = _find(self._stored, idx)
+        if size is not None:
+            self._stored = _without(self._stored, idx)
+        return size
+
+    @property
+    def stored(self) -> dict[int, int]:
+        """A snapshot, storage tier index -> stored object bytes."""
+        return dict(_pairs(self._stored, 0))
+
+    def is_pending(self, idx: int) -> bool:
+        return _find(self._stored, idx | _PENDING) is not None
+
+    def set_pending(self, idx: int, pending: bool) -> None:
+        """A write of this chunk to storage tier ``idx`` is (or is no longer) in flight."""
+        self._stored = _without(self._stored, idx | _PENDING)
+        if pending:
+            self._stored = _plus(self._stored, idx | _PENDING)
+
+    @property
+    def pending(self) -> int:
+        """Bit i: a write to storage tier i is in flight."""
+        return sum(1 << i for i, _ in _pairs(self._stored, _PENDING))
 
     @property
     def resident(self) -> bool:
-        return bool(self.blocks or self.stored or self.pending)
+        return self.in_memory or self._stored is not None
 
     def __repr__(self) -> str:
-        return (f"Entry({self.key.hex()[:8]}, n={self.num_tokens}, blocks={sorted(self.blocks)}, "
-                f"stored={sorted(self.stored)}, pending={sorted(self.pending)}, pins={self.pins})")
+        return (f"Entry({self.key.hex()[:8]}, n={self.num_tokens}, blocks={self.blocks}, "
+                f"stored={self.stored}, pending={self.pending:b}, pins={self.pins})")
 
 
 class Match(NamedTuple):
@@ -71,33 +219,103 @@ class Directory:
     def __init__(self, chain: KeyChain) -> None:
         self.chain = chain
         self.entries: dict[bytes, Entry] = {}
-        self.children: dict[bytes, set[bytes]] = {}
+        # The children of a parent are kept on the parent's entry (``Entry.kids``): a chain
+        # of chunks needs no dict entry per link. Here only those of parents without an
+        # entry: the chain's seed, and the parents of orphans (learned before, or kept
+        # after, their parent). Either way: the only child, or an index of the children
+        # (see ``_children``).
+        self.children: dict[bytes, Entry | Siblings[Entry]] = {}
 
     def __len__(self) -> int:
         return len(self.entries)
 
     def get(self, key: bytes) -> Entry | None:
         e = self.entries.get(key)
-        return None if e is None or e.dead else e
+        return None if e is None or e._gen < 0 else e  # not dead (the property, inlined)
+
+    def _kids(self, parent: bytes) -> Entry | Siblings[Entry] | None:
+        p = self.entries.get(parent)
+        return p.kids if p is not None else self.children.get(parent)
+
+    def _set_kids(self, parent: bytes, kids: Entry | Siblings[Entry] | None) -> None:
+        p = self.entries.get(parent)
+        if p is not None:
+            p.kids = kids
+        elif kids is not None:
+            self.children[parent] = kids
+        else:
+            self.children.pop(parent, None)
 
     def add(self, e: Entry) -> None:
+        old = self.entries.get(e.key)
+        if old is e:
+            return
+        if old is not None:
+            self._unlink(old)
+            e.kids, old.kids = old.kids, None
+        else:
+            e.kids = self.children.pop(e.key, None)  # orphans waiting for this parent
         self.entries[e.key] = e
-        self.children.setdefault(e.parent, set()).add(e.key)
+        have = self._kids(e.parent)
+        if have is None:
+            self._set_kids(e.parent, e)
+        elif isinstance(have, Siblings):
+            have.add(e)
+        else:
+            sib: Siblings[Entry] = Siblings()
+            sib.add(have)
+            sib.add(e)
+            self._set_kids(e.parent, sib)
 
     def remove(self, e: Entry) -> None:
         if self.entries.get(e.key) is e:
+            self._unlink(e)
             del self.entries[e.key]
-            kids = self.children.get(e.parent)
-            if kids is not None:
-                kids.discard(e.key)
-                if not kids:
-                    del self.children[e.parent]
+            if e.kids is not None:  # they stay findable by their parent key
+                self.children[e.key] = e.kids
+                e.kids = None
+
+    def _unlink(self, e: Entry) -> None:
+        have = self._kids(e.parent)
+        if have is e:
+            self._set_kids(e.parent, None)
+        elif isinstance(have, Siblings) and have.discard(e) and len(have) == 1:
+            self._set_kids(e.parent, have.only())
+
+    def _learn_tokens(self, e: Entry, tokens: bytes) -> None:
+        """Give a chunk learned from a listing its token ids (the key proved them)."""
+        have = self._kids(e.parent)
+        if isinstance(have, Siblings) and have.discard(e):
+            e.tokens = tokens
+            have.add(e)
+        else:
+            e.tokens = tokens
 
     def child_entries(self, key: bytes) -> Iterator[Entry]:
-        for ck in self.children.get(key, ()):
-            c = self.entries.get(ck)
-            if c is not None:
-                yield c
+        have = self._kids(key)
+        if have is None:
+            return iter(())
+        if isinstance(have, Siblings):
+            return iter(have)
+        return iter((have,))
+
+    def child_list(self, key: bytes) -> list[Entry]:
+        """The children of ``key``, as a list (safe to hold while the directory changes)."""
+        have = self._kids(key)
+        if have is None:
+            return []
+        return have.snapshot() if isinstance(have, Siblings) else [have]
+
+    def children_along(self, parent: bytes, want: bytes) -> list[Entry]:
+        """The children of ``parent`` whose token ids (int32 bytes) are a prefix of ``want``
+        or start with it; children without token ids are not among them."""
+        have = self._kids(parent)
+        if have is None:
+            return []
+        if isinstance(have, Siblings):
+            return have.along(want)
+        t = have.tokens
+        return [have] if t is not None and (want.startswith(t) or t.startswith(want)) else []
 
     def descendants(self, e: Entry) -> list[Entry]:
         return self.subtree([e.key])
@@ -140,9 +358,9 @@ class Directory:
             h.update(view[start * 4 : end * 4])
             key = h.digest()
             e = entries.get(key)
-            if e is not None and not e.dead:
-                if e.tokens is None:
-                    e.tokens = tokens[start:end].copy()  # the key proves these are its tokens
+            if e is not None and e._gen >= 0:  # not dead
+                if e.tokens is None:  # the key proves these are its tokens
+                    self._learn_tokens(e, view[start * 4 : end * 4].tobytes())
                 out.append(Match(start, end - start, e))
                 parent = key
                 continue
@@ -154,27 +372,35 @@ class Directory:
 
     def _best_prefix_child(self, parent: bytes, tokens: np.ndarray, start: int,
                            end: int) -> Match | None:
-        want = tokens[start:end]
+        """The child of ``parent`` whose token ids share the longest prefix with
+        ``tokens[start:end]``, found through the index of ``parent``'s children (no scan)."""
+        have = self._kids(parent)
+        if have is None:
+            return None
+        want = tokens[start:end].tobytes()
         best: Entry | None = None
         best_len = 0
-        for c in self.child_entries(parent):
-            if c.dead:
-                continue
-            if c.tokens is not None:
-                k = min(len(c.tokens), len(want))
-                if k <= best_len:
+        if isinstance(have, Siblings):
+            best, best_len = have.longest(want)
+            for n in have.tokenless_lengths():
+                if n <= best_len:
+                    break
+                if n * 4 > len(want):
                     continue
-                diff = np.flatnonzero(c.tokens[:k] != want[:k])
-                m = int(diff[0]) if diff.size else k
-            else:
                 # A chunk learned from a storage listing: only its whole token run can be
                 # checked, by hashing the prompt's tokens of that length.
-                m = c.num_tokens
-                if m > len(want) or m <= best_len:
-                    continue
-                if KeyChain.child(parent, want[:m].tobytes()) != c.key:
-                    continue
-                c.tokens = want[:m].copy()
-            if m > best_len:
-                best, best_len = c, m
-        return Match(start, best_len, best) if best is not None else None
+                c = have.tokenless(n, KeyChain.child(parent, want[: n * 4]))
+                if c is not None and not c.dead:
+                    self._learn_tokens(c, want[: n * 4])
+                    best, best_len = c, n
+        elif not have.dead:
+            if have.tokens is not None:
+                best_len = common_tokens(have.tokens, want)
+            elif have.num_tokens * 4 <= len(want) and \
+                    KeyChain.child(parent, want[: have.num_tokens * 4]) == have.key:
+                best_len = have.num_tokens
+                self._learn_tokens(have, want[: best_len * 4])
+            best = have
+        if best is None or best_len == 0:
+            return None
+        return Match(start, best_len, best)

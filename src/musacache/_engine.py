@@ -14,9 +14,9 @@ import anyio
 import numpy as np
 import torch
 
-from . import _validate, devices, transfer
+from . import _removal, _validate, devices, transfer
 from ._config import CacheConfig, DeviceTier, HostTier
-from ._core import DenseSource, Engine, PagedSource
+from ._core import BATCH, DenseSource, Engine, PagedSource
 from ._directory import Match
 from ._errors import CacheClosedError, ConfigError, DeviceError, InvalidInputError, ShapeError
 from ._keys import Fingerprint, KeyChain, as_tokens
@@ -44,6 +44,12 @@ class Hit:
 
     def __bool__(self) -> bool:
         return self.num_tokens > 0
+
+
+def _part(t: torch.Tensor, dim: int, start: int, n: int) -> torch.Tensor:
+    """``t.narrow(dim, start, n)``, or ``t`` itself when that is all of it (a torch view
+    costs a microsecond: the small-op floor of a one-chunk get counts them)."""
+    return t if start == 0 and t.shape[dim] == n else t.narrow(dim, start, n)
 
 
 class Cache:
@@ -122,7 +128,7 @@ class Cache:
             for st in eng.stores:
                 metas = await st.store.start(ctx)
                 started.append(st.store)
-                eng.cold.learn(st, metas)
+                await eng.cold.learn_all(st, list(metas), BATCH)
             for mt in eng.mem:
                 if mt.prealloc_bytes:
                     await mt.pool.prealloc(mt.prealloc_bytes)
@@ -240,14 +246,15 @@ class Cache:
                 eng.pin(m.entry)
             try:
                 found = await eng.sources(matches)
-                await eng.mover.copy([(dst.narrow(td, m.start, m.num_tokens),
-                                       src.narrow(td, 0, m.num_tokens)) for m, src, _ in found])
+                await eng.mover.copy([(_part(dst, td, m.start, m.num_tokens),
+                                       _part(src, td, 0, m.num_tokens))
+                                      for m, src, _ in found])
                 eng.touch([m.entry for m, _, _ in found])
             finally:
                 for m in matches:
                     eng.unpin(m.entry)
             by_tier: dict[str, int] = {}
-            names = {t.name: t for t in eng.tiers}
+            names = eng.tier_by_name
             for m, _src, name in found:
                 by_tier[name] = by_tier.get(name, 0) + m.num_tokens
                 names[name].c["bytes_out"] += self.spec.nbytes(m.num_tokens)
@@ -255,7 +262,7 @@ class Cache:
             if served < total:
                 eng.tok["hit_tokens"] -= total - served
                 eng.tok["miss_tokens"] += total - served
-            return Hit(served, dst.narrow(td, 0, served), by_tier)
+            return Hit(served, _part(dst, td, 0, served), by_tier)
         finally:
             eng.inflight["gets"] -= 1
 
@@ -462,12 +469,12 @@ class Cache:
         eng = self._check_open()
         toks = as_tokens(tokens)
         self._ops["deletes"] += 1
-        return eng.delete(toks)
+        return await _removal.delete(eng, toks, BATCH)
 
     async def clear(self) -> None:
         """Forget every chunk in every tier (storage objects of this fingerprint included)."""
         eng = self._check_open()
-        eng.remove(list(eng.dir.entries.values()))
+        await _removal.clear(eng, BATCH)
 
     async def flush(self) -> None:
         """Wait until every background write and delete (write-behind, write-through) has
@@ -485,7 +492,7 @@ class Cache:
             "device": str(self._device),
             "state": self._state,
             "chunks": len(eng.dir) if eng else 0,
-            "pins": sum(e.pins for e in eng.dir.entries.values()) if eng else 0,
+            "pins": eng.pins_held if eng else 0,
             "tiers": {t.name: t.stats() for t in eng.tiers} if eng else {},
             "ops": dict(self._ops),
             "in_flight": {**(eng.inflight if eng else {}), "background": self._tasks.running},

@@ -83,6 +83,15 @@ class Mover:
         """``dst.copy_(src)`` for every pair, as one move."""
         if not pairs:
             return
+        if len(pairs) == 1:
+            # The small-op floor (one chunk of a tiny spec): a host copy below the inline size
+            # is done here, without building a plan for it.
+            d, s = pairs[0]
+            if accelerator_of(pairs[0]) is None \
+                    and d.numel() * d.element_size() < self.inline_bytes:
+                self.moves += 1
+                d.copy_(s)
+                return
         device = accelerator_of([t for p in pairs for t in p])
         total = sum(d.numel() * d.element_size() for d, _ in pairs)
         if device is not None:

@@ -6,7 +6,7 @@ and the bookkeeping that records it happen in one step on the event loop.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -14,30 +14,47 @@ from ._directory import Directory, Entry
 from ._keys import KeyChain
 from ._tierstate import MemTier, StoreTier, Tier
 
-__all__ = ["delete_set", "persist_order", "reserve_slot", "victims"]
+__all__ = ["delete_roots", "persist_order", "reserve_slot", "subtree_batches", "victims"]
 
 
 def victims(t: Tier, directory: Directory, count: int) -> list[Entry]:
     """Up to ``count`` chunks to evict from ``t``: least recently used first, leaves first
     (a chunk whose child is still held here goes after that child), never a pinned one nor
-    one whose write to ``t`` is still queued."""
+    one whose write to ``t`` is still queued.
+
+    Amortised O(1) per victim. Recency already puts a prompt's parents after its children (a
+    touch moves the chain leaf first, root last), so the oldest entry is nearly always a
+    leaf. One that is not (a prefix some later put extended) is moved to the newest end
+    when it is passed over, so the next eviction does not walk past it again; and when a
+    victim's parent was passed over earlier in this walk, the parent follows it at once (a
+    chain is evicted leaf to root in one walk).
+    """
     out: list[Entry] = []
     chosen: set[bytes] = set()
-    progress = True
-    while progress and len(out) < count:
-        # Several passes: a parent becomes a leaf once its children here are chosen.
-        progress = False
-        for key, e in t.lru.items():
-            if len(out) >= count:
-                break
-            if key in chosen or e.pins or (isinstance(t, StoreTier)
-                                           and t.pending_obj(e) is not None):
-                continue
-            if any(t.holds(c) and c.key not in chosen for c in directory.child_entries(key)):
-                continue  # a suffix is worthless without its prefix
-            out.append(e)
-            chosen.add(key)
-            progress = True
+    passed: dict[bytes, Entry] = {}  # skipped because a child was still held here
+
+    def held_child(key: bytes) -> bool:
+        return any(t.holds(c) and c.key not in chosen for c in directory.child_entries(key))
+
+    for key, e in t.lru.items():
+        if len(out) >= count:
+            break
+        if key in chosen or e.pins or (isinstance(t, StoreTier)
+                                       and t.pending_obj(e) is not None):
+            continue  # pinned by a reader, or its write to this tier is still queued
+        if held_child(key):
+            passed[key] = e  # a suffix is worthless without its prefix
+            continue
+        out.append(e)
+        chosen.add(key)
+        parent = passed.get(e.parent)
+        while parent is not None and len(out) < count and not held_child(parent.key):
+            del passed[parent.key]
+            out.append(parent)
+            chosen.add(parent.key)
+            parent = passed.get(parent.parent)
+    for e in passed.values():
+        t.touch(e)
     return out
 
 
@@ -68,16 +85,16 @@ def persist_order(entries: Iterable[Entry], directory: Directory) -> list[Entry]
     return sorted(entries, key=depth_of)
 
 
-def delete_set(directory: Directory, chain: KeyChain, toks: np.ndarray,
-               ) -> tuple[list[Entry], list[bytes]]:
-    """What ``delete(toks)`` removes: every chunk of the prompt and every chunk that extends
-    them, and the prompt's chain keys (to delete in storage even where unknown here).
+def delete_roots(directory: Directory, chain: KeyChain, toks: np.ndarray,
+                 ) -> tuple[list[bytes], list[bytes]]:
+    """The roots of what ``delete(toks)`` removes, and the prompt's chain keys.
 
     The prompt's chunks are those keyed on its chain, plus, at the first position the chain
     is not cached whole, the chunks after the same prefix whose tokens are a prefix of the
     prompt's there or extend them (a cached partial tail, or a longer chunk that starts with
-    the prompt's tail). Every chunk under any of these, to any depth, goes too: the prompt's
-    first chunk is the root of everything deleted, so nothing built on it stays reachable.
+    the prompt's tail). Every chunk under a root or a chain key, to any depth, goes too
+    (:func:`subtree_batches`): the prompt's first chunk is the root of everything deleted,
+    so nothing built on it stays reachable.
     """
     keys = [key for _s, _e, _p, key in chain.iter_keys(toks)]
     roots: list[bytes] = []
@@ -85,21 +102,47 @@ def delete_set(directory: Directory, chain: KeyChain, toks: np.ndarray,
         if directory.get(key) is not None:
             roots.append(key)
             continue
-        want = toks[start:end]
-        for c in directory.child_entries(parent):
-            have = c.tokens
-            if have is None:
-                continue
-            k = min(len(have), len(want))
-            if np.array_equal(have[:k], want[:k]):
-                roots.append(c.key)
+        roots.extend(c.key for c in directory.children_along(parent,
+                                                             toks[start:end].tobytes()))
     # Orphans keyed on the chain (their parent was lost) are the prompt's chunks too.
     roots.extend(key for key in keys if directory.get(key) is not None and key not in roots)
-    doomed: dict[bytes, Entry] = {}
-    for root in roots:
-        found = directory.get(root)
-        if found is not None:
-            doomed[root] = found
-    for e in directory.subtree(roots + keys):
-        doomed.setdefault(e.key, e)
-    return list(doomed.values()), keys
+    return roots, keys
+
+
+def subtree_batches(directory: Directory, roots: list[bytes],
+                    batch: int) -> Iterator[list[Entry]]:
+    """Every entry under ``roots`` (by parent links, to any depth), ``batch`` at a time.
+
+    The caller removes each batch before asking for the next, and may let other tasks run
+    in between: a removed entry's children stay findable by its key. A batch is cut after
+    ``batch`` steps of work (an entry found, or a key looked at), so it may be short, or empty:
+    looking at a million leaves for children is work too."""
+    # Every entry has one parent, so below the roots this is a tree: only the roots (which
+    # may extend one another) can be met twice. No set of every key walked is kept (freeing
+    # a million of them at the end would be a stall of its own).
+    queued: set[bytes] = set(roots)
+    stack = list(queued)
+    out: list[Entry] = []
+    steps = 0
+    while stack:
+        cur = stack.pop()
+        steps += 1
+        kids = directory.child_list(cur)
+        kids.reverse()
+        while kids:
+            # Popped, not iterated: once removed, an entry's last reference is the batch it
+            # went out in, so it is freed with that batch, not all at once with this list.
+            c = kids.pop()
+            steps += 1
+            if c.key in queued:
+                continue
+            out.append(c)
+            stack.append(c.key)
+            if steps >= batch:
+                yield out
+                out, steps = [], 0
+        if steps >= batch:
+            yield out
+            out, steps = [], 0
+    if out:
+        yield out

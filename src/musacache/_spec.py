@@ -89,7 +89,7 @@ class KVSpec:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize  # an attribute: no 0-d tensor per call
 
     @property
     def row_elems(self) -> int:

@@ -18,6 +18,7 @@ from . import devices
 from ._config import DeviceTier, HostTier
 from ._directory import Entry
 from ._errors import ConfigError
+from ._lru import SlotLRU
 from .tiers.base import ChunkMeta, StorageTier
 from .tiers.memory import MemoryPool, Slot
 
@@ -57,12 +58,17 @@ class MemTier:
         self.prealloc_bytes = prealloc
         self.growing: set[int] = set()  # segments being allocated ahead of need
         self.capacity_bytes = int(cfg.capacity_bytes)
-        self.lru: OrderedDict[bytes, Entry] = OrderedDict()
+        self.lru = SlotLRU()
         self.c = counters("hits", "misses", "bytes_in", "bytes_out", "evictions", "promotions",
                           "demotions", "drops")
 
     def holds(self, e: Entry) -> bool:
-        return self.idx in e.blocks
+        return e.slot_index(self.idx) is not None
+
+    def touch(self, e: Entry) -> None:
+        index = e.slot_index(self.idx)
+        if index is not None:
+            self.lru.touch(index)
 
     async def grow(self, seg: int) -> None:
         """Allocate segment ``seg`` ahead of need (a background task)."""
@@ -73,16 +79,16 @@ class MemTier:
 
     def commit(self, e: Entry, slot: Slot) -> None:
         """``e``'s bytes are in ``slot``: from now on this tier serves it."""
-        e.blocks[self.idx] = slot
-        self.lru[e.key] = e
+        e.set_slot(self.idx, slot.index)
+        self.lru.add(slot.index, e)
         self.c["bytes_in"] += e.raw_bytes
 
     def detach(self, e: Entry) -> None:
         """Forget ``e`` here. Its slot is freed now, or by the last reader's unpin."""
-        slot = e.blocks.pop(self.idx, None)
-        self.lru.pop(e.key, None)
-        if slot is not None:
-            e.detached.append((self.idx, slot))
+        index = e.pop_slot(self.idx)
+        if index is not None:
+            self.lru.remove(index, e)
+            e.detach_slot(self.idx, index)
 
     def stats(self) -> dict[str, Any]:
         return {"kind": "device" if self.device.type != "cpu" or self.name == "device" else "host",
@@ -128,14 +134,18 @@ class StoreTier:
                           "deletes")
 
     def holds(self, e: Entry) -> bool:
-        return self.idx in e.stored or self.idx in e.pending
+        return e.stored_size(self.idx) is not None or e.is_pending(self.idx)
+
+    def touch(self, e: Entry) -> None:
+        if e.key in self.lru:
+            self.lru.move_to_end(e.key)
 
     def pending_obj(self, e: Entry) -> bytes | None:
         got = self.pending.get((e.key, e.gen))
         return got[0] if got is not None else None
 
     def meta(self, e: Entry) -> ChunkMeta:
-        return ChunkMeta(e.key, e.parent, e.num_tokens, e.raw_bytes, e.stored.get(self.idx, 0))
+        return ChunkMeta(e.key, e.parent, e.num_tokens, e.raw_bytes, e.stored_size(self.idx) or 0)
 
     # -- per-key ordering ---------------------------------------------------------------------
 
@@ -200,23 +210,23 @@ class StoreTier:
         self.used += len(obj)
         self.pending[(e.key, e.gen)] = (obj, time.monotonic())
         self.pending_bytes += len(obj)
-        e.pending.add(self.idx)
+        e.set_pending(self.idx, True)
 
     def dequeue(self, e: Entry, obj: bytes) -> None:
         self.pending.pop((e.key, e.gen), None)
         self.pending_bytes -= len(obj)
-        e.pending.discard(self.idx)
+        e.set_pending(self.idx, False)
         self.drained.set()
 
     def commit_stored(self, e: Entry, size: int, coldest: bool = True) -> None:
-        e.stored[self.idx] = size
+        e.set_stored(self.idx, size)
         self.lru[e.key] = e
         if coldest:
             self.lru.move_to_end(e.key, last=False)  # demoted data is the coldest here
 
     def drop(self, e: Entry) -> bool:
         """Forget ``e``'s object here (the caller deletes it). True if it was stored."""
-        size = e.stored.pop(self.idx, None)
+        size = e.pop_stored(self.idx)
         if size is None:
             return False
         self.used -= size

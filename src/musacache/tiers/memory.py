@@ -15,8 +15,6 @@ keeps the pool free of fragmentation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import anyio
 import torch
 
@@ -25,19 +23,27 @@ from .. import devices
 __all__ = ["MemoryPool", "Slot"]
 
 
-@dataclass(eq=False)
 class Slot:
-    """One slot: ``index`` in the pool, and its bytes as a uint8 tensor."""
+    """One slot: ``index`` in its pool. Holds no tensor: a view of its bytes is made when
+    asked for, so a million cached chunks are not a million torch views (about 600 bytes
+    each)."""
 
-    index: int
-    buf: torch.Tensor
+    __slots__ = ("index", "pool")
+
+    def __init__(self, index: int, pool: MemoryPool) -> None:
+        self.index = index
+        self.pool = pool
+
+    @property
+    def buf(self) -> torch.Tensor:
+        """The slot's bytes, as a uint8 tensor."""
+        return self.pool.slot_bytes_view(self.index, self.pool.slot_bytes)
 
     def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        n = 1
-        for s in shape:
-            n *= s
-        nbytes = n * torch.empty((), dtype=dtype).element_size()
-        return self.buf[:nbytes].view(dtype).view(shape)
+        return self.pool.view(self.index, dtype, shape)
+
+    def __repr__(self) -> str:
+        return f"Slot({self.index})"
 
 
 class MemoryPool:
@@ -52,6 +58,7 @@ class MemoryPool:
         self.max_slots = capacity_bytes // slot_bytes if slot_bytes else 0
         self.slots_per_segment = max(1, segment_bytes // slot_bytes) if slot_bytes else 1
         self._segments: dict[int, torch.Tensor] = {}
+        self._typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self._free: list[int] = []
         self._next = 0  # slots [0, _next) have been handed out at least once
         self._in_use = 0
@@ -95,12 +102,29 @@ class MemoryPool:
 
     async def materialize(self, index: int) -> Slot:
         """The memory of a reserved slot, allocating its segment on first use."""
+        seg_no = index // self.slots_per_segment
+        if seg_no not in self._segments:
+            await self.ensure_segment(seg_no)
+        return Slot(index, self)
+
+    def view(self, index: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """Slot ``index`` (materialized) as a ``dtype`` tensor of ``shape``."""
+        n = 1
+        for s in shape:
+            n *= s
         seg_no, off = divmod(index, self.slots_per_segment)
-        seg = self._segments.get(seg_no)
-        if seg is None:
-            seg = await self.ensure_segment(seg_no)
+        typed = self._typed.get((seg_no, dtype))
+        if typed is None:  # each segment is viewed as each dtype once, not once per slot
+            typed = self._segments[seg_no].view(dtype)
+            self._typed[(seg_no, dtype)] = typed
+        start = off * self.slot_bytes // dtype.itemsize  # an attribute: no 0-d tensor
+        return typed[start : start + n].view(shape)
+
+    def slot_bytes_view(self, index: int, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` of slot ``index`` (materialized) as a uint8 tensor."""
+        seg_no, off = divmod(index, self.slots_per_segment)
         start = off * self.slot_bytes
-        return Slot(index, seg[start : start + self.slot_bytes])
+        return self._segments[seg_no][start : start + nbytes]
 
     async def ensure_segment(self, seg_no: int) -> torch.Tensor:
         async with self._grow_lock:
@@ -146,6 +170,7 @@ class MemoryPool:
     def clear_memory(self) -> None:
         """Drop every segment (after aclose); the pool can still grow again."""
         self._segments.clear()
+        self._typed.clear()
         self._free.clear()
         self._next = 0
         self._in_use = 0

@@ -1,0 +1,690 @@
+"""``musacache bench scale``: the control plane at scale (issue 12), every goal in one run.
+
+Each goal is printed as measured and as a ratio to its baseline, taken in the same run:
+
+* lookup miss with many siblings vs the same miss with few;
+* an evicting put vs the same put with room;
+* the largest event-loop gap during put, lookup, eviction, delete, clear and a restart from
+  a large listing (directory work only: a tiny spec, so no byte copy hides it);
+* small ops: a one-chunk get and lookup with a tiny spec, 1000 concurrent gets vs sequential;
+* paged store vs a bare native gather of the same pages;
+* a warm disk get vs a raw read of the same encoded bytes;
+* directory memory per entry.
+
+The curves (lookup hit and miss, put, get, memory) are tables over the directory size, 1k to
+1M entries by default; ``--plot FILE`` draws them (needs matplotlib). Sizes fit in 24 GiB: the
+tiny spec keeps a million chunks at 512 MiB of KV.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._config import CacheConfig, HostTier
+from .._engine import Cache
+from .._keys import Fingerprint, KeyChain
+from .._spec import KVSpec
+from ..tiers.base import ChunkMeta, StorageTier, TierContext
+
+CH = 16                                          # tokens per chunk for the control-plane runs
+TINY = KVSpec(1, 1, 8, torch.float16)            # 512 B per chunk: bookkeeping dominates
+VOCAB = 128000
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _tiny_cache(chunks: int, **kw: Any) -> Cache:
+    return Cache(CacheConfig(TINY, "bench-scale", chunk_size=CH,
+                             tiers=(HostTier(capacity_bytes=TINY.nbytes(CH) * chunks),), **kw))
+
+
+class _Gaps:
+    """The loop's largest gap while it runs (a heartbeat every millisecond), and the longest
+    pause of Python's cyclic garbage collector meanwhile (a full collection walks every
+    tracked object of the process: with a million entries, that alone is a long gap)."""
+
+    def __init__(self) -> None:
+        self.max = 0.0
+        self.gc_max = 0.0
+        self._gc_t0 = 0.0
+        self._stop = False
+        self._task: asyncio.Task[None] | None = None
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        else:
+            self.gc_max = max(self.gc_max, time.perf_counter() - self._gc_t0)
+
+    async def __aenter__(self) -> _Gaps:
+        gc.callbacks.append(self._on_gc)
+        async def beat() -> None:
+            last = time.perf_counter()
+            while not self._stop:
+                await asyncio.sleep(0.001)
+                now = time.perf_counter()
+                self.max = max(self.max, now - last)
+                last = now
+
+        self._task = asyncio.create_task(beat())
+        await asyncio.sleep(0.005)
+        self.max = self.gc_max = 0.0
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.sleep(0.002)
+        self._stop = True
+        if self._task is not None:
+            await self._task
+        gc.callbacks.remove(self._on_gc)
+
+
+async def _timed(fn: Callable[[], Awaitable[Any]], repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        await fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _stats(xs: list[float]) -> dict[str, float]:
+    return {"min": min(xs), "median": statistics.median(xs)}
+
+
+def _prompts(rng: np.random.Generator, count: int, chunks: int) -> np.ndarray:
+    return rng.integers(0, VOCAB, (count, chunks * CH)).astype(np.int32)
+
+
+# -- the curves: 1k to 1M cached chunks ------------------------------------------------------
+
+async def curve(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
+    """At each directory size: lookup hit and miss, one-chunk put and get, memory/entry."""
+    rng = np.random.default_rng(1)
+    return [await _curve_at(n, rng, repeats) for n in sizes]
+
+
+async def _curve_at(n: int, rng: np.random.Generator, repeats: int) -> dict[str, Any]:
+    per_prompt = 64
+    inner = 50
+    gc.collect()
+    r0 = _rss()
+    async with _tiny_cache(n + 4 * per_prompt) as c:
+        kv = torch.zeros(TINY.shape(per_prompt * CH), dtype=TINY.dtype)
+        t0 = time.perf_counter()
+        kept = None
+        for _ in range(max(1, n // per_prompt)):
+            kept = _prompts(rng, 1, per_prompt)[0]
+            await c.put(kept, kv)
+        build_s = time.perf_counter() - t0
+        gc.collect()
+        eng = c._engine
+        entries = len(eng.dir)
+        kv_bytes = sum(t.pool.bytes_allocated for t in eng.mem)
+        mem = (_rss() - r0 - kv_bytes) / entries
+        objects, token_bytes = directory_bytes(eng)
+        if kept is None:
+            raise RuntimeError("bench: nothing was cached")
+        hit = kept[: 4 * CH]
+        miss = kept[: 4 * CH].copy()
+        miss[3 * CH + 5] += 1  # diverges inside chunk 4: three chunks and a prefix match
+        one = torch.zeros(TINY.shape(CH), dtype=TINY.dtype)
+        out = torch.empty(TINY.shape(CH), dtype=TINY.dtype)
+        fresh = iter(_prompts(rng, repeats * inner, 1))
+        first = kept[:CH]
+
+        async def put_one() -> None:
+            p = next(fresh)
+            await c.put(p, one)
+            await c.delete(p)
+
+        hits = await _timed(lambda: _loop(lambda: c.lookup(hit), inner), repeats)
+        misses = await _timed(lambda: _loop(lambda: c.lookup(miss), inner), repeats)
+        gets = await _timed(lambda: _loop(lambda: c.get(first, out=out), inner), repeats)
+        puts = await _timed(lambda: _loop(put_one, inner), repeats)
+    return {
+        "entries": entries, "build_s": build_s,
+        "lookup_hit_us": {k: v / inner * 1e6 for k, v in _stats(hits).items()},
+        "lookup_miss_us": {k: v / inner * 1e6 for k, v in _stats(misses).items()},
+        "get_us": {k: v / inner * 1e6 for k, v in _stats(gets).items()},
+        "put_delete_us": {k: v / inner * 1e6 for k, v in _stats(puts).items()},
+        "bytes_per_entry": mem,
+        "bytes_per_entry_beyond_tokens": mem - 4 * CH,
+        "object_bytes_per_entry": objects / entries,
+        "object_bytes_per_entry_beyond_tokens": (objects - token_bytes) / entries,
+    }
+
+
+def directory_bytes(eng: Any) -> tuple[int, int]:
+    """What the directory's own Python objects take (entries, keys, token headers,
+    residency, child indexes, recency lists), and the token-id bytes (data) among them."""
+    import sys
+
+    from .._children import Siblings
+
+    size = sys.getsizeof
+    total = size(eng.dir.entries) + size(eng.dir.children)
+    tokens = 0
+    seen: set[int] = set()
+    for e in eng.dir.entries.values():
+        total += size(e) + size(e.key)
+        if e.tokens is not None:
+            total += size(e.tokens)
+            tokens += len(e.tokens)
+        parent = eng.dir.entries.get(e.parent)
+        if parent is None or parent.key is not e.parent:
+            if id(e.parent) not in seen:  # a parent key object of its own
+                seen.add(id(e.parent))
+                total += size(e.parent)
+        for packed in (e._mem, e._stored):
+            if isinstance(packed, tuple):
+                total += size(packed) + sum(size(x) for x in packed)
+            elif isinstance(packed, int) and not -5 <= packed <= 256:
+                total += size(packed)
+        if e._gen > 256:
+            total += size(e._gen)
+        if isinstance(e.kids, Siblings):
+            total += size(e.kids) + size(e.kids._runs) + size(e.kids._maxes) \
+                + sum(size(r) for r in e.kids._runs) + size(e.kids._tokenless)
+    for t in eng.mem:
+        total += size(t.lru._prev) + size(t.lru._next) + size(t.lru._entry)
+    return total, tokens
+
+
+async def _loop(fn: Callable[[], Awaitable[Any]], n: int) -> None:
+    for _ in range(n):
+        await fn()
+
+
+# -- lookup miss among many siblings ------------------------------------------------------
+
+async def siblings(counts: list[int], repeats: int) -> list[dict[str, Any]]:
+    """Every conversation after one shared system prompt is a child of the same chunk; a
+    lookup of a new conversation must find the best of them (a prefix match) or none."""
+    rng = np.random.default_rng(2)
+    system = rng.integers(0, VOCAB, 4 * CH).astype(np.int32)
+    return [await _siblings_at(n, rng, system, repeats) for n in counts]
+
+
+async def _siblings_at(n: int, rng: np.random.Generator, system: np.ndarray,
+                       repeats: int) -> dict[str, Any]:
+    inner = 20
+    async with _tiny_cache(n + 8) as c:
+        kv = torch.zeros(TINY.shape(5 * CH), dtype=TINY.dtype)
+        await c.put(system, kv)
+        convs = rng.integers(0, VOCAB, (n, CH)).astype(np.int32)
+        for conv in convs:
+            await c.put(np.concatenate([system, conv]), kv)
+        # A new conversation that shares its first 5 tokens with a cached one.
+        probe = np.concatenate([system, convs[n // 2]])
+        probe[4 * CH + 5] += 1
+
+        async def miss() -> None:
+            for _ in range(inner):
+                got = await c.lookup(probe)
+            if got != 4 * CH + 5:
+                raise RuntimeError(f"bench: expected a prefix match, got {got}")
+
+        async with _Gaps() as gaps:
+            times = await _timed(miss, repeats)
+    return {"siblings": n, **{k: v / inner * 1e6 for k, v in _stats(times).items()},
+            "max_gap_ms": gaps.max * 1e3}
+
+
+# -- eviction ---------------------------------------------------------------------------
+
+async def eviction(chunk_counts: list[int], repeats: int) -> list[dict[str, Any]]:
+    """A put of ``n`` chunks into a cache full of another prompt vs into an empty one."""
+    rows = []
+    rng = np.random.default_rng(3)
+    for n in chunk_counts:
+        kv = torch.zeros(TINY.shape(n * CH), dtype=TINY.dtype)
+        a, b = _prompts(rng, 2, n)
+        result: dict[str, Any] = {"chunks": n}
+        for mode, capacity in (("room", 2 * n), ("evicting", n)):
+            async with _tiny_cache(capacity) as c:
+                times = []
+                gaps_max = 0.0
+                for _ in range(repeats):
+                    await c.put(a, kv)
+                    async with _Gaps() as gaps:
+                        t0 = time.perf_counter()
+                        stored = await c.put(b, kv)
+                        times.append(time.perf_counter() - t0)
+                    gaps_max = max(gaps_max, gaps.max)
+                    if stored != n * CH:
+                        raise RuntimeError(f"bench: put stored {stored} of {n * CH}")
+                    await c.delete(b)
+                    await c.delete(a)
+                result[mode] = {**_stats(times), "max_gap_ms": gaps_max * 1e3}
+        result["ratio_min"] = result["evicting"]["min"] / result["room"]["min"]
+        result["ratio_median"] = result["evicting"]["median"] / result["room"]["median"]
+        rows.append(result)
+    return rows
+
+
+# -- event-loop gaps from directory work ------------------------------------------------
+
+class _Listing(StorageTier):
+    """A storage tier that reports a listing at start and holds nothing else."""
+
+    name = "listing"
+
+    def __init__(self, metas: list[ChunkMeta]) -> None:
+        self.metas = metas
+
+    async def start(self, ctx: TierContext) -> list[ChunkMeta]:
+        return self.metas
+
+    async def write(self, meta: ChunkMeta, obj: bytes) -> None:
+        return None
+
+    async def read(self, meta: ChunkMeta) -> bytes | None:
+        return None
+
+    async def delete(self, key: bytes) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
+
+
+def _listing(n: int, per_prompt: int) -> list[ChunkMeta]:
+    chain = KeyChain(Fingerprint("bench-scale", TINY, CH))
+    toks = np.random.default_rng(4).integers(0, VOCAB, (n, CH)).astype("<i4")
+    size = TINY.nbytes(CH)
+    metas = []
+    parent = chain.seed
+    for i in range(n):
+        if i % per_prompt == 0:
+            parent = chain.seed
+        key = KeyChain.child(parent, toks[i].tobytes())
+        metas.append(ChunkMeta(key, parent, CH, size, size // 2, float(i)))
+        parent = key
+    return metas
+
+
+async def stalls(entries: int, siblings_n: int, listing_n: int) -> dict[str, Any]:
+    """The loop's largest gap (ms) during each kind of directory work, and the longest GC
+    pause (ms) within it."""
+    out: dict[str, _Gaps] = {}
+    async with _Gaps() as g:  # the baseline: the loop doing nothing else (OS scheduling)
+        await asyncio.sleep(0.5)
+    out["idle loop, 0.5 s (baseline)"] = g
+    rng = np.random.default_rng(5)
+    system = rng.integers(0, VOCAB, CH).astype(np.int32)
+    kv1 = torch.zeros(TINY.shape(2 * CH), dtype=TINY.dtype)
+    async with _tiny_cache(siblings_n + 8) as c:
+        await c.put(system, kv1)
+        for conv in rng.integers(0, VOCAB, (siblings_n, CH)).astype(np.int32):
+            await c.put(np.concatenate([system, conv]), kv1)
+        probe = np.concatenate([system, rng.integers(0, VOCAB, CH).astype(np.int32)])
+        async with _Gaps() as g:
+            await c.lookup(probe)
+        out["lookup miss"] = g
+        async with _Gaps() as g:
+            await c.delete(system)  # the shared prefix and every conversation after it
+        out[f"delete ({siblings_n} descendants)"] = g
+    big = 4096
+    kv = torch.zeros(TINY.shape(big * CH), dtype=TINY.dtype)
+    a, b = _prompts(rng, 2, big)
+    async with _tiny_cache(big) as c:
+        async with _Gaps() as g:
+            await c.put(a, kv)
+        out[f"put ({big} chunks)"] = g
+        async with _Gaps() as g:
+            await c.put(b, kv)  # evicts all of a
+        out[f"evicting put ({big} chunks)"] = g
+    async with _tiny_cache(entries + 64) as c:
+        kv64 = torch.zeros(TINY.shape(64 * CH), dtype=TINY.dtype)
+        for p in _prompts(rng, max(1, entries // 64), 64):
+            await c.put(p, kv64)
+        async with _Gaps() as g:
+            await c.clear()
+        out[f"clear ({entries} chunks)"] = g
+    metas = _listing(listing_n, 64)
+    cache = Cache(CacheConfig(TINY, "bench-scale", chunk_size=CH,
+                              tiers=(HostTier(capacity_bytes=TINY.nbytes(CH) * 64),
+                                     _Listing(metas))))
+    async with _Gaps() as g:
+        await cache.open()
+    out[f"restart from a {listing_n}-object listing"] = g
+    if len(cache._engine.dir) != listing_n:
+        raise RuntimeError("bench: the listing was not learned whole")
+    await cache.aclose()
+    return {k: {"gap_ms": g.max * 1e3, "gc_ms": g.gc_max * 1e3} for k, g in out.items()}
+
+
+# -- small ops ------------------------------------------------------------------------------
+
+async def small_ops(repeats: int) -> dict[str, Any]:
+    rng = np.random.default_rng(6)
+    n = 1000
+    prompts = _prompts(rng, n, 1)
+    one = torch.zeros(TINY.shape(CH), dtype=TINY.dtype)
+    async with _tiny_cache(2 * n) as c:
+        for p in prompts:
+            await c.put(p, one)
+        out = torch.empty(TINY.shape(CH), dtype=TINY.dtype)
+
+        async def gets() -> None:
+            for p in prompts:
+                await c.get(p, out=out)
+
+        async def gets_alloc() -> None:
+            for p in prompts:
+                await c.get(p)
+
+        async def lookups() -> None:
+            for p in prompts:
+                await c.lookup(p)
+
+        async def concurrent() -> None:
+            await asyncio.gather(*(c.get(p) for p in prompts))
+
+        g = _stats(await _timed(gets, repeats))
+        ga = _stats(await _timed(gets_alloc, repeats))
+        lk = _stats(await _timed(lookups, repeats))
+        cc = _stats(await _timed(concurrent, repeats))
+        t0 = time.perf_counter()
+        for _ in range(repeats * n):
+            out.copy_(one)
+        floor = (time.perf_counter() - t0) / (repeats * n)
+    us = {k: {s: v / n * 1e6 for s, v in d.items()}
+          for k, d in (("get_out", g), ("get", ga), ("lookup", lk), ("concurrent_get", cc))}
+    return {**us, "copy_only_us": floor * 1e6,
+            "concurrent_vs_sequential": us["concurrent_get"]["min"] / us["get"]["min"]}
+
+
+# -- paged store vs a bare native gather --------------------------------------------------------
+
+async def paged(tokens: int, repeats: int) -> dict[str, Any]:
+    from .. import transfer
+
+    spec = KVSpec(8, 8, 128, torch.bfloat16)
+    block = 16
+    nblocks = 2 * tokens // block
+    caches = [torch.empty((2, nblocks, block, 8, 128), dtype=spec.dtype) for _ in range(8)]
+    for t in caches:
+        t.view(torch.int16).random_()
+    gen = torch.Generator().manual_seed(7)
+    blocks = torch.randperm(nblocks, generator=gen)[: tokens // block]
+    slots = (blocks[:, None] * block + torch.arange(block)).reshape(-1).to(torch.int64)
+    dense = torch.empty(spec.shape(tokens), dtype=spec.dtype)
+    transfer.gather(caches, slots, dense, "vllm")
+    gather_s = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        await asyncio.to_thread(transfer.gather, caches, slots, dense, "vllm")
+        gather_s.append(time.perf_counter() - t0)
+    toks = np.arange(tokens, dtype=np.int32)
+    cfg = CacheConfig(spec, "bench-paged", chunk_size=256,
+                      tiers=(HostTier(capacity_bytes=spec.nbytes(tokens) + spec.nbytes(256)),))
+    store_s = []
+    async with Cache(cfg) as c:
+        await c.store(toks, caches, slots)  # warm the pool's pages
+        for _ in range(repeats):
+            await c.delete(toks)
+            t0 = time.perf_counter()
+            await c.store(toks, caches, slots)
+            store_s.append(time.perf_counter() - t0)
+        moves = c._engine.mover.moves
+    nbytes = spec.nbytes(tokens)
+    return {"tokens": tokens, "bytes": nbytes, "gather": _stats(gather_s),
+            "store": _stats(store_s), "moves": moves,
+            "ratio": min(gather_s) / min(store_s)}
+
+
+# -- disk: warm get vs a raw read ----------------------------------------------------------------
+
+async def disk(tokens: int, repeats: int) -> dict[str, Any]:
+    return {codec: await _disk(tokens, repeats, codec) for codec in ("raw", "lz4")}
+
+
+async def _disk(tokens: int, repeats: int, codec: str) -> dict[str, Any]:
+    from ..tiers.disk import DiskTier
+
+    spec = KVSpec(8, 8, 128, torch.bfloat16)
+    kv = torch.randn(spec.shape(tokens)).to(spec.dtype)
+    toks = np.arange(tokens, dtype=np.int32)
+    with tempfile.TemporaryDirectory() as path:
+        cfg = CacheConfig(spec, "bench-disk", chunk_size=256, tiers=(
+            HostTier(capacity_bytes=spec.nbytes(tokens)),
+            DiskTier(path=path, capacity_bytes=spec.nbytes(tokens) * 2, codec=codec)))
+        async with Cache(cfg) as c:
+            eng = c._engine
+            top = eng.mem[0]
+            await c.put(toks, kv)
+            out = torch.empty_like(kv)
+            get_s = []
+            for i in range(repeats + 1):
+                # Push everything down to disk (untimed): the get reads, decodes and
+                # promotes every chunk, from a warm page cache.
+                await eng.evict(top, len(top.lru))
+                await c.flush()
+                t0 = time.perf_counter()
+                hit = await c.get(toks, out=out)
+                if i:
+                    get_s.append(time.perf_counter() - t0)
+                if hit.num_tokens != tokens or hit.tiers.get("disk") != tokens:
+                    raise RuntimeError(f"bench: disk get served {hit.tiers}, not {tokens} "
+                                       "tokens from disk")
+
+        def listing() -> list[str]:
+            return [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs
+                    if f.endswith(".kvc")]
+
+        files = await asyncio.to_thread(listing)
+
+        def read_all() -> int:
+            n = 0
+            for f in files:
+                with open(f, "rb") as fh:
+                    n += len(fh.read())
+            return n
+
+        encoded = await asyncio.to_thread(read_all)
+        raw_s = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            await asyncio.to_thread(read_all)
+            raw_s.append(time.perf_counter() - t0)
+    return {"tokens": tokens, "raw_bytes": spec.nbytes(tokens), "encoded_bytes": encoded,
+            "get": _stats(get_s), "raw_read": _stats(raw_s),
+            "ratio": min(raw_s) / min(get_s)}
+
+
+# -- report -------------------------------------------------------------------------------------
+
+def _fmt_stats(d: dict[str, float], unit: str = "") -> str:
+    return f"min {d['min']:.2f}{unit}, median {d['median']:.2f}{unit}"
+
+
+def report(res: dict[str, Any]) -> None:
+    print("musacache bench scale (issue 12): measured, and the ratio to its baseline "
+          "in this run")
+    print("(the node server's goals, lookup and get against a bare echo and put latency over "
+          "the directory size, are the server's benchmark)")
+    sib = res.get("siblings")
+    if sib:
+        lo, hi = sib[0], sib[-1]
+        print(f"\nlookup miss among siblings (goal: {hi['siblings']} within 2x of "
+              f"{lo['siblings']})")
+        print("  siblings | miss us (min) | miss us (median) | largest loop gap ms")
+        for r in sib:
+            print(f"  {r['siblings']:>8} | {r['min']:13.1f} | {r['median']:16.1f} | "
+                  f"{r['max_gap_ms']:.1f}")
+        print(f"  ratio {hi['siblings']} vs {lo['siblings']}: "
+              f"{hi['min'] / lo['min']:.2f} (min), {hi['median'] / lo['median']:.2f} (median)")
+    ev = res.get("eviction")
+    if ev:
+        print("\nevicting put vs the same put with room (goal <= 1.3 at 1024 chunks)")
+        print("  chunks | room ms (min) | evicting ms (min) | ratio min | ratio median")
+        for r in ev:
+            print(f"  {r['chunks']:>6} | {r['room']['min'] * 1e3:13.2f} | "
+                  f"{r['evicting']['min'] * 1e3:17.2f} | {r['ratio_min']:9.2f} | "
+                  f"{r['ratio_median']:.2f}")
+    st = res.get("stalls")
+    if st:
+        print("\nlargest event-loop gap during directory work (goal < 10 ms each; the longest"
+              " GC pause within it alongside)")
+        for k, v in st.items():
+            print(f"  {k:<40} {v['gap_ms']:7.2f} ms   ratio to goal {v['gap_ms'] / 10:5.2f}"
+                  f"   (GC pause {v['gc_ms']:.2f} ms)")
+    so = res.get("small_ops")
+    if so:
+        print("\nsmall ops, tiny spec, one 16-token chunk (goals: get <= 8 us, lookup <= 3 us,"
+              " concurrent <= sequential)")
+        print(f"  get(out=)          {_fmt_stats(so['get_out'], ' us')}   ratio to goal "
+              f"{so['get_out']['min'] / 8:.2f}")
+        print(f"  get()              {_fmt_stats(so['get'], ' us')}   ratio to goal "
+              f"{so['get']['min'] / 8:.2f}")
+        print(f"  lookup             {_fmt_stats(so['lookup'], ' us')}   ratio to goal "
+              f"{so['lookup']['min'] / 3:.2f}")
+        print(f"  1000 gets gathered {_fmt_stats(so['concurrent_get'], ' us/op')}   ratio to "
+              f"sequential {so['concurrent_vs_sequential']:.2f}")
+        print(f"  (a bare copy_ of the chunk: {so['copy_only_us']:.2f} us)")
+    pg = res.get("paged")
+    if pg:
+        print(f"\npaged store vs a bare native gather of the same pages ({pg['tokens']} tokens,"
+              f" {pg['bytes'] / 2**20:.0f} MiB; goal >= 0.9)")
+        print(f"  gather {_fmt_stats({k: v * 1e3 for k, v in pg['gather'].items()}, ' ms')}; "
+              f"store {_fmt_stats({k: v * 1e3 for k, v in pg['store'].items()}, ' ms')}; "
+              f"ratio {pg['ratio']:.2f}")
+    for codec, dk in (res.get("disk") or {}).items():
+        print(f"\nwarm disk get vs a raw read of the encoded bytes, codec {codec} "
+              f"({dk['tokens']} tokens, {dk['encoded_bytes'] / 2**20:.0f} MiB encoded; "
+              "goal >= 0.5)")
+        print(f"  raw read {_fmt_stats({k: v * 1e3 for k, v in dk['raw_read'].items()}, ' ms')};"
+              f" get {_fmt_stats({k: v * 1e3 for k, v in dk['get'].items()}, ' ms')}; ratio "
+              f"{dk['ratio']:.2f}")
+    cv = res.get("curve")
+    if cv:
+        print("\ncurves over the directory size (tiny spec, 16-token chunks, 64-chunk prompts)")
+        print("  (bytes/entry: the directory's objects, with and without the token ids; "
+              "RSS: the process's growth less the KV pool)")
+        print("  entries | lookup hit us | lookup miss us | get us | put+delete us | "
+              "B/entry | w/o token ids | RSS B/entry")
+        for r in cv:
+            print(f"  {r['entries']:>7} | {r['lookup_hit_us']['min']:13.1f} | "
+                  f"{r['lookup_miss_us']['min']:14.1f} | {r['get_us']['min']:6.1f} | "
+                  f"{r['put_delete_us']['min']:13.1f} | {r['object_bytes_per_entry']:7.0f} | "
+                  f"{r['object_bytes_per_entry_beyond_tokens']:13.0f} | "
+                  f"{r['bytes_per_entry']:.0f}")
+        lo, hi = cv[0], cv[-1]
+        print(f"  put+delete {hi['entries']} vs {lo['entries']}: "
+              f"{hi['put_delete_us']['min'] / lo['put_delete_us']['min']:.2f} (goal <= 1.5); "
+              f"memory at {hi['entries']}: {hi['object_bytes_per_entry']:.0f} B/entry, "
+              f"{hi['bytes_per_entry']:.0f} by RSS (ratio to the 400 B goal "
+              f"{hi['object_bytes_per_entry'] / 400:.2f}, {hi['bytes_per_entry'] / 400:.2f})")
+
+
+def plot(res: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    cv = res.get("curve") or []
+    xs = [r["entries"] for r in cv]
+    ax = axes[0]
+    for name, label in (("lookup_hit_us", "lookup hit"), ("lookup_miss_us", "lookup miss"),
+                        ("get_us", "get, one chunk"), ("put_delete_us", "put + delete")):
+        ax.plot(xs, [r[name]["min"] for r in cv], marker="o", label=label)
+    ax.set(xscale="log", yscale="log", xlabel="cached chunks", ylabel="us per op (min)",
+           title="ops vs directory size")
+    ax.legend()
+    ax = axes[1]
+    ax.plot(xs, [r["object_bytes_per_entry"] for r in cv], marker="o", label="directory objects")
+    ax.plot(xs, [r["bytes_per_entry"] for r in cv], marker="s", label="RSS growth less KV")
+    ax.axhline(400, color="r", ls="--", label="goal")
+    ax.set(xscale="log", xlabel="cached chunks", ylabel="bytes per entry beyond KV",
+           title="directory memory")
+    ax.legend()
+    ax = axes[2]
+    sib = res.get("siblings") or []
+    ax.plot([r["siblings"] for r in sib], [r["min"] for r in sib], marker="o")
+    ax.set(xscale="log", xlabel="siblings", ylabel="lookup miss us (min)",
+           title="lookup miss vs siblings")
+    ax.set_ylim(bottom=0)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _ints(s: str) -> list[int]:
+    return [int(float(x)) for x in s.split(",") if x]
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    res: dict[str, Any] = {"threads": torch.get_num_threads(), "cpus": os.cpu_count()}
+    parts = set(args.only.split(",")) if args.only else None
+
+    def want(name: str) -> bool:
+        return parts is None or name in parts
+
+    if want("siblings"):
+        res["siblings"] = await siblings(_ints(args.siblings), args.repeats)
+    if want("eviction"):
+        res["eviction"] = await eviction(_ints(args.evict_chunks), args.repeats)
+    if want("stalls"):
+        res["stalls"] = await stalls(args.stall_entries, max(_ints(args.siblings)),
+                                     args.listing)
+    if want("small"):
+        res["small_ops"] = await small_ops(args.repeats)
+    if want("paged"):
+        res["paged"] = await paged(args.paged_tokens, args.repeats)
+    if want("disk"):
+        res["disk"] = await disk(args.disk_tokens, args.repeats)
+    if want("curve"):
+        res["curve"] = await curve(_ints(args.sizes), args.repeats)
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="musacache bench scale", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="1000,10000,100000,1000000",
+                   help="directory sizes of the curves (cached chunks)")
+    p.add_argument("--siblings", default="1000,200000",
+                   help="sibling counts for the lookup miss (first is the baseline)")
+    p.add_argument("--evict-chunks", default="32,256,1024")
+    p.add_argument("--stall-entries", type=int, default=1_000_000,
+                   help="chunks cleared while the loop is watched")
+    p.add_argument("--listing", type=int, default=1_000_000,
+                   help="objects in the listing a restart learns")
+    p.add_argument("--paged-tokens", type=int, default=4096)
+    p.add_argument("--disk-tokens", type=int, default=2048)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--only", default="",
+                   help="comma list of parts: siblings,eviction,stalls,small,paged,disk,curve")
+    p.add_argument("--plot", metavar="FILE", help="draw the curves (needs matplotlib)")
+    p.add_argument("--json", action="store_true", help="print machine-readable results")
+    args = p.parse_args(argv)
+    res = asyncio.run(run(args))
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        report(res)
+    if args.plot:
+        plot(res, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

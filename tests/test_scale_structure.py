@@ -1,0 +1,279 @@
+"""Structure of the control plane at scale (issue 12): what the bookkeeping holds per chunk,
+and what a stats() call may touch. Speed itself is shown by ``musacache bench scale``."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import numpy as np
+import torch
+
+import musacache as mc
+from helpers import prefix_kv
+from musacache._core import BATCH
+from musacache._keys import Fingerprint, KeyChain
+from musacache.tiers.base import ChunkMeta, StorageTier, TierContext
+
+CH = 16
+
+
+def _cfg(spec: mc.KVSpec, chunks: int) -> mc.CacheConfig:
+    return mc.CacheConfig(spec, "scale", chunk_size=CH,
+                          tiers=(mc.HostTier(capacity_bytes=spec.nbytes(CH) * chunks),))
+
+
+class _NoWalk(dict):  # type: ignore[type-arg]
+    """A directory whose entries may be looked up but not walked."""
+
+    def values(self):  # type: ignore[no-untyped-def]
+        raise AssertionError("stats() walked every directory entry")
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        raise AssertionError("stats() walked every directory entry")
+
+
+async def test_stats_counts_pins_without_walking_the_directory(spec):
+    async with mc.Cache(_cfg(spec, 64)) as c:
+        toks = list(range(5 * CH))
+        await c.put(toks, prefix_kv(spec, toks))
+        eng = c._engine
+        eng.dir.entries = _NoWalk(eng.dir.entries)
+        assert (await c.stats())["pins"] == 0
+        m = eng.dir.get(next(iter(dict.values(eng.dir.entries))).key)
+        eng.pin(m)
+        eng.pin(m)
+        assert (await c.stats())["pins"] == 2
+        eng.unpin(m)
+        eng.unpin(m)
+        assert (await c.stats())["pins"] == 0
+        eng.dir.entries = dict(eng.dir.entries)
+
+
+async def test_a_cached_chunk_holds_no_tensor_dict_or_set(spec):
+    async with mc.Cache(_cfg(spec, 64)) as c:
+        toks = list(range(3 * CH))
+        await c.put(toks, prefix_kv(spec, toks))
+        for e in c._engine.dir.entries.values():
+            assert not hasattr(e, "__dict__")
+            values = [getattr(e, name) for name in type(e).__slots__]
+            assert not any(isinstance(v, (dict, set, list, torch.Tensor)) for v in values), e
+            # One memory tier holds it: its residency is one int (slot index and tier).
+            assert isinstance(e._mem, int)
+            (idx, index), = e.slots()
+            assert isinstance(index, int)
+            assert isinstance(e.tokens, bytes) and len(e.tokens) == 4 * e.num_tokens
+            # The slot's bytes are still reachable, as a view made on demand.
+            view = c._engine.view(c._mem[idx], e)
+            assert view.shape == spec.shape(CH)
+        sizes = {id(e.raw_bytes) for e in c._engine.dir.entries.values()}
+        assert len(sizes) == 1  # one shared int per chunk size
+        assert sys.getsizeof(next(iter(c._engine.dir.entries.values()))) <= 160
+        # The tier's recency list is linked through slot indices: no node per chunk.
+        assert not hasattr(c._mem[0].lru, "__dict__")
+
+
+class _Sampler:
+    """Samples the directory size every time the loop runs another task."""
+
+    def __init__(self, c: mc.Cache, what) -> None:  # type: ignore[no-untyped-def]
+        self.c = c
+        self.what = what
+        self.sizes: list[int] = []
+        self.running = True
+
+    async def run(self) -> None:
+        while self.running:
+            eng = self.c._eng
+            if eng is not None:
+                self.sizes.append(self.what(eng))
+            await asyncio.sleep(0)
+
+    def between(self, lo: int, hi: int) -> bool:
+        return any(lo < n < hi for n in self.sizes)
+
+
+async def _sampled(c: mc.Cache, op, what=lambda eng: len(eng.dir)):  # type: ignore[no-untyped-def]
+    s = _Sampler(c, what)
+    task = asyncio.create_task(s.run())
+    await asyncio.sleep(0)
+    try:
+        await op()
+    finally:
+        s.running = False
+        await task
+    return s
+
+
+async def test_long_directory_work_lets_the_loop_run(spec):
+    """Puts, deletes and clears of many chunks are done in batches: other tasks run while
+    they are under way (the directory is seen half done), so the loop never stalls."""
+    n = 4 * BATCH
+    async with mc.Cache(_cfg(spec, 2 * n + 8)) as c:
+        base = list(range(CH))
+        await c.put(base, prefix_kv(spec, base))
+        long = base + list(range(10**6, 10**6 + n * CH))
+        s = await _sampled(c, lambda: c.put(long, prefix_kv(spec, long)))
+        assert s.between(1, n + 1)
+        # Many conversations after one shared prefix: deleting the prefix removes them all.
+        for i in range(n):
+            p = base + [2 * 10**6 + i] * CH
+            await c.put(p, prefix_kv(spec, p))
+        total = len(c._engine.dir)
+        s = await _sampled(c, lambda: c.delete(base))
+        assert s.between(0, total)
+        assert len(c._engine.dir) == 0
+        for i in range(n):
+            p = [3 * 10**6 + i] * CH
+            await c.put(p, prefix_kv(spec, p))
+        # Nothing can be found from the start of a clear; memory is freed in batches.
+        s = await _sampled(c, c.clear, lambda eng: len(eng.mem[0].lru))
+        assert s.between(0, n)
+        assert len(c._engine.dir) == 0 and (await c.stats())["tiers"]["host"]["bytes_used"] == 0
+
+
+class _Listing(StorageTier):
+    """A storage tier that reports a listing and holds nothing else."""
+
+    name = "listing"
+
+    def __init__(self, metas: list[ChunkMeta]) -> None:
+        self.metas = metas
+
+    async def start(self, ctx: TierContext) -> list[ChunkMeta]:
+        return self.metas
+
+    async def write(self, meta: ChunkMeta, obj: bytes) -> None:
+        pass
+
+    async def read(self, meta: ChunkMeta) -> bytes | None:
+        return None
+
+    async def delete(self, key: bytes) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def test_learning_a_large_listing_lets_the_loop_run(spec, monkeypatch):
+    from musacache._coldpath import ColdPath
+
+    chain = KeyChain(Fingerprint("scale", spec, CH))
+    n = 4 * BATCH
+    metas, parent = [], chain.seed
+    for i in range(n):
+        key = KeyChain.child(parent, np.full(CH, i, dtype="<i4").tobytes())
+        metas.append(ChunkMeta(key, parent, CH, spec.nbytes(CH), 100, float(i)))
+        parent = key
+    cfg = mc.CacheConfig(spec, "scale", chunk_size=CH, tiers=(_Listing(metas),))
+    ticks = [0]
+    seen: list[int] = []  # the loop's tick count at each call learning part of the listing
+    learn = ColdPath.learn
+
+    def spy(self, st, part, *args, **kw):  # type: ignore[no-untyped-def]
+        seen.append(ticks[0])
+        return learn(self, st, part, *args, **kw)
+
+    monkeypatch.setattr(ColdPath, "learn", spy)
+    running = True
+
+    async def tick() -> None:
+        while running:
+            ticks[0] += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(tick())
+    c = mc.Cache(cfg)
+    try:
+        await c.open()
+    finally:
+        running = False
+        await task
+    try:
+        assert len(c._engine.dir) == n
+        assert len(seen) > 1 and seen[-1] > seen[0]  # other tasks ran between the parts
+    finally:
+        await c.aclose()
+
+
+async def test_a_long_put_leaves_its_leaf_oldest_and_its_root_newest(spec):
+    n = 3 * BATCH + 5  # several planning rounds
+    async with mc.Cache(_cfg(spec, 2 * n)) as c:
+        toks = list(range(n * CH))
+        await c.put(toks, prefix_kv(spec, toks))
+        keys = [k for *_, k in c._engine.chain.keys(np.asarray(toks, dtype="<i4"))]
+        order = [key for key, _e in c._mem[0].lru.items()]
+        assert order == keys[::-1]
+
+
+async def test_evicting_a_long_prompt_walks_the_lru_once(spec, monkeypatch):
+    """Eviction is amortised O(1) per chunk: making room for a prompt of n chunks visits
+    O(n) entries of the recency list, not O(n) per chunk."""
+    from musacache._lru import SlotLRU
+
+    visited = [0]
+    items = SlotLRU.items
+
+    def counting(self):  # type: ignore[no-untyped-def]
+        for kv in items(self):
+            visited[0] += 1
+            yield kv
+
+    n = 16 * BATCH
+    async with mc.Cache(_cfg(spec, n)) as c:
+        a = list(range(n * CH))
+        b = list(range(10**6, 10**6 + n * CH))
+        await c.put(a, prefix_kv(spec, a))
+        monkeypatch.setattr(SlotLRU, "items", counting)
+        assert await c.put(b, prefix_kv(spec, b)) == n * CH
+        assert (await c.stats())["tiers"]["host"]["evictions"] == n
+        assert visited[0] <= 3 * n, visited[0]
+
+
+async def test_a_disk_read_decodes_straight_into_the_top_tier_slot(spec, tmp_path, monkeypatch):
+    from musacache import codec
+
+    outs: list[torch.Tensor | None] = []
+    decode = codec.decode_chunk
+
+    def spy(*args, **kw):  # type: ignore[no-untyped-def]
+        outs.append(kw.get("out"))
+        return decode(*args, **kw)
+
+    monkeypatch.setattr(codec, "decode_chunk", spy)
+    cfg = mc.CacheConfig(spec, "scale", chunk_size=CH, tiers=(
+        mc.HostTier(capacity_bytes=spec.nbytes(CH) * 4),
+        mc.DiskTier(path=str(tmp_path), capacity_bytes=spec.nbytes(CH) * 64)))
+    async with mc.Cache(cfg) as c:
+        a = list(range(4 * CH))
+        await c.put(a, prefix_kv(spec, a))
+        mt = c._mem[0]
+        await c._engine.evict(mt, len(mt.lru))  # demoted: everything now lives on disk only
+        await c.flush()
+        assert not mt.lru and not outs
+        hit = await c.get(a)
+        assert hit.num_tokens == 4 * CH
+        assert torch.equal(hit.kv, prefix_kv(spec, a))
+        promoted = [e for e in c._engine.dir.entries.values() if mt.holds(e)]
+        assert promoted and outs
+        slots = {c._engine.view(mt, e).data_ptr() for e in promoted}
+        assert all(o is not None for o in outs)  # never a fresh tensor per chunk
+        assert slots <= {o.data_ptr() for o in outs if o is not None}
+
+
+def test_bench_scale_runs_small_and_prints_every_goal(capsys, tmp_path):
+    """Speed is shown by the benchmark; here only that it runs and prints each goal."""
+    from musacache.bench import scale
+
+    argv = ["--sizes", "200,1000", "--siblings", "100,1000", "--evict-chunks", "32",
+            "--stall-entries", "2000", "--listing", "3000", "--paged-tokens", "512",
+            "--disk-tokens", "512", "--repeats", "1"]
+    assert scale.main(argv) == 0
+    out = capsys.readouterr().out
+    for line in ("lookup miss among siblings", "evicting put vs the same put with room",
+                 "largest event-loop gap", "restart from a 3000-object listing",
+                 "small ops", "1000 gets gathered", "paged store vs a bare native gather",
+                 "warm disk get", "codec raw", "codec lz4", "curves over the directory size",
+                 "memory at"):
+        assert line in out, line
