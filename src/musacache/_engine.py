@@ -6,7 +6,7 @@ data path (``_move``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +50,24 @@ def _part(t: torch.Tensor, dim: int, start: int, n: int) -> torch.Tensor:
     """``t.narrow(dim, start, n)``, or ``t`` itself when that is all of it (a torch view
     costs a microsecond: the small-op floor of a one-chunk get counts them)."""
     return t if start == 0 and t.shape[dim] == n else t.narrow(dim, start, n)
+
+
+async def _read_into(eng: Engine, matches: list[Match],
+                     pair: Callable[[Match, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                     ) -> list[tuple[Match, torch.Tensor, str]]:
+    """The read of ``get`` and ``get_pages``: pin ``matches``, take each from the hottest tier
+    holding it (promoting from below), copy it where ``pair(match, source)`` says in one
+    move, and touch what was served. Returns the contiguous run served."""
+    for m in matches:
+        eng.pin(m.entry)
+    try:
+        found = await eng.sources(matches)
+        await eng.mover.copy([pair(m, src) for m, src, _name in found])
+        eng.touch([m.entry for m, _, _ in found])
+        return found
+    finally:
+        for m in matches:
+            eng.unpin(m.entry)
 
 
 class Cache:
@@ -242,17 +260,8 @@ class Cache:
                 return Hit(0, empty, {})
             dst = out if out is not None else torch.empty(
                 self.spec.shape(total), dtype=self.spec.dtype, device=self._device)
-            for m in matches:
-                eng.pin(m.entry)
-            try:
-                found = await eng.sources(matches)
-                await eng.mover.copy([(_part(dst, td, m.start, m.num_tokens),
-                                       _part(src, td, 0, m.num_tokens))
-                                      for m, src, _ in found])
-                eng.touch([m.entry for m, _, _ in found])
-            finally:
-                for m in matches:
-                    eng.unpin(m.entry)
+            found = await _read_into(eng, matches, lambda m, src: (
+                _part(dst, td, m.start, m.num_tokens), _part(src, td, 0, m.num_tokens)))
             by_tier: dict[str, int] = {}
             names = eng.tier_by_name
             for m, _src, name in found:
@@ -428,17 +437,8 @@ class Cache:
         try:
             wanted = [Match(start, cs, e) for start, _end, _parent, key in ks
                       if (e := eng.dir.get(key)) is not None]
-            for m in wanted:
-                eng.pin(m.entry)
-            try:
-                found = await eng.sources(wanted)
-                await eng.mover.copy([(outs[m.start // cs],
-                                       src.reshape(outs[m.start // cs].shape))
-                                      for m, src, _name in found])
-                eng.touch([m.entry for m, _, _ in found])
-            finally:
-                for m in wanted:
-                    eng.unpin(m.entry)
+            found = await _read_into(eng, wanted, lambda m, src: (
+                outs[m.start // cs], src.reshape(outs[m.start // cs].shape)))
             hit = [False] * len(ks)
             for m, _src, _name in found:
                 hit[m.start // cs] = True
