@@ -165,14 +165,22 @@ def _gather_work() -> Callable[[], None]:
 def test_native_calls_release_the_gil(make_work: Callable[[], Callable[[], None]]) -> None:
     """With a 60 s switch interval a thread that holds the GIL keeps it until it blocks or
     ends, so the main thread only gets to count while the worker is inside C if the call
-    released the GIL. (The counting loop sleeps for 0 s to hand the GIL back in turn.)"""
+    released the GIL. (The counting loop sleeps for 0 s to hand the GIL back in turn.)
+
+    The worker repeats the call until the main thread has counted enough, so the verdict does
+    not depend on how fast this machine runs one call; a call that kept the GIL would leave
+    the main thread no turn at all until the worker's 30 s cap ran out."""
     work = make_work()
-    started = threading.Event()
+    started, enough = threading.Event(), threading.Event()
+    calls = 0
 
     def worker() -> None:
+        nonlocal calls
         started.set()
-        for _ in range(4):
+        deadline = time.monotonic() + 30
+        while not enough.is_set() and time.monotonic() < deadline:
             work()
+            calls += 1
 
     old_interval = sys.getswitchinterval()
     sys.setswitchinterval(60)
@@ -183,11 +191,13 @@ def test_native_calls_release_the_gil(make_work: Callable[[], Callable[[], None]
         ticks = 0
         while thread.is_alive():
             ticks += 1
+            if ticks == 1000:
+                enough.set()
             time.sleep(0)
         thread.join()
     finally:
         sys.setswitchinterval(old_interval)
-    assert ticks > 100
+    assert enough.is_set(), f"the main thread got {ticks} turns in {calls} native calls"
 
 
 # -- settings -------------------------------------------------------------------------------
