@@ -13,7 +13,8 @@ import musacache as mc
 from helpers import prefix_kv
 from musacache._core import BATCH
 from musacache._keys import Fingerprint, KeyChain
-from musacache.tiers.base import ChunkMeta, StorageTier, TierContext
+from musacache.bench.scale import _Listing
+from musacache.tiers.base import ChunkMeta
 
 CH = 16
 
@@ -130,30 +131,6 @@ async def test_long_directory_work_lets_the_loop_run(spec):
         s = await _sampled(c, c.clear, lambda eng: len(eng.mem[0].lru))
         assert s.between(0, n)
         assert len(c._engine.dir) == 0 and (await c.stats())["tiers"]["host"]["bytes_used"] == 0
-
-
-class _Listing(StorageTier):
-    """A storage tier that reports a listing and holds nothing else."""
-
-    name = "listing"
-
-    def __init__(self, metas: list[ChunkMeta]) -> None:
-        self.metas = metas
-
-    async def start(self, ctx: TierContext) -> list[ChunkMeta]:
-        return self.metas
-
-    async def write(self, meta: ChunkMeta, obj: bytes) -> None:
-        pass
-
-    async def read(self, meta: ChunkMeta) -> bytes | None:
-        return None
-
-    async def delete(self, key: bytes) -> None:
-        pass
-
-    async def aclose(self) -> None:
-        pass
 
 
 async def test_learning_a_large_listing_lets_the_loop_run(spec, monkeypatch):
