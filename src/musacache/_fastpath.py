@@ -38,7 +38,7 @@ import torch
 
 from . import _move
 from ._core import Engine
-from ._directory import _TIER_BITS, _TIER_MASK
+from ._directory import _TIER_BITS, _TIER_MASK, Entry
 from ._keys import KEY_BYTES, as_tokens
 from ._spec import may_overlap
 from ._tierstate import MemTier
@@ -99,6 +99,8 @@ class FastPath:
             [torch.empty(0, device=top.device), torch.empty(0, device=device)]) is None
         self.top: MemTier | None = top if host and isinstance(top, MemTier) and _LITTLE \
             else None
+        # The tiers below the top: a get touches its chunks in each that holds them.
+        self.lower = eng.tiers[1:]
 
     def _shape(self, n: int) -> tuple[int, ...]:
         shape = self.shapes.get(n)
@@ -106,31 +108,46 @@ class FastPath:
             shape = self.shapes[n] = self.eng.spec.shape(n)
         return shape
 
-    def _walk(self, buf: bytes, n: int, top: int) -> list[tuple[int, int, Any]] | None:
-        """The matched chunks of ``buf`` (``n`` tokens) as ``(start, tokens, entry)``, or None
-        when the general matcher must decide. With ``top`` >= 0, every match must be resident
-        in memory tier ``top`` (and only there)."""
+    def _walk(self, buf: bytes, n: int, top: int) -> list[tuple[int, int, Entry, int]] | None:
+        """What ``Directory.match`` finds for ``buf`` (``n`` tokens), as ``(start, tokens,
+        entry, slot)``, or None when the general path must decide. With ``top`` >= 0 every
+        match must be resident in memory tier ``top`` (``slot``: its slot there; else -1)."""
         entries = self.entries
         cs = self.cs
         parent = self.seed
-        found: list[tuple[int, int, Any]] = []
+        found: list[tuple[int, int, Entry, int]] = []
         for start in range(0, n, cs):
             end = start + cs if start + cs < n else n
             key = _blake2b(parent + buf[start * 4 : end * 4], digest_size=KEY_BYTES).digest()
             e = entries.get(key)
+            last = False
             if e is None:
-                # A chunk that starts with this one's tokens (a child of the same parent), or
-                # a shared tier asked on a miss, may still extend the match: the matcher's call.
-                if self.eng.shared or self.eng.dir._kids(parent) is not None:
-                    return None
-                return found
-            if e._gen < 0 or e.tokens is None:
+                if self.eng.shared:
+                    return None  # a shared tier may know more: the general path asks it
+                d = self.eng.dir
+                if d._kids(parent) is None:
+                    return found
+                # A child of the same parent that starts with these tokens (the matcher's own
+                # rule, through the index of the children) ends the match.
+                m = d._best_prefix_child(parent, np.frombuffer(buf, dtype=_I4), start, end)
+                if m is None:
+                    return found
+                e, end, last = m.entry, start + m.num_tokens, True
+            elif e._gen < 0 or e.tokens is None:
                 return None  # deleted under a reader, or its tokens are still to be learned
+            slot = -1
             if top >= 0:
-                code = e._mem
-                if type(code) is not int or code & _TIER_MASK != top:
-                    return None  # below the top tier (a promotion), or in several tiers
-            found.append((start, end - start, e))
+                code = e._mem  # the packed residency (see _directory): one int, most often
+                if type(code) is int and code & _TIER_MASK == top:
+                    slot = code >> _TIER_BITS
+                else:
+                    got = e.slot_index(top)
+                    if got is None:
+                        return None  # below the top tier: a promotion, the general path's
+                    slot = got
+            found.append((start, end - start, e, slot))
+            if last:
+                break
             parent = key
         return found
 
@@ -182,7 +199,8 @@ class FastPath:
         if found:
             self._copy(found, dst, width, dense)
         # The general path's counters, exactly: the request's tokens, the top tier's hits and
-        # bytes out, one move, and the LRU touches (children first, parents last).
+        # bytes out, one move, and the LRU touches (children first, parents last, in every
+        # tier that holds them).
         eng = self.eng
         self.ops["gets"] += 1
         tok = eng.tok
@@ -195,12 +213,11 @@ class FastPath:
         c["bytes_out"] += served * self.bpt
         eng.mover.moves += 1
         touch = top.lru.touch
-        for _s, _n, e in reversed(found):
-            touch(e._mem >> _TIER_BITS)
-        for st in eng.stores:
-            for _s, _n, e in reversed(found):
-                if e._stored is not None:
-                    st.touch(e)
+        for _s, _n, _e, slot in reversed(found):
+            touch(slot)
+        for t in self.lower:
+            for _s, _n, e, _slot in reversed(found):
+                t.touch(e)
         kv = dst if served == width else dst.narrow(self.td, 0, served)
         return served, kv, {top.name: served}
 
@@ -208,39 +225,40 @@ class FastPath:
         t = self.templates[n] = torch.empty(1, dtype=self.dtype).expand(self._shape(n))
         return t
 
-    def _copy(self, found: list[tuple[int, int, Any]], dst: torch.Tensor, width: int,
+    def _copy(self, found: list[tuple[int, int, Entry, int]], dst: torch.Tensor, width: int,
               dense: bool) -> None:
-        """Copy each found chunk into tokens ``[start, start+n)`` of ``dst`` (``width``
-        tokens wide, on the host; ``dense``: C-contiguous)."""
+        """Copy the first ``n`` tokens of each found chunk into tokens ``[start, start+n)`` of
+        ``dst`` (``width`` tokens wide, on the host; ``dense``: C-contiguous)."""
         top = self.top
         if top is None:
             return
         pool = top.pool
-        sps = pool.slots_per_segment
-        slot_bytes = pool.slot_bytes
-        if len(found) == 1 and found[0][1] == width:
-            calls = 1
-        else:
-            calls = sum(1 if n == width else self.rows for _s, n, _e in found)
-        if dense and calls <= _MAX_MEMMOVES:
-            # The slot's bytes are (rows, n, row) contiguous from its address (the pool's
-            # segment base plus its offset; a slot never spans segments), and dst's are
-            # (rows, width, row): every range below lies inside one slot and inside dst.
+        rows = self.rows
+        # One block when the chunk is all of dst; else one range per layer and K/V row.
+        whole = [n == width == e.num_tokens for _s, n, e, _slot in found]
+        if dense and sum(1 if w else rows for w in whole) <= _MAX_MEMMOVES:
+            # A slot holds its chunk as (rows, num_tokens, row) from its address (the pool's
+            # segment base plus its offset; a slot never spans segments), and dst is (rows,
+            # width, row): every range below lies inside one slot and inside dst.
+            sps = pool.slots_per_segment
+            slot_bytes = pool.slot_bytes
             addr = pool.seg_addr
             dptr = dst.data_ptr()
             rb = self.row_bytes
-            for start, n, e in found:
-                seg_no, off = divmod(e._mem >> _TIER_BITS, sps)
+            for (start, n, e, slot), w in zip(found, whole):
+                seg_no, off = divmod(slot, sps)
                 src = addr[seg_no] + off * slot_bytes
-                if n == width:  # the whole of dst: one block
+                if w:
                     _memmove(dptr, src, n * self.bpt)
                 else:  # row r of the chunk goes to row r of dst, at token start
-                    step = n * rb
-                    for r in range(self.rows):
-                        _memmove(dptr + (r * width + start) * rb, src + r * step, step)
+                    step = e.num_tokens * rb
+                    for r in range(rows):
+                        _memmove(dptr + (r * width + start) * rb, src + r * step, n * rb)
             _bump_version((dst,))
             return
         td = self.td
-        for start, n, e in found:
-            src_t = pool.view(e._mem >> _TIER_BITS, self.dtype, self._shape(n))
+        for start, n, e, slot in found:
+            src_t = pool.view(slot, self.dtype, self._shape(e.num_tokens))
+            if n < e.num_tokens:
+                src_t = src_t.narrow(td, 0, n)
             (dst if n == width else dst.narrow(td, start, n)).copy_(src_t)
