@@ -16,11 +16,13 @@ loop too) and ``out`` (if given) is a plain host tensor of the exact shape, this
   overlap itself) gets one torch copy per chunk;
 * the same LRU touches and counters as the general path.
 
-Anything else (a chunk below the top tier or learned from a listing, a match that continues
-into a child's prefix, a shared tier that may know more, a device tier or ``out``, a large
-request, any ``out`` the general checks would refuse) returns None and the caller takes the
-general path, which also raises the typed error. Nothing is written and nothing is counted
-before this path has decided to serve the request, so falling back is always clean.
+A match that ends inside a prefix of a child chunk is found by the matcher's own helper
+(``Directory._best_prefix_child``). Anything else (a chunk below the top tier, one learned
+from a listing whose tokens are unknown, a shared tier that may know more on a miss, a device
+tier or ``out``, a large request, any ``out`` the general checks would refuse) returns None
+and the caller takes the general path, which also raises the typed error. Nothing is
+written and nothing is counted before this path has decided to serve the request, so falling
+back is always clean.
 
 No pin is taken: nothing here awaits, so from the dict probe to the last byte copied no other
 task runs, and no eviction, delete or demotion can touch the chunk in between.
@@ -51,6 +53,8 @@ _MAX_CHUNKS = 32
 # The most memmove calls one request may make (a chunk that is not the whole of ``out`` is
 # one call per layer and K/V row); beyond that one torch copy per chunk is cheaper.
 _MAX_MEMMOVES = 64
+# Token counts whose output template is kept (each a tensor object of a few hundred bytes).
+_MAX_TEMPLATES = 64
 _I4 = np.dtype("<i4")
 _LITTLE = sys.byteorder == "little"
 
@@ -222,7 +226,11 @@ class FastPath:
         return served, kv, {top.name: served}
 
     def _template(self, n: int) -> torch.Tensor:
-        t = self.templates[n] = torch.empty(1, dtype=self.dtype).expand(self._shape(n))
+        """A tensor of ``spec.shape(n)`` over one element: ``empty_like`` of it is a new
+        contiguous tensor of that shape. Kept for the first widths asked (a bounded set)."""
+        t = torch.empty(1, dtype=self.dtype).expand(self._shape(n))
+        if len(self.templates) < _MAX_TEMPLATES:
+            self.templates[n] = t
         return t
 
     def _copy(self, found: list[tuple[int, int, Entry, int]], dst: torch.Tensor, width: int,
