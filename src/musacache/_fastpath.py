@@ -10,10 +10,10 @@ loop too) and ``out`` (if given) is a plain host tensor of the exact shape, this
 
 * the key chain over the prompt's token bytes, one dict probe per chunk;
 * checks of ``out`` on plain attributes (type, layout, device, dtype, shape, grad);
-* ``memmove`` between data pointers: the slot's address is its segment's base address (kept
-  as an int by the pool) plus its offset, and every write stays inside ``out``, whose shape,
-  dtype and contiguity were checked first. An ``out`` with other strides (proven not to
-  overlap itself) gets one torch copy per chunk;
+* ``memmove`` (``mc_copy_bytes``, one native call) between addresses: the slot's address is
+  its segment's base address (kept as an int by the pool) plus its offset, and every write
+  stays inside ``out``, whose shape, dtype and contiguity were checked first. An ``out`` with
+  other strides (proven not to overlap itself) gets one torch copy per chunk;
 * the same LRU touches and counters as the general path.
 
 A match that ends inside a prefix of a child chunk is found by the matcher's own helper
@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _move
+from . import _move, _native
 from ._core import Engine
 from ._directory import _TIER_BITS, _TIER_MASK, Entry
 from ._keys import KEY_BYTES, as_tokens
@@ -59,7 +59,16 @@ _I4 = np.dtype("<i4")
 _LITTLE = sys.byteorder == "little"
 
 _blake2b = hashlib.blake2b
-_memmove = ctypes.memmove
+
+
+def _ctypes_copy(dst: int, src: int, n: int) -> int:
+    ctypes.memmove(dst, src, n)
+    return 0
+
+
+# A cffi call with three ints is about 0.15 µs, ctypes.memmove about 0.6. A native module
+# built before mc_copy_bytes existed still works (through ctypes) until it is rebuilt.
+_copy_bytes = getattr(_native.lib, "mc_copy_bytes", None) or _ctypes_copy
 # Autograd's record that a tensor was written in place (``copy_`` bumps it too): a graph that
 # saved ``out`` for its backward pass then refuses to run on the new values.
 _bump_version = torch._C._increment_version
@@ -243,8 +252,13 @@ class FastPath:
         pool = top.pool
         rows = self.rows
         # One block when the chunk is all of dst; else one range per layer and K/V row.
-        whole = [n == width == e.num_tokens for _s, n, e, _slot in found]
-        if dense and sum(1 if w else rows for w in whole) <= _MAX_MEMMOVES:
+        if len(found) == 1:
+            whole = [found[0][1] == width == found[0][2].num_tokens]
+            calls = 1 if whole[0] else rows
+        else:
+            whole = [n == width == e.num_tokens for _s, n, e, _slot in found]
+            calls = len(found) * rows
+        if dense and calls <= _MAX_MEMMOVES:
             # A slot holds its chunk as (rows, num_tokens, row) from its address (the pool's
             # segment base plus its offset; a slot never spans segments), and dst is (rows,
             # width, row): every range below lies inside one slot and inside dst.
@@ -257,11 +271,15 @@ class FastPath:
                 seg_no, off = divmod(slot, sps)
                 src = addr[seg_no] + off * slot_bytes
                 if w:
-                    _memmove(dptr, src, n * self.bpt)
+                    status = _copy_bytes(dptr, src, n * self.bpt)
                 else:  # row r of the chunk goes to row r of dst, at token start
                     step = e.num_tokens * rb
+                    status = 0
                     for r in range(rows):
-                        _memmove(dptr + (r * width + start) * rb, src + r * step, n * rb)
+                        status |= _copy_bytes(dptr + (r * width + start) * rb, src + r * step,
+                                              n * rb)
+                if status:
+                    _native._check_status(status, "copy_bytes")
             _bump_version((dst,))
             return
         td = self.td

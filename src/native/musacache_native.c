@@ -1078,3 +1078,9 @@ int mc_nib_decode(const uint8_t *src, int64_t len, uint8_t *dst, int64_t n) {
     }
     return MC_OK;
 }
+
+int mc_copy_bytes(uintptr_t dst, uintptr_t src, int64_t n) {
+    if (n < 0 || (n > 0 && (dst == 0 || src == 0))) return MC_ERR_ARGUMENT;
+    if (n > 0) memmove((void *)dst, (const void *)src, (size_t)n);
+    return MC_OK;
+}
