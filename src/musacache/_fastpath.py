@@ -204,8 +204,7 @@ class FastPath:
             # empty_like of a zero-stride template: a µs cheaper than torch.empty(shape).
             tmpl = self.templates.get(served)
             dst = torch.empty_like(tmpl if tmpl is not None else self._template(served))
-            width = served
-            dense = dst.is_contiguous()
+            width = served  # (empty_like of a tensor that overlaps itself is contiguous)
         else:
             dst = out
             width = n
@@ -251,35 +250,29 @@ class FastPath:
             return
         pool = top.pool
         rows = self.rows
-        # One block when the chunk is all of dst; else one range per layer and K/V row.
-        if len(found) == 1:
-            whole = [found[0][1] == width == found[0][2].num_tokens]
-            calls = 1 if whole[0] else rows
-        else:
-            whole = [n == width == e.num_tokens for _s, n, e, _slot in found]
-            calls = len(found) * rows
-        if dense and calls <= _MAX_MEMMOVES:
-            # A slot holds its chunk as (rows, num_tokens, row) from its address (the pool's
-            # segment base plus its offset; a slot never spans segments), and dst is (rows,
-            # width, row): every range below lies inside one slot and inside dst.
+        # A slot holds its chunk as (rows, num_tokens, row) from its address (its segment's
+        # base plus its offset; a slot never spans segments), and a dense dst is (rows, width,
+        # row): each range below lies inside one slot and inside dst. A chunk that is all of
+        # dst is one block; any other, one range per layer and K/V row.
+        if dense and len(found) * rows <= _MAX_MEMMOVES:
             sps = pool.slots_per_segment
             slot_bytes = pool.slot_bytes
             addr = pool.seg_addr
             dptr = dst.data_ptr()
             rb = self.row_bytes
-            for (start, n, e, slot), w in zip(found, whole):
+            status = 0
+            for start, n, e, slot in found:
                 seg_no, off = divmod(slot, sps)
                 src = addr[seg_no] + off * slot_bytes
-                if w:
-                    status = _copy_bytes(dptr, src, n * self.bpt)
-                else:  # row r of the chunk goes to row r of dst, at token start
-                    step = e.num_tokens * rb
-                    status = 0
-                    for r in range(rows):
-                        status |= _copy_bytes(dptr + (r * width + start) * rb, src + r * step,
-                                              n * rb)
-                if status:
-                    _native._check_status(status, "copy_bytes")
+                if n == width == e.num_tokens:
+                    status |= _copy_bytes(dptr, src, n * self.bpt)
+                    continue
+                step = e.num_tokens * rb
+                for r in range(rows):
+                    status |= _copy_bytes(dptr + (r * width + start) * rb, src + r * step,
+                                          n * rb)
+            if status:
+                _native._check_status(status, "copy_bytes")
             _bump_version((dst,))
             return
         td = self.td
