@@ -58,7 +58,9 @@ _MAX_TEMPLATES = 64
 _I4 = np.dtype("<i4")
 _LITTLE = sys.byteorder == "little"
 
-_blake2b = hashlib.blake2b
+# The key chain's hash, parameters set once: copying a hasher costs less than making one
+# (the first chunk's copy already holds the seed, its parent).
+_EMPTY_HASH = hashlib.blake2b(digest_size=KEY_BYTES)
 
 
 def _ctypes_copy(dst: int, src: int, n: int) -> int:
@@ -93,6 +95,8 @@ class FastPath:
         self.ops = ops
         self.entries = eng.dir.entries
         self.seed = eng.chain.seed
+        self.seed_hash = _EMPTY_HASH.copy()
+        self.seed_hash.update(self.seed)
         self.cs = eng.chain.chunk_size
         self.dtype = spec.dtype
         self.td = spec.token_dim
@@ -131,7 +135,13 @@ class FastPath:
         found: list[tuple[int, int, Entry, int]] = []
         for start in range(0, n, cs):
             end = start + cs if start + cs < n else n
-            key = _blake2b(parent + buf[start * 4 : end * 4], digest_size=KEY_BYTES).digest()
+            if start:
+                h = _EMPTY_HASH.copy()
+                h.update(parent)
+            else:
+                h = self.seed_hash.copy()
+            h.update(buf[start * 4 : end * 4])
+            key = h.digest()
             e = entries.get(key)
             last = False
             if e is None:
