@@ -219,7 +219,7 @@ class FastPath:
             dst = out
             width = n
         if found:
-            self._copy(found, dst, width, dense)
+            self._copy(found, dst, width, dense, out is not None)
         # The general path's counters, exactly: the request's tokens, the top tier's hits and
         # bytes out, one move, and the LRU touches (children first, parents last, in every
         # tier that holds them).
@@ -252,9 +252,10 @@ class FastPath:
         return t
 
     def _copy(self, found: list[tuple[int, int, Entry, int]], dst: torch.Tensor, width: int,
-              dense: bool) -> None:
+              dense: bool, caller_owned: bool) -> None:
         """Copy the first ``n`` tokens of each found chunk into tokens ``[start, start+n)`` of
-        ``dst`` (``width`` tokens wide, on the host; ``dense``: C-contiguous)."""
+        ``dst`` (``width`` tokens wide, on the host; ``dense``: C-contiguous; ``caller_owned``:
+        the caller's ``out``)."""
         top = self.top
         if top is None:
             return
@@ -283,7 +284,8 @@ class FastPath:
                                           n * rb)
             if status:
                 _native._check_status(status, "copy_bytes")
-            _bump_version((dst,))
+            if caller_owned:  # (a tensor made here has no autograd history to warn)
+                _bump_version((dst,))
             return
         td = self.td
         for start, n, e, slot in found:
