@@ -154,10 +154,13 @@ async def test_direct_path_agrees_with_general_path(tmp_path: Any, which: str, s
         stems = [[rng.randrange(3) for _ in range(4 * CHUNK + 3)] for _ in range(5)]
         for step in range(90):
             seq = rng.choice(stems)[: rng.randrange(0, 4 * CHUNK + 4)]
-            op = rng.choices(["put", "get", "lookup", "delete"], [3, 8, 2, 1])[0]
+            op = rng.choices(["put", "get", "lookup", "delete", "clear"], [3, 8, 2, 1, 0.3])[0]
             toks = _tokens_as(seq, rng)
             where = f"step {step}: {op} of {len(seq)} tokens"
-            if op == "put":
+            if op == "clear":
+                await a.clear()
+                await b.clear()
+            elif op == "put":
                 ra, rb = await _both(a, b, "put", toks, prefix_kv(spec, seq))
                 assert ra == rb, where
             elif op in ("lookup", "delete"):
@@ -292,3 +295,29 @@ async def test_a_native_module_built_before_copy_bytes_still_serves(
         await c.put(toks, prefix_kv(spec, toks))
         hit = await c.get(toks)
         assert hit.num_tokens == 10 and torch.equal(hit.kv, prefix_kv(spec, toks))
+
+
+async def test_a_get_while_clear_runs_finds_nothing() -> None:
+    """``clear`` swaps in an empty directory at once and frees the old entries in batches: a
+    get or lookup between two batches must not find what is being cleared."""
+    import anyio
+
+    spec = mc.KVSpec(1, 1, 8, torch.float16)
+    cfg = mc.CacheConfig(spec, "fast", chunk_size=16,
+                         tiers=(mc.HostTier(spec.nbytes(16) * 400),))
+    prompts = [[i, *range(15)] for i in range(300)]
+    async with mc.Cache(cfg) as c:
+        for p in prompts:
+            await c.put(p, prefix_kv(spec, p))
+        assert (await c.get(prompts[0])).num_tokens == 16
+        seen = []
+
+        async def reader() -> None:
+            await anyio.lowlevel.checkpoint()  # clear has swapped and freed one batch
+            seen.append((await c.get(prompts[0])).num_tokens)
+            seen.append(await c.lookup(prompts[0]))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(c.clear)
+            tg.start_soon(reader)
+        assert seen == [0, 0]

@@ -93,7 +93,6 @@ class FastPath:
         spec = eng.spec
         self.eng = eng
         self.ops = ops
-        self.entries = eng.dir.entries
         self.seed = eng.chain.seed
         self.seed_hash = _EMPTY_HASH.copy()
         self.seed_hash.update(self.seed)
@@ -129,7 +128,8 @@ class FastPath:
         """What ``Directory.match`` finds for ``buf`` (``n`` tokens), as ``(start, tokens,
         entry, slot)``, or None when the general path must decide. With ``top`` >= 0 every
         match must be resident in memory tier ``top`` (``slot``: its slot there; else -1)."""
-        entries = self.entries
+        d = self.eng.dir  # asked each time: clear() swaps in a new directory
+        entries = d.entries
         cs = self.cs
         parent = self.seed
         found: list[tuple[int, int, Entry, int]] = []
@@ -147,7 +147,6 @@ class FastPath:
             if e is None:
                 if self.eng.shared:
                     return None  # a shared tier may know more: the general path asks it
-                d = self.eng.dir
                 if d._kids(parent) is None:
                     return found
                 # A child of the same parent that starts with these tokens (the matcher's own
