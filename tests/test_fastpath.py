@@ -321,3 +321,29 @@ async def test_a_get_while_clear_runs_finds_nothing() -> None:
             tg.start_soon(c.clear)
             tg.start_soon(reader)
         assert seen == [0, 0]
+
+
+@pytest.mark.parametrize("direct", [True, False])
+async def test_out_made_under_inference_mode(direct: bool) -> None:
+    """An engine runs under ``torch.inference_mode()`` and hands in ``out`` made there: the get
+    writes it (inference tensors have no version counter to bump). The same ``out`` outside
+    inference mode is refused with a typed error before anything is written (torch forbids
+    that in-place write), on either path."""
+    spec = mc.KVSpec(1, 1, 8, torch.float16)
+    cfg = mc.CacheConfig(spec, "fast", chunk_size=16, tiers=(mc.HostTier(spec.nbytes(16) * 4),))
+    toks = list(range(16))
+    async with mc.Cache(cfg) as c:
+        if not direct:
+            c._fast = None
+        await c.put(toks, prefix_kv(spec, toks))
+        with torch.inference_mode():
+            out = torch.zeros(spec.shape(16), dtype=spec.dtype)
+            hit = await c.get(toks, out=out)
+            assert hit.num_tokens == 16 and torch.equal(out, prefix_kv(spec, toks))
+            fresh = await c.get(toks)
+            assert torch.equal(fresh.kv, prefix_kv(spec, toks))
+        with torch.inference_mode():
+            out = torch.zeros(spec.shape(16), dtype=spec.dtype)
+        with pytest.raises(mc.InvalidInputError, match="inference_mode"):
+            await c.get(toks, out=out)
+        assert not out.any()

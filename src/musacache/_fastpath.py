@@ -74,6 +74,7 @@ _copy_bytes = getattr(_native.lib, "mc_copy_bytes", None) or _ctypes_copy
 # Autograd's record that a tensor was written in place (``copy_`` bumps it too): a graph that
 # saved ``out`` for its backward pass then refuses to run on the new values.
 _bump_version = torch._C._increment_version
+_inference_mode = torch.is_inference_mode_enabled
 _Tensor = torch.Tensor
 _strided = torch.strided
 
@@ -195,6 +196,7 @@ class FastPath:
         if n == 0 or n * self.bpt >= self.max_bytes:
             return None
         dense = True
+        bump = out is not None  # a tensor made here has no autograd history to warn
         if out is not None:
             # What check_dense/check_out/_check_kv ask, on plain attributes; any doubt, and
             # the general path decides (and raises the typed error).
@@ -205,6 +207,12 @@ class FastPath:
             dense = out.is_contiguous()
             if not dense and may_overlap(out):
                 return None
+            if out.is_inference():
+                # No version counter to bump; and outside inference_mode torch refuses the
+                # write (the general path says so).
+                if not _inference_mode():
+                    return None
+                bump = False
         found = self._walk(buf, n, top.idx)
         if found is None:
             return None
@@ -218,7 +226,7 @@ class FastPath:
             dst = out
             width = n
         if found:
-            self._copy(found, dst, width, dense, out is not None)
+            self._copy(found, dst, width, dense, bump)
         # The general path's counters, exactly: the request's tokens, the top tier's hits and
         # bytes out, one move, and the LRU touches (children first, parents last, in every
         # tier that holds them).
@@ -251,10 +259,10 @@ class FastPath:
         return t
 
     def _copy(self, found: list[tuple[int, int, Entry, int]], dst: torch.Tensor, width: int,
-              dense: bool, caller_owned: bool) -> None:
+              dense: bool, bump: bool) -> None:
         """Copy the first ``n`` tokens of each found chunk into tokens ``[start, start+n)`` of
-        ``dst`` (``width`` tokens wide, on the host; ``dense``: C-contiguous; ``caller_owned``:
-        the caller's ``out``)."""
+        ``dst`` (``width`` tokens wide, on the host; ``dense``: C-contiguous; ``bump``: record
+        the write in ``dst``'s autograd version counter)."""
         top = self.top
         if top is None:
             return
@@ -283,7 +291,7 @@ class FastPath:
                                           n * rb)
             if status:
                 _native._check_status(status, "copy_bytes")
-            if caller_owned:  # (a tensor made here has no autograd history to warn)
+            if bump:
                 _bump_version((dst,))
             return
         td = self.td
