@@ -347,3 +347,34 @@ async def test_out_made_under_inference_mode(direct: bool) -> None:
         with pytest.raises(mc.InvalidInputError, match="inference_mode"):
             await c.get(toks, out=out)
         assert not out.any()
+
+
+@pytest.mark.parametrize("form", ["list", "tuple", "np64", "npu32", "np32-strided", "np32-be",
+                                  "torch64", "torch32", "torch-strided"])
+def test_as_tokens_agrees_across_forms(form: str) -> None:
+    """The shortcuts in ``as_tokens`` (plain-int lists, CPU tensors without a detach, one
+    comparison for the int32 range) give the same array and the same errors as before."""
+    from musacache._keys import as_tokens
+
+    good = [0, 7, 2**31 - 1, 123456, -(2**31), 5]
+    bad = [3, 2**31, 4] if form != "npu32" else None
+
+    def make(seq: list[int]) -> Any:
+        return {
+            "list": lambda: list(seq), "tuple": lambda: tuple(seq),
+            "np64": lambda: np.asarray(seq, dtype=np.int64),
+            "npu32": lambda: np.asarray([abs(x) % 2**31 for x in seq], dtype=np.uint32),
+            "np32-strided": lambda: np.repeat(np.asarray(seq, dtype=np.int64), 2)[::2],
+            "np32-be": lambda: np.asarray(seq, dtype=">i8"),
+            "torch64": lambda: torch.tensor(seq, dtype=torch.int64),
+            "torch32": lambda: torch.tensor(seq, dtype=torch.int64).to(torch.int32)
+            if max(seq) < 2**31 else torch.tensor(seq, dtype=torch.int64),
+            "torch-strided": lambda: torch.tensor(seq, dtype=torch.int64).repeat_interleave(2)[::2],
+        }[form]()
+
+    want = np.asarray(good if form != "npu32" else [abs(x) % 2**31 for x in good], dtype="<i4")
+    got = as_tokens(make(good))
+    assert got.dtype == np.dtype("<i4") and got.flags.c_contiguous and np.array_equal(got, want)
+    if bad is not None:
+        with pytest.raises(mc.TokensError, match="int32"):
+            as_tokens(make(bad))
