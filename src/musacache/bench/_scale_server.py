@@ -136,16 +136,29 @@ def _mm(values: list[float]) -> dict[str, float]:
     return {"min": min(values), "median": statistics.median(values)}
 
 
-async def _latencies(call: Callable[[], Awaitable[Any]], n: int) -> tuple[float, float]:
-    """p50 and p99 of ``n`` sequential calls, in microseconds."""
+def _cpu_ns(pid: int) -> int:
+    """Nanoseconds ``pid`` has run on a CPU (the scheduler's own account)."""
+    with open(f"/proc/{pid}/schedstat") as f:
+        return int(f.read().split()[0])
+
+
+async def _latencies(call: Callable[[], Awaitable[Any]], n: int, server_pid: int,
+                     ) -> tuple[float, float, float, float]:
+    """p50 and p99 of ``n`` sequential calls, and the CPU time per call of this process and
+    of the server's, all in microseconds. The CPU times say where a round trip goes on a
+    machine whose cores are shared: the wall time also holds the waits for a core."""
     times = []
     clock = time.perf_counter
+    me = os.getpid()
+    c0, s0 = _cpu_ns(me), _cpu_ns(server_pid)
     for _ in range(n):
         t0 = clock()
         await call()
         times.append(clock() - t0)
+    c1, s1 = _cpu_ns(me), _cpu_ns(server_pid)
     times.sort()
-    return times[n // 2] * 1e6, times[min(n - 1, (n * 99) // 100)] * 1e6
+    return (times[n // 2] * 1e6, times[min(n - 1, (n * 99) // 100)] * 1e6,
+            (c1 - c0) / n / 1e3, (s1 - s0) / n / 1e3)
 
 
 async def _ops(call: Callable[[int], Awaitable[Any]], tasks: int, per_task: int) -> float:
@@ -181,7 +194,7 @@ def _prompt(i: int, chunks: int) -> np.ndarray:
 
 
 async def _request_path(client: Client, echo: _EchoClient, repeats: int, tasks: int,
-                        ) -> dict[str, Any]:
+                        server_pid: int, echo_pid: int) -> dict[str, Any]:
     toks = _prompt(0, 1)
     kv = ipc.empty_shared(TINY.shape(CH), TINY.dtype)
     kv.copy_(torch.randn(TINY.shape(CH)).to(TINY.dtype))
@@ -203,11 +216,12 @@ async def _request_path(client: Client, echo: _EchoClient, repeats: int, tasks: 
 
     res: dict[str, list[Any]] = {k: [] for k in (
         "echo_lat", "lookup_lat", "get_lat", "echo_ops", "lookup_ops", "get_ops")}
-    for fn in (bounce, lookup, get):
-        await _latencies(fn, 200)  # warm: first mappings, allocator, caches
+    pids = {"echo": echo_pid, "lookup": server_pid, "get": server_pid}
+    for name, fn in (("echo", bounce), ("lookup", lookup), ("get", get)):
+        await _latencies(fn, 200, pids[name])  # warm: first mappings, allocator, caches
     for _ in range(repeats):
         for name, fn in (("echo", bounce), ("lookup", lookup), ("get", get)):
-            res[f"{name}_lat"].append(await _latencies(fn, _LAT_SAMPLES))
+            res[f"{name}_lat"].append(await _latencies(fn, _LAT_SAMPLES, pids[name]))
         res["echo_ops"].append(await _ops(lambda i: echo.call(payload), tasks, _OPS_PER_TASK))
         res["lookup_ops"].append(await _ops(lambda i: client.lookup(toks), tasks,
                                             _OPS_PER_TASK))
@@ -216,8 +230,10 @@ async def _request_path(client: Client, echo: _EchoClient, repeats: int, tasks: 
     out: dict[str, Any] = {"tasks": tasks, "echo_form": ECHO_FORM,
                            "payload_bytes": len(payload)}
     for name in ("echo", "lookup", "get"):
-        out[f"{name}_p50_us"] = _mm([p50 for p50, _ in res[f"{name}_lat"]])
-        out[f"{name}_p99_us"] = _mm([p99 for _, p99 in res[f"{name}_lat"]])
+        out[f"{name}_p50_us"] = _mm([r[0] for r in res[f"{name}_lat"]])
+        out[f"{name}_p99_us"] = _mm([r[1] for r in res[f"{name}_lat"]])
+        out[f"{name}_client_cpu_us"] = _mm([r[2] for r in res[f"{name}_lat"]])
+        out[f"{name}_server_cpu_us"] = _mm([r[3] for r in res[f"{name}_lat"]])
         out[f"{name}_ops"] = _mm(res[f"{name}_ops"])
     # Ratios of the repeat-wise figures (same repeat, same machine state), then min/median.
     lat = [lk[0] / ec[0] for lk, ec in zip(res["lookup_lat"], res["echo_lat"], strict=True)]
@@ -272,13 +288,16 @@ async def server_part(sizes: list[int], repeats: int, tasks: int = TASKS) -> dic
         sock, echo_sock = str(run / "s.sock"), str(run / "echo.sock")
         echo_proc = _start_echo(echo_sock)
         try:
-            with spawn(cfg, sock, log=Path(d) / "server.log"):
+            with spawn(cfg, sock, log=Path(d) / "server.log") as server:
+                if server.pid is None:
+                    raise RuntimeError(f"a server already listens on {sock}")
                 echo = _EchoClient()
                 await echo.open(echo_sock)
                 try:
                     async with Client(sock, spec=TINY, namespace="bench-server",
                                       chunk_size=CH) as client:
-                        path = await _request_path(client, echo, repeats, tasks)
+                        path = await _request_path(client, echo, repeats, tasks,
+                                                   server.pid, echo_proc.pid)
                         curve = await _put_curve(client, sizes, repeats)
                 finally:
                     await echo.aclose()
@@ -298,14 +317,16 @@ def report(sv: dict[str, Any]) -> None:
           "same kind of socket")
     print(f"  echo: {sv['echo_form']}; {sv['payload_bytes']} payload bytes")
     print("  (min / median over the repeats; a ratio is taken within each repeat)")
-    print(f"  {'request':<28} {'p50 us':>16} {'p99 us':>16} "
-          f"{'ops/s, ' + str(sv['tasks']) + ' in flight':>26}")
+    print(f"  {'request':<22} {'p50 us':>15} {'p99 us':>15} {'CPU us, client':>15} "
+          f"{'CPU us, server':>15} {'ops/s, ' + str(sv['tasks']) + ' in flight':>20}")
     for name, label in (("echo", "echo round trip"), ("lookup", "lookup, one chunk"),
                         ("get", "get(out=), one chunk")):
         ops = sv[f"{name}_ops"]
-        print(f"  {label:<28} {mm(sv[f'{name}_p50_us'], ''):>16} "
-              f"{mm(sv[f'{name}_p99_us'], ''):>16} "
-              f"{ops['min']:>12.0f} / {ops['median']:.0f}")
+        print(f"  {label:<22} {mm(sv[f'{name}_p50_us'], ''):>15} "
+              f"{mm(sv[f'{name}_p99_us'], ''):>15} "
+              f"{mm(sv[f'{name}_client_cpu_us'], ''):>15} "
+              f"{mm(sv[f'{name}_server_cpu_us'], ''):>15} "
+              f"{ops['min']:>11.0f} / {ops['median']:.0f}")
     r = sv["lookup_p50_vs_echo"]
     print(f"  lookup p50 / echo p50: {r['best']:.2f} best, {r['median']:.2f} median "
           f"(goal <= 2)")
