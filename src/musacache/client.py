@@ -74,6 +74,27 @@ _MAX_BUFFERS = 64
 _SMALL_GET = 1 << 20
 
 
+class _Staging:
+    """Shared uint8 buffers for tensors in private memory, reused across calls (one per call
+    in flight, so concurrent calls never share one; at most four kept)."""
+
+    def __init__(self) -> None:
+        self._free: list[torch.Tensor] = []
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        for i, buf in enumerate(self._free):
+            if buf.numel() >= nbytes:
+                return self._free.pop(i)
+        return ipc.empty_shared((nbytes,), torch.uint8)
+
+    def give(self, buf: torch.Tensor) -> None:
+        if len(self._free) < 4:
+            self._free.append(buf)
+
+    def clear(self) -> None:
+        self._free.clear()
+
+
 class _Buffers:
     """The views of this client's shared memory that the server keeps mapped for one
     connection, by id (``buf`` in a put or get).
@@ -189,10 +210,15 @@ class Client:
         self.server_info: dict[str, Any] = {}
         self._conn: ipc.Connection | None = None
         self._pending: dict[int, asyncio.Future[ipc.Reply]] = {}
+        # Each pending request's deadline, oldest first (the timeout is the same for all,
+        # so the order of sending is the order of deadlines): one timer serves them all.
+        self._due: dict[int, float] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count(1)
         self._regs: list[_LocalRegistration] = []
         self._connect_lock = anyio.Lock()
-        self._staging: list[torch.Tensor] = []
+        self._staging = _Staging()
         self._buffers: _Buffers | None = None
         self._state = "new"
         self._connected_once = False
@@ -309,9 +335,12 @@ class Client:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[ipc.Reply] = loop.create_future()
         self._pending[rid] = fut
-        # The deadline is a timer that fails the reply's future: an anyio cancel scope per
-        # request cost as much as the rest of a small request's client side.
-        timer = loop.call_later(self.timeout, _expire, fut)
+        # The deadline fails the reply's future from a timer: an anyio cancel scope per
+        # request cost as much as the rest of a small request's client side, and a timer
+        # per request still a tenth of it.
+        due = self._due[rid] = loop.time() + self.timeout
+        if self._timer is None or self._timer_loop is not loop:
+            self._timer, self._timer_loop = loop.call_at(due, self._expire), loop
         try:
             await conn.send_request(rid, op, args, fds, timeout=self.timeout)
             reply = await fut
@@ -322,9 +351,26 @@ class Client:
                 f"musacache server at {self.path} did not answer {op} within {self.timeout} s"
             ) from None
         finally:
-            timer.cancel()
             self._pending.pop(rid, None)
+            self._due.pop(rid, None)
         return reply.unwrap()
+
+    def _expire(self) -> None:
+        """Fail the requests past their deadline; wake again at the next one."""
+        self._timer = None
+        loop = self._timer_loop
+        if loop is None:
+            return
+        now = loop.time()
+        while self._due:
+            rid, due = next(iter(self._due.items()))
+            if due > now:
+                self._timer = loop.call_at(due, self._expire)
+                return
+            del self._due[rid]
+            fut = self._pending.get(rid)
+            if fut is not None and not fut.done():
+                fut.set_exception(TimeoutError())
 
     async def _call(self, op: str, args: dict[str, Any], fds: Sequence[int] = ()) -> Any:
         self._check_open()
@@ -368,7 +414,7 @@ class Client:
             # One copy into sealed shared memory (private memory cannot be mapped, and the
             # server refuses memory that could shrink under it); the server then copies once
             # into its tier.
-            raw = self._take_staging(self.spec.nbytes(len(toks)))
+            raw = self._staging.take(self.spec.nbytes(len(toks)))
             staged = raw[:self.spec.nbytes(len(toks))].view(self.spec.dtype).view(
                 self.spec.shape(len(toks)))
             await _copy(staged, dense)
@@ -377,7 +423,7 @@ class Client:
             return int(await self._dense("put", toks, "kv", dense))
         finally:
             if raw is not None:
-                self._give_staging(raw)
+                self._staging.give(raw)
 
     async def get(self, tokens: TokensLike, out: torch.Tensor | None = None) -> Hit:
         self._check_open()
@@ -398,7 +444,7 @@ class Client:
             target = out
         elif self.spec.nbytes(n) <= _SMALL_GET:
             # A reused staging buffer (kept mapped by the server), then one small copy.
-            raw = self._take_staging(self.spec.nbytes(n))
+            raw = self._staging.take(self.spec.nbytes(n))
             target = raw[:self.spec.nbytes(n)].view(self.spec.dtype).view(self.spec.shape(n))
         else:
             target = ipc.empty_shared(self.spec.shape(n), self.spec.dtype)
@@ -415,7 +461,7 @@ class Client:
                 target = out
         finally:
             if raw is not None:
-                self._give_staging(raw)
+                self._staging.give(raw)
         return Hit(got, target if got == n else target.narrow(td, 0, got),
                    dict(res.get("tiers") or {}))
 
@@ -460,7 +506,7 @@ class Client:
         if not wire_keys:
             return 0
         itemsize = torch.empty((), dtype=self.spec.dtype).element_size()
-        raw = self._take_staging(len(pages) * numel * itemsize)
+        raw = self._staging.take(len(pages) * numel * itemsize)
         try:
             staged = raw[:len(pages) * numel * itemsize].view(self.spec.dtype).view(
                 len(pages), numel)
@@ -472,7 +518,7 @@ class Client:
                 args["after"] = _page_keys([after])[0]
             return int(await self._call("put_pages", args, handle.fds))
         finally:
-            self._give_staging(raw)
+            self._staging.give(raw)
 
     async def get_pages(self, keys: Sequence[str | bytes], outs: Sequence[torch.Tensor],
                         ) -> list[bool]:
@@ -491,7 +537,7 @@ class Client:
         if not wire_keys:
             return []
         itemsize = torch.empty((), dtype=self.spec.dtype).element_size()
-        raw = self._take_staging(len(outs) * numel * itemsize)
+        raw = self._staging.take(len(outs) * numel * itemsize)
         try:
             target = raw[:len(outs) * numel * itemsize].view(self.spec.dtype).view(
                 len(outs), numel)
@@ -503,7 +549,7 @@ class Client:
                     outs[i].copy_(target[i].view(outs[i].shape))
             return found
         finally:
-            self._give_staging(raw)
+            self._staging.give(raw)
 
     async def exists_pages(self, keys: Sequence[str | bytes]) -> int:
         """As :meth:`musacache.Cache.exists_pages`."""
@@ -632,19 +678,6 @@ class Client:
         call["reg"] = r.remote
         return int(await self._request(conn, op, call, fds))
 
-    # -- staging buffers for dense tensors in private memory ------------------------------------
-
-    def _take_staging(self, nbytes: int) -> torch.Tensor:
-        """A shared uint8 buffer of at least ``nbytes``, reused across calls (one per call in
-        flight, so concurrent puts never share one)."""
-        for i, buf in enumerate(self._staging):
-            if buf.numel() >= nbytes:
-                return self._staging.pop(i)
-        return ipc.empty_shared((nbytes,), torch.uint8)
-
-    def _give_staging(self, buf: torch.Tensor) -> None:
-        if len(self._staging) < 4:
-            self._staging.append(buf)
 
 
 def _page_keys(keys: Any) -> list[bytes]:
@@ -662,11 +695,6 @@ def _page_keys(keys: Any) -> list[bytes]:
 def _sealed(t: torch.Tensor) -> bool:
     # empty_shared memory is sealed by construction: known without asking the kernel.
     return shared_segment(t) is not None or ipc.is_sealed(t)
-
-
-def _expire(fut: asyncio.Future[ipc.Reply]) -> None:
-    if not fut.done():
-        fut.set_exception(TimeoutError())
 
 
 def _tok_bytes(tokens: TokensLike) -> bytes:

@@ -662,15 +662,15 @@ class Server:
             peer.in_flight += 1
             peer.held_fds += len(frame.fds)
             fds = list(frame.fds)
-            task = loop.create_task(self._dispatch(conn, peer, frame, fds))
-            ops[task] = fds
-            task.add_done_callback(ops.pop)
+            ops[loop.create_task(self._dispatch(conn, peer, frame, fds, ops))] = fds
 
         def on_end(error: BaseException | None) -> None:
             nonlocal ended
             if isinstance(error, ipc.FrameError):
                 self.counters["bad_frames"] += 1
                 log.info("bad frame from pid %d: %s", peer.pid, error)
+            elif error is not None and not isinstance(error, (MusaCacheError, OSError)):
+                log.error("connection handler failed", exc_info=error)
             ended = True
             wake.set()
 
@@ -722,9 +722,17 @@ class Server:
         self._peers.discard(peer)
 
     async def _dispatch(self, conn: ipc.Connection, peer: _Peer, req: ipc.Request,
-                        fds: list[int]) -> None:
+                        fds: list[int], ops: dict[asyncio.Task[None], list[int]]) -> None:
         """Run one request; ``fds`` are its fds (handlers take theirs out of the list; the
-        rest are closed here, and the list emptied)."""
+        rest are closed here, and the list emptied). It leaves ``ops`` when it ends (no done
+        callback: one more turn of the loop per request)."""
+        try:
+            await self._run(conn, peer, req, fds)
+        finally:
+            ops.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
+
+    async def _run(self, conn: ipc.Connection, peer: _Peer, req: ipc.Request,
+                   fds: list[int]) -> None:
         self.counters["requests"] += 1
         held = len(fds)
         try:

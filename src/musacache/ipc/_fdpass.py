@@ -24,7 +24,7 @@ from typing import Any, Literal, NamedTuple
 import anyio
 import anyio.lowlevel
 
-from .._errors import CacheUnavailableError, MusaCacheError, ProtocolError
+from .._errors import CacheUnavailableError, ProtocolError
 from ._protocol import (
     DEFAULT_MAX_FRAME_SIZE,
     MAX_FDS_PER_FRAME,
@@ -417,11 +417,19 @@ class Connection:
         loop = asyncio.get_running_loop()
         loop.add_reader(self._sock.fileno(), self._deliver)
         self._reader_loop = loop
-        loop.call_soon(self._deliver)  # frames already received wait in the decoder
+        loop.call_soon(self._resume)  # frames already received wait in the decoder
+
+    def _resume(self) -> None:
+        try:
+            self._drain_frames()
+        except Exception as exc:
+            self._end(exc)
 
     def _deliver(self) -> None:
+        # Called when the socket is readable; the decoder holds no whole frame then (every
+        # one was handed out, or delivery is paused and this is not registered).
         try:
-            while self._drain_frames():
+            while self._on_frame is not None and not self._paused:
                 data, fds = _recv_now(self._sock)
                 if not data:
                     for fd in fds:
@@ -433,13 +441,13 @@ class Connection:
                     self._end(None)
                     return
                 self._decoder.feed(data, fds)
-                if len(data) < _RECV_CHUNK:
-                    # The socket is drained: no second recvmsg only to hear EAGAIN.
-                    self._drain_frames()
+                if not self._drain_frames() or len(data) < _RECV_CHUNK:
+                    # Paused, ended, or the socket is drained: no second recvmsg only to
+                    # hear EAGAIN.
                     return
         except BlockingIOError:
             return
-        except (MusaCacheError, OSError) as exc:
+        except Exception as exc:  # the peer's (a bad frame, a reset) or a bug in on_frame
             self._end(exc)
 
     def _drain_frames(self) -> bool:
