@@ -8,6 +8,7 @@ import asyncio
 import gc
 import socket
 import time
+import weakref
 from typing import Any
 
 import pytest
@@ -224,3 +225,29 @@ async def test_a_silent_server_times_out(tmp_path):
         for conn in conns:
             await conn.aclose()
         listener.close()
+
+
+async def test_views_cycling_past_the_limit_stay_correct_and_bounded(tmp_path):
+    """Gets without a shared ``out`` go through one staging buffer, a view of another shape
+    for each length: more views than the server keeps. Each comes back right, and the
+    client watches each memory once, however often its views come and go."""
+    spec = small_spec()
+    cfg = _config(tmp_path, spec, max_buffers_per_peer=2)
+    async with Server(cfg) as srv:
+        serving = asyncio.create_task(srv.serve_forever())
+        async with mc.connect(cfg.socket_path, spec=spec, namespace="srv", chunk_size=CH) as c:
+            toks = list(range(5 * CH))
+            kv = prefix_kv(spec, toks)
+            assert await c.put(toks, kv) == 5 * CH
+            finalizers = len(weakref.finalize._registry)  # type: ignore[attr-defined]
+            for _ in range(10):
+                for n in range(1, 6):
+                    hit = await c.get(toks[:n * CH])
+                    assert hit.num_tokens == n * CH
+                    assert torch.equal(hit.kv, prefix_kv(spec, toks[:n * CH]))
+            (peer,) = srv._peers
+            assert len(peer.buffers) <= 2
+            assert len(weakref.finalize._registry) <= finalizers + 2  # type: ignore[attr-defined]
+            assert srv.counters["errors"] == 0
+        srv.stop()
+        await serving

@@ -101,10 +101,12 @@ class _Buffers:
 
     The first request on a view sends its handle and fd with a new id; later ones send the
     id alone. A view is named by its memory (the mapping object of :func:`empty_shared`,
-    watched by a finaliser, so a freed buffer is released and its name never reused while
-    listed) and its dtype, offset, shape and stride. Past the limit, the least recently used
-    view with no request in flight is released (``release`` in the next request). Ids are
-    never reused on a connection, so a release sent twice is harmless.
+    watched by one finaliser per memory, so the views of a freed buffer are released with the
+    next request and its name is never reused while listed; the finaliser only notes it: it
+    may run in the middle of :meth:`bind`) and its dtype, offset, shape and stride. Past the
+    limit, the least recently used view with no request in flight is released (``release``
+    in the next request). Ids are never reused on a connection, so a release sent twice is
+    harmless.
     """
 
     def __init__(self, conn: ipc.Connection, limit: int) -> None:
@@ -114,7 +116,8 @@ class _Buffers:
         self._keys: dict[int, tuple[Any, ...]] = {}
         self._busy: dict[int, int] = {}
         self._release: list[int] = []
-        self._dead: list[int] = []
+        self._watched: dict[int, weakref.finalize] = {}  # id(segment) -> its finaliser
+        self._dead: list[int] = []  # ids of segments whose memory is gone
         self._next = itertools.count(1)
 
     def bind(self, t: torch.Tensor, name: str, args: dict[str, Any],
@@ -123,8 +126,9 @@ class _Buffers:
         whether it is new, the ids released by this request). Pass all but the handle to
         :meth:`done` when the request ends."""
         while self._dead:
-            dead = self._dead.pop()
-            if dead in self._keys:
+            gone = self._dead.pop()
+            self._watched.pop(gone, None)
+            for dead in [b for b, k in self._keys.items() if k[0] == gone]:
                 self._forget(dead)
                 self._release.append(dead)
         released, self._release = self._release, []
@@ -156,7 +160,9 @@ class _Buffers:
         self._ids[key] = bid
         self._keys[bid] = key
         self._busy[bid] = 1
-        weakref.finalize(segment, self._freed, bid)
+        if id(segment) not in self._watched:
+            self._watched[id(segment)] = weakref.finalize(segment, self._dead.append,
+                                                          id(segment))
         handle = ipc.share(t)
         args[name] = handle.to_wire()
         args["buf"] = bid
@@ -177,12 +183,6 @@ class _Buffers:
         key = self._keys.pop(bid)
         del self._ids[key]
         del self._busy[bid]
-
-    def _freed(self, bid: int) -> None:
-        # The memory is gone: its id goes with the next request (the server's mapping keeps
-        # the memory alive until then). Only noted here: a finaliser may run in the middle
-        # of bind(), whose tables must not change under it.
-        self._dead.append(bid)
 
 
 class Client:

@@ -176,11 +176,6 @@ def _recv_now(sock: socket.socket) -> tuple[bytes, list[int]]:
     return data, fds
 
 
-def _wake(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
-
-
 # -- peers ------------------------------------------------------------------------------------
 
 
@@ -470,8 +465,6 @@ class Connection:
         if on_end is not None:
             on_end(exc)
 
-    # -- closing --------------------------------------------------------------------------
-
     async def _wait_readable(self) -> None:
         # The loop's reader callback stays registered while a receiver keeps waiting, and
         # resolves a plain future: anyio.wait_readable registers and unregisters the fd with
@@ -504,6 +497,8 @@ class Connection:
         loop, self._reader_loop = self._reader_loop, None
         if loop is not None and not loop.is_closed():
             loop.remove_reader(self._sock.fileno())
+
+    # -- closing --------------------------------------------------------------------------
 
     def _close_now(self) -> None:
         if self._closed:
