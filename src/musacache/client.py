@@ -305,7 +305,8 @@ class Client:
             self._fail_pending(f"connection to the server lost: {frame}")
             conn.close()
             return
-        ipc.close_fds(frame.fds)
+        if frame.fds:
+            ipc.close_fds(frame.fds)
         if not isinstance(frame, ipc.Reply):
             return
         if frame.id is None:
@@ -374,7 +375,9 @@ class Client:
 
     async def _call(self, op: str, args: dict[str, Any], fds: Sequence[int] = ()) -> Any:
         self._check_open()
-        conn = await self._ensure()
+        conn = self._conn
+        if conn is None or conn.closed:  # (the usual case costs no coroutine)
+            conn = await self._ensure()
         return await self._request(conn, op, args, fds)
 
     # -- the Cache API ----------------------------------------------------------------------
@@ -468,7 +471,9 @@ class Client:
     async def _dense(self, op: str, toks: Any, name: str, t: torch.Tensor) -> Any:
         """One put or get of ``t`` (shared memory): by buffer id once the server keeps it."""
         self._check_open()
-        conn = await self._ensure()
+        conn = self._conn
+        if conn is None or conn.closed:
+            conn = await self._ensure()
         bufs = self._buffers
         if bufs is None or bufs.conn is not conn:
             limit = min(_MAX_BUFFERS, int(self.server_info.get("max_buffers") or 0))
