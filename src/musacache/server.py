@@ -365,6 +365,9 @@ class _DataOps:
             imp = peer.table.open_tensor(msg.handle, mine)
         else:
             imp = await peer.table.aopen_tensor(msg.handle, mine)
+            if msg.buf in peer.buffers:  # another request kept this id meanwhile
+                imp.close()
+                raise ProtocolError(f"buffer {msg.buf} is already mapped on this connection")
         peer.buffers[msg.buf] = imp
         return imp.tensor, None
 
