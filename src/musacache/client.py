@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,6 +35,7 @@ from ._errors import (
 )
 from ._keys import as_tokens
 from ._spec import KVSpec
+from .ipc._memory import shared_segment
 
 __all__ = ["Client", "connect"]
 
@@ -65,6 +67,124 @@ def _signature(tensors: Sequence[torch.Tensor]) -> tuple[tuple[int, tuple[int, .
     return tuple((t.data_ptr(), tuple(t.shape)) for t in tensors)
 
 
+#: Views one connection asks the server to keep mapped (the server's limit may be lower).
+_MAX_BUFFERS = 64
+#: A get without a shared ``out`` of at most this many bytes goes through a reused staging
+#: buffer and one copy; a larger one gets fresh shared memory (a copy would cost more).
+_SMALL_GET = 1 << 20
+
+
+class _Staging:
+    """Shared uint8 buffers for tensors in private memory, reused across calls (one per call
+    in flight, so concurrent calls never share one; at most four kept)."""
+
+    def __init__(self) -> None:
+        self._free: list[torch.Tensor] = []
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        for i, buf in enumerate(self._free):
+            if buf.numel() >= nbytes:
+                return self._free.pop(i)
+        return ipc.empty_shared((nbytes,), torch.uint8)
+
+    def give(self, buf: torch.Tensor) -> None:
+        if len(self._free) < 4:
+            self._free.append(buf)
+
+    def clear(self) -> None:
+        self._free.clear()
+
+
+class _Buffers:
+    """The views of this client's shared memory that the server keeps mapped for one
+    connection, by id (``buf`` in a put or get).
+
+    The first request on a view sends its handle and fd with a new id; later ones send the
+    id alone. A view is named by its memory (the mapping object of :func:`empty_shared`,
+    watched by one finaliser per memory, so the views of a freed buffer are released with the
+    next request and its name is never reused while listed; the finaliser only notes it: it
+    may run in the middle of :meth:`bind`) and its dtype, offset, shape and stride. Past the
+    limit, the least recently used view with no request in flight is released (``release``
+    in the next request). Ids are never reused on a connection, so a release sent twice is
+    harmless.
+    """
+
+    def __init__(self, conn: ipc.Connection, limit: int) -> None:
+        self.conn = conn
+        self.limit = limit
+        self._ids: dict[tuple[Any, ...], int] = {}  # in order of use, oldest first
+        self._keys: dict[int, tuple[Any, ...]] = {}
+        self._busy: dict[int, int] = {}
+        self._release: list[int] = []
+        self._watched: dict[int, weakref.finalize] = {}  # id(segment) -> its finaliser
+        self._dead: list[int] = []  # ids of segments whose memory is gone
+        self._next = itertools.count(1)
+
+    def bind(self, t: torch.Tensor, name: str, args: dict[str, Any],
+             ) -> tuple[ipc.TensorHandle | None, int | None, bool, list[int]]:
+        """Fill ``args`` for ``t``: (the handle whose fds go with the request, the buffer id,
+        whether it is new, the ids released by this request). Pass all but the handle to
+        :meth:`done` when the request ends."""
+        while self._dead:
+            gone = self._dead.pop()
+            self._watched.pop(gone, None)
+            for dead in [b for b, k in self._keys.items() if k[0] == gone]:
+                self._forget(dead)
+                self._release.append(dead)
+        released, self._release = self._release, []
+        if released:
+            args["release"] = released
+        segment = shared_segment(t) if self.limit else None
+        if segment is None:
+            handle = ipc.share(t)
+            args[name] = handle.to_wire()
+            return handle, None, False, released
+        key = (id(segment), t.dtype, t.storage_offset(), t.shape, t.stride())
+        kept = self._ids.get(key)
+        if kept is not None:
+            del self._ids[key]
+            self._ids[key] = kept  # the newest now
+            self._busy[kept] += 1
+            args["buf"] = kept
+            return None, kept, False, released
+        if len(self._ids) >= self.limit:
+            victim = next((b for b in self._ids.values() if not self._busy[b]), None)
+            if victim is None:  # every kept view is in use: this one goes without keeping
+                handle = ipc.share(t)
+                args[name] = handle.to_wire()
+                return handle, None, False, released
+            self._forget(victim)
+            released.append(victim)
+            args["release"] = released
+        bid = next(self._next)
+        self._ids[key] = bid
+        self._keys[bid] = key
+        self._busy[bid] = 1
+        if id(segment) not in self._watched:
+            self._watched[id(segment)] = weakref.finalize(segment, self._dead.append,
+                                                          id(segment))
+        handle = ipc.share(t)
+        args[name] = handle.to_wire()
+        args["buf"] = bid
+        return handle, bid, True, released
+
+    def done(self, bid: int | None, new: bool, released: list[int], failed: bool) -> None:
+        if bid is not None and bid in self._busy:
+            self._busy[bid] -= 1
+        if failed:
+            # The server may not have read the request: say the releases again, and forget
+            # a view it may not have kept (released too, in case it did).
+            self._release.extend(released)
+            if new and bid is not None and bid in self._keys:
+                self._forget(bid)
+                self._release.append(bid)
+
+    def _forget(self, bid: int) -> None:
+        key = self._keys.pop(bid)
+        del self._ids[key]
+        del self._busy[bid]
+
+
 class Client:
     """A connection to ``musacache serve``. Use ``async with connect(path, spec=..., ...)``."""
 
@@ -89,12 +209,17 @@ class Client:
         self.connect_timeout = connect_timeout
         self.server_info: dict[str, Any] = {}
         self._conn: ipc.Connection | None = None
-        self._reader: asyncio.Task[None] | None = None
         self._pending: dict[int, asyncio.Future[ipc.Reply]] = {}
+        # Each pending request's deadline, oldest first (the timeout is the same for all,
+        # so the order of sending is the order of deadlines): one timer serves them all.
+        self._due: dict[int, float] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count(1)
         self._regs: list[_LocalRegistration] = []
         self._connect_lock = anyio.Lock()
-        self._staging: list[torch.Tensor] = []
+        self._staging = _Staging()
+        self._buffers: _Buffers | None = None
         self._state = "new"
         self._connected_once = False
         self.reconnects = 0
@@ -145,7 +270,8 @@ class Client:
             self.reconnects += 1
         self._connected_once = True
         self._conn = conn
-        self._reader = asyncio.get_running_loop().create_task(self._read_loop(conn))
+        conn.start_reading(lambda frame: self._on_frame(conn, frame),
+                           lambda exc: self._on_end(conn, exc))
         try:
             self.server_info = await self._request(conn, "hello", {
                 "protocol": ipc.PROTOCOL_VERSION, "namespace": self.namespace,
@@ -163,10 +289,6 @@ class Client:
         conn, self._conn = self._conn, None
         if conn is not None:
             await conn.aclose()
-        reader, self._reader = self._reader, None
-        if reader is not None and reader is not asyncio.current_task():
-            reader.cancel()
-            await asyncio.gather(reader, return_exceptions=True)
         self._fail_pending(why)
 
     def _fail_pending(self, why: str) -> None:
@@ -175,32 +297,32 @@ class Client:
             if not fut.done():
                 fut.set_exception(CacheUnavailableError(why))
 
-    async def _read_loop(self, conn: ipc.Connection) -> None:
-        why = "the server closed the connection"
-        try:
-            while True:
-                frame = await conn.receive()
-                if frame is None:
-                    break
-                if not isinstance(frame, ipc.Reply):
-                    ipc.close_fds(frame.fds)
-                    continue
-                ipc.close_fds(frame.fds)
-                if frame.id is None:
-                    # An error about the connection itself (refused, bad frame): fail everyone.
-                    why = str(ipc.error_from_wire(frame.error)) if frame.error else why
-                    self._fail_with(ipc.error_from_wire(frame.error) if frame.error else None, why)
-                    continue
-                fut = self._pending.pop(frame.id, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(frame)
-        except (MusaCacheError, OSError) as e:
-            why = f"connection to the server lost: {e}"
-        finally:
-            if self._conn is conn:
-                self._conn = None
-            await conn.aclose()
-            self._fail_pending(why)
+    # Replies are routed from the connection's reader callback: no reading task to wake
+    # between the socket and the caller's future.
+    def _on_frame(self, conn: ipc.Connection, frame: ipc.Frame | ipc.FrameError) -> None:
+        if isinstance(frame, ipc.FrameError):
+            # A reply the client cannot read: nothing on this connection can be trusted.
+            self._fail_pending(f"connection to the server lost: {frame}")
+            conn.close()
+            return
+        if frame.fds:
+            ipc.close_fds(frame.fds)
+        if not isinstance(frame, ipc.Reply):
+            return
+        if frame.id is None:
+            # An error about the connection itself (refused, bad frame): fail everyone.
+            err = ipc.error_from_wire(frame.error) if frame.error else None
+            self._fail_with(err, str(err) if err else "the server closed the connection")
+            return
+        fut = self._pending.pop(frame.id, None)
+        if fut is not None and not fut.done():
+            fut.set_result(frame)
+
+    def _on_end(self, conn: ipc.Connection, exc: BaseException | None) -> None:
+        if self._conn is conn:
+            self._conn = None
+        self._fail_pending("the server closed the connection" if exc is None
+                           else f"connection to the server lost: {exc}")
 
     def _fail_with(self, exc: MusaCacheError | None, why: str) -> None:
         pending, self._pending = self._pending, {}
@@ -211,12 +333,18 @@ class Client:
     async def _request(self, conn: ipc.Connection, op: str, args: dict[str, Any],
                        fds: Sequence[int] = ()) -> Any:
         rid = next(self._ids)
-        fut: asyncio.Future[ipc.Reply] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[ipc.Reply] = loop.create_future()
         self._pending[rid] = fut
+        # The deadline fails the reply's future from a timer: an anyio cancel scope per
+        # request cost as much as the rest of a small request's client side, and a timer
+        # per request still a tenth of it.
+        due = self._due[rid] = loop.time() + self.timeout
+        if self._timer is None or self._timer_loop is not loop:
+            self._timer, self._timer_loop = loop.call_at(due, self._expire), loop
         try:
-            with anyio.fail_after(self.timeout):
-                await conn.send_request(rid, op, args, fds)
-                reply = await fut
+            await conn.send_request(rid, op, args, fds, timeout=self.timeout)
+            reply = await fut
         except TimeoutError:
             # A server that does not answer in time is treated as gone: reconnect next call.
             await self._drop(f"{op} got no answer within {self.timeout} s")
@@ -225,11 +353,31 @@ class Client:
             ) from None
         finally:
             self._pending.pop(rid, None)
+            self._due.pop(rid, None)
         return reply.unwrap()
+
+    def _expire(self) -> None:
+        """Fail the requests past their deadline; wake again at the next one."""
+        self._timer = None
+        loop = self._timer_loop
+        if loop is None:
+            return
+        now = loop.time()
+        while self._due:
+            rid, due = next(iter(self._due.items()))
+            if due > now:
+                self._timer = loop.call_at(due, self._expire)
+                return
+            del self._due[rid]
+            fut = self._pending.get(rid)
+            if fut is not None and not fut.done():
+                fut.set_exception(TimeoutError())
 
     async def _call(self, op: str, args: dict[str, Any], fds: Sequence[int] = ()) -> Any:
         self._check_open()
-        conn = await self._ensure()
+        conn = self._conn
+        if conn is None or conn.closed:  # (the usual case costs no coroutine)
+            conn = await self._ensure()
         return await self._request(conn, op, args, fds)
 
     # -- the Cache API ----------------------------------------------------------------------
@@ -265,22 +413,20 @@ class Client:
             return 0
         dense = kv.narrow(self.spec.token_dim, 0, len(toks))
         raw: torch.Tensor | None = None
-        if not ipc.is_sealed(dense):
+        if not _sealed(dense):
             # One copy into sealed shared memory (private memory cannot be mapped, and the
             # server refuses memory that could shrink under it); the server then copies once
             # into its tier.
-            raw = self._take_staging(self.spec.nbytes(len(toks)))
+            raw = self._staging.take(self.spec.nbytes(len(toks)))
             staged = raw[:self.spec.nbytes(len(toks))].view(self.spec.dtype).view(
                 self.spec.shape(len(toks)))
             await _copy(staged, dense)
             dense = staged
         try:
-            handle = ipc.share(dense)
-            return int(await self._call("put", {"tokens": toks.tobytes(), "kv": handle.to_wire()},
-                                        handle.fds))
+            return int(await self._dense("put", toks, "kv", dense))
         finally:
             if raw is not None:
-                self._give_staging(raw)
+                self._staging.give(raw)
 
     async def get(self, tokens: TokensLike, out: torch.Tensor | None = None) -> Hit:
         self._check_open()
@@ -292,18 +438,55 @@ class Client:
                 raise ShapeError(f"out holds {have} tokens, tokens has {n}: out must have shape "
                                  f"{self.spec.shape(n)}")
         td = self.spec.token_dim
-        target = out if out is not None and ipc.is_sealed(out) else \
-            ipc.empty_shared(self.spec.shape(n), self.spec.dtype)
         if n == 0:
-            return Hit(0, target.narrow(td, 0, 0), {})
-        handle = ipc.share(target)
-        res = await self._call("get", {"tokens": toks.tobytes(), "out": handle.to_wire()},
-                               handle.fds)
-        got = int(res["num_tokens"])
-        if out is not None and target is not out:
-            await _copy(out.narrow(td, 0, got), target.narrow(td, 0, got))
+            empty = out if out is not None else torch.empty(self.spec.shape(0),
+                                                            dtype=self.spec.dtype)
+            return Hit(0, empty.narrow(td, 0, 0), {})
+        raw: torch.Tensor | None = None
+        if out is not None and _sealed(out):
             target = out
-        return Hit(got, target.narrow(td, 0, got), dict(res.get("tiers") or {}))
+        elif self.spec.nbytes(n) <= _SMALL_GET:
+            # A reused staging buffer (kept mapped by the server), then one small copy.
+            raw = self._staging.take(self.spec.nbytes(n))
+            target = raw[:self.spec.nbytes(n)].view(self.spec.dtype).view(self.spec.shape(n))
+        else:
+            target = ipc.empty_shared(self.spec.shape(n), self.spec.dtype)
+        try:
+            res = await self._dense("get", toks, "out", target)
+            got = int(res["num_tokens"])
+            if raw is not None:
+                dst = out if out is not None else torch.empty(self.spec.shape(n),
+                                                              dtype=self.spec.dtype)
+                dst.narrow(td, 0, got).copy_(target.narrow(td, 0, got))
+                target = dst
+            elif out is not None and target is not out:
+                await _copy(out.narrow(td, 0, got), target.narrow(td, 0, got))
+                target = out
+        finally:
+            if raw is not None:
+                self._staging.give(raw)
+        return Hit(got, target if got == n else target.narrow(td, 0, got),
+                   dict(res.get("tiers") or {}))
+
+    async def _dense(self, op: str, toks: Any, name: str, t: torch.Tensor) -> Any:
+        """One put or get of ``t`` (shared memory): by buffer id once the server keeps it."""
+        self._check_open()
+        conn = self._conn
+        if conn is None or conn.closed:
+            conn = await self._ensure()
+        bufs = self._buffers
+        if bufs is None or bufs.conn is not conn:
+            limit = min(_MAX_BUFFERS, int(self.server_info.get("max_buffers") or 0))
+            bufs = self._buffers = _Buffers(conn, limit)
+        args: dict[str, Any] = {"tokens": toks.tobytes()}
+        handle, bid, new, released = bufs.bind(t, name, args)
+        failed = True
+        try:
+            result = await self._request(conn, op, args, handle.fds if handle else ())
+            failed = False
+            return result
+        finally:
+            bufs.done(bid, new, released, failed)
 
     # -- key-addressed pages (Cache.put_pages and friends) ----------------------------------
 
@@ -328,7 +511,7 @@ class Client:
         if not wire_keys:
             return 0
         itemsize = torch.empty((), dtype=self.spec.dtype).element_size()
-        raw = self._take_staging(len(pages) * numel * itemsize)
+        raw = self._staging.take(len(pages) * numel * itemsize)
         try:
             staged = raw[:len(pages) * numel * itemsize].view(self.spec.dtype).view(
                 len(pages), numel)
@@ -340,7 +523,7 @@ class Client:
                 args["after"] = _page_keys([after])[0]
             return int(await self._call("put_pages", args, handle.fds))
         finally:
-            self._give_staging(raw)
+            self._staging.give(raw)
 
     async def get_pages(self, keys: Sequence[str | bytes], outs: Sequence[torch.Tensor],
                         ) -> list[bool]:
@@ -359,7 +542,7 @@ class Client:
         if not wire_keys:
             return []
         itemsize = torch.empty((), dtype=self.spec.dtype).element_size()
-        raw = self._take_staging(len(outs) * numel * itemsize)
+        raw = self._staging.take(len(outs) * numel * itemsize)
         try:
             target = raw[:len(outs) * numel * itemsize].view(self.spec.dtype).view(
                 len(outs), numel)
@@ -371,7 +554,7 @@ class Client:
                     outs[i].copy_(target[i].view(outs[i].shape))
             return found
         finally:
-            self._give_staging(raw)
+            self._staging.give(raw)
 
     async def exists_pages(self, keys: Sequence[str | bytes]) -> int:
         """As :meth:`musacache.Cache.exists_pages`."""
@@ -500,19 +683,6 @@ class Client:
         call["reg"] = r.remote
         return int(await self._request(conn, op, call, fds))
 
-    # -- staging buffers for dense tensors in private memory ------------------------------------
-
-    def _take_staging(self, nbytes: int) -> torch.Tensor:
-        """A shared uint8 buffer of at least ``nbytes``, reused across calls (one per call in
-        flight, so concurrent puts never share one)."""
-        for i, buf in enumerate(self._staging):
-            if buf.numel() >= nbytes:
-                return self._staging.pop(i)
-        return ipc.empty_shared((nbytes,), torch.uint8)
-
-    def _give_staging(self, buf: torch.Tensor) -> None:
-        if len(self._staging) < 4:
-            self._staging.append(buf)
 
 
 def _page_keys(keys: Any) -> list[bytes]:
@@ -525,6 +695,11 @@ def _page_keys(keys: Any) -> list[bytes]:
             raise InvalidInputError(f"keys[{i}] must be a non-empty str or bytes, got {k!r}")
         out.append(k.encode() if isinstance(k, str) else bytes(k))
     return out
+
+
+def _sealed(t: torch.Tensor) -> bool:
+    # empty_shared memory is sealed by construction: known without asking the kernel.
+    return shared_segment(t) is not None or ipc.is_sealed(t)
 
 
 def _tok_bytes(tokens: TokensLike) -> bytes:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import dataclasses
 import errno
 import hashlib
@@ -31,7 +32,7 @@ import socket
 import stat
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -113,6 +114,8 @@ class ServerConfig:
     max_requests_per_peer: int = 64
     #: fds one connection's in-flight requests may hold (ready/done events, handles).
     max_fds_per_peer: int = 256
+    #: Client buffers one connection may keep mapped between requests (put/get ``buf``).
+    max_buffers_per_peer: int = 128
     #: Largest staging buffer of the byte path (``stage_bytes``), per connection.
     max_stage_bytes: int = 1024**3
     #: Longest wait for a worker's ready event (seconds).
@@ -143,7 +146,8 @@ class ServerConfig:
         if not self.tiers:
             raise ConfigError("a server needs its tiers: [[tiers]] in the config file")
         for name in ("max_caches", "max_connections", "max_requests_per_peer",
-                     "max_fds_per_peer", "max_stage_bytes", "max_frame_size"):
+                     "max_fds_per_peer", "max_buffers_per_peer", "max_stage_bytes",
+                     "max_frame_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"[server] {name} must be a positive int, got {value!r}")
@@ -173,9 +177,10 @@ class ServerConfig:
                   ) -> ServerConfig:
         """A server config file: ``[[tiers]]`` (required), an optional ``[server]`` table
         (``socket``, ``allow_uids``, ``max_caches``, ``max_frame_size``, ``max_connections``,
-        ``max_requests_per_peer``, ``max_fds_per_peer``, ``max_stage_bytes``,
-        ``ready_timeout``) and optional cache settings (``chunk_size``, ``copy_threads``...;
-        docs/configuration.md). ``namespace`` with ``[spec]`` names a cache opened at start."""
+        ``max_requests_per_peer``, ``max_fds_per_peer``, ``max_buffers_per_peer``,
+        ``max_stage_bytes``, ``ready_timeout``) and optional cache settings (``chunk_size``,
+        ``copy_threads``...; docs/configuration.md). ``namespace`` with ``[spec]`` names a
+        cache opened at start."""
         import tomllib
 
         try:
@@ -191,8 +196,8 @@ class ServerConfig:
         if not sock:
             raise ConfigError("no socket path: pass --socket or set [server] socket")
         known = {"allow_uids", "max_caches", "max_frame_size", "max_connections",
-                 "max_requests_per_peer", "max_fds_per_peer", "max_stage_bytes",
-                 "ready_timeout"}
+                 "max_requests_per_peer", "max_fds_per_peer", "max_buffers_per_peer",
+                 "max_stage_bytes", "ready_timeout"}
         unknown = set(server) - known
         if unknown:
             raise ConfigError(
@@ -252,6 +257,8 @@ class _Peer:
     table: ipc.MappingTable
     regs: dict[int, _Registration] = field(default_factory=dict)
     next_reg: int = 1
+    #: Client views kept mapped between requests, by the client's id (put/get ``buf``).
+    buffers: dict[int, ipc.ImportedTensor] = field(default_factory=dict)
     staged: torch.Tensor | None = None
     hello: bool = False
     monitor: bool = False
@@ -327,27 +334,66 @@ class _DataOps:
                 if ev is not None:
                     peer.table.close_event(ev)
 
+    async def _dense(self, peer: _Peer, msg: msgs.DenseMessage, fds: list[int],
+                     ) -> tuple[torch.Tensor, ipc.ImportedTensor | None]:
+        """The tensor a put or get reads or writes, and the mapping to close after the op
+        (None: the connection keeps it). A kept buffer costs no mapping, no handle check
+        and no worker thread: mapping the client's memory on every call was most of a
+        small get."""
+        for number in msg.release:
+            kept = peer.buffers.pop(number, None)
+            if kept is not None:
+                kept.close()
+        if msg.handle is None:
+            kept = None if msg.buf is None else peer.buffers.get(msg.buf)
+            if kept is None:
+                raise InvalidInputError(f"no buffer {msg.buf} on this connection: send its "
+                                        f"handle with it first")
+            return kept.tensor, None
+        if msg.buf is None:
+            imp = await peer.table.aopen_tensor(msg.handle, msgs.take_fds(fds, msg.nfds))
+            return imp.tensor, imp
+        if msg.buf in peer.buffers:
+            raise ProtocolError(f"buffer {msg.buf} is already mapped on this connection")
+        if len(peer.buffers) >= self.config.max_buffers_per_peer:
+            raise ServerLimitError(f"this connection keeps {len(peer.buffers)} buffers "
+                                   f"mapped (max_buffers_per_peer="
+                                   f"{self.config.max_buffers_per_peer}); release some")
+        mine = msgs.take_fds(fds, msg.nfds)
+        if msg.handle.device_kind == "cpu":
+            # A shared memory file is mapped with a few cheap syscalls: no worker thread.
+            imp = peer.table.open_tensor(msg.handle, mine)
+        else:
+            imp = await peer.table.aopen_tensor(msg.handle, mine)
+            if msg.buf in peer.buffers:  # another request kept this id meanwhile
+                imp.close()
+                raise ProtocolError(f"buffer {msg.buf} is already mapped on this connection")
+        peer.buffers[msg.buf] = imp
+        return imp.tensor, None
+
     async def _op_put(self, peer: _Peer, msg: msgs.DenseMessage, fds: list[int]) -> Any:
         cache = _cache_of(peer)
-        imp = await peer.table.aopen_tensor(msg.handle, msgs.take_fds(fds, msg.nfds))
+        kv, imp = await self._dense(peer, msg, fds)
         try:
-            n = await cache.put(_tokens(msg.tokens), imp.tensor)
+            n = await cache.put(_tokens(msg.tokens), kv)
             # Counted from the answer, not from per-request stats() calls: the bytes of KV
             # the put covered (chunks already cached are not copied again).
             self.counters["bytes_copied"] += cache.spec.nbytes(n)
             return n
         finally:
-            imp.close()
+            if imp is not None:
+                imp.close()
 
     async def _op_get(self, peer: _Peer, msg: msgs.DenseMessage, fds: list[int]) -> Any:
         cache = _cache_of(peer)
-        imp = await peer.table.aopen_tensor(msg.handle, msgs.take_fds(fds, msg.nfds))
+        out, imp = await self._dense(peer, msg, fds)
         try:
-            hit = await cache.get(_tokens(msg.tokens), out=imp.tensor)
+            hit = await cache.get(_tokens(msg.tokens), out=out)
             self.counters["bytes_copied"] += cache.spec.nbytes(hit.num_tokens)
             return {"num_tokens": hit.num_tokens, "tiers": hit.tiers}
         finally:
-            imp.close()
+            if imp is not None:
+                imp.close()
 
     async def _op_lookup(self, peer: _Peer, msg: msgs.TokensMessage, fds: list[int]) -> Any:
         return await _cache_of(peer).lookup(_tokens(msg.tokens))
@@ -451,6 +497,9 @@ class Server:
             ("connections", "refused", "requests", "errors", "bad_frames", "limited",
              "accept_backoffs", "bytes_copied", "bytes_received"), 0)
         self._data = _DataOps(config, self.counters)
+        self._handlers: dict[str, Callable[[_Peer, Any, list[int]], Awaitable[Any]]] = {
+            op: getattr(self, f"_op_{op}", None) or getattr(self._data, f"_op_{op}")
+            for op in OPS}
         #: What :meth:`aclose` did (for ``musacache serve`` to report): per cache, chunks
         #: held and chunks written to storage while closing.
         self.close_report: list[dict[str, Any]] = []
@@ -581,41 +630,78 @@ class Server:
                      table=ipc.MappingTable(require_sealed=True, peer_pid=creds.pid))
         self._peers.add(peer)
         self.counters["connections"] += 1
+        # Frames are taken from the connection's reader callback and each request gets a
+        # task of the loop's create_task: a receiving task to wake per frame, and an anyio
+        # task group's start_soon (ten times the cost), were most of a small request. A
+        # refused frame pauses the reading until its answer is sent, as a receiving loop
+        # that answered inline did.
+        loop = asyncio.get_running_loop()
+        ops: dict[asyncio.Task[None], list[int]] = {}  # each op's fds not yet closed
+        refusals: collections.deque[tuple[int | None, MusaCacheError]] = collections.deque()
+        wake = asyncio.Event()
+        ended = False
+
+        def refuse(rid: int | None, error: MusaCacheError) -> None:
+            refusals.append((rid, error))
+            conn.pause_reading()
+            wake.set()
+
+        def on_frame(frame: ipc.Frame | ipc.FrameError) -> None:
+            if isinstance(frame, ipc.FrameError):
+                self.counters["bad_frames"] += 1
+                log.info("bad frame from pid %d: %s", peer.pid, frame)
+                refuse(frame.request_id, frame)
+                return
+            if not isinstance(frame, ipc.Request):
+                ipc.close_fds(frame.fds)
+                self.counters["bad_frames"] += 1
+                return
+            limit = self._over_limit(peer, frame)
+            if limit is not None:
+                ipc.close_fds(frame.fds)
+                self.counters["limited"] += 1
+                refuse(frame.id, limit)
+                return
+            peer.in_flight += 1
+            peer.held_fds += len(frame.fds)
+            fds = list(frame.fds)
+            ops[loop.create_task(self._dispatch(conn, peer, frame, fds, ops))] = fds
+
+        def on_end(error: BaseException | None) -> None:
+            nonlocal ended
+            if isinstance(error, ipc.FrameError):
+                self.counters["bad_frames"] += 1
+                log.info("bad frame from pid %d: %s", peer.pid, error)
+            elif error is not None and not isinstance(error, (MusaCacheError, OSError)):
+                log.error("connection handler failed", exc_info=error)
+            ended = True
+            wake.set()
+
         try:
-            async with anyio.create_task_group() as tg:
-                while True:
+            conn.start_reading(on_frame, on_end)
+            while not ended:
+                await wake.wait()
+                wake.clear()
+                while refusals:
+                    rid, error = refusals.popleft()
                     try:
-                        frame = await conn.receive()
-                    except ipc.FrameError as e:
-                        self.counters["bad_frames"] += 1
-                        log.info("bad frame from pid %d: %s", peer.pid, e)
-                        if e.fatal:
-                            break
                         with anyio.move_on_after(1):
-                            await conn.send_error(e.request_id, e)
-                        continue
-                    except CacheUnavailableError:
-                        break
-                    if frame is None:
-                        break
-                    if not isinstance(frame, ipc.Request):
-                        ipc.close_fds(frame.fds)
-                        self.counters["bad_frames"] += 1
-                        continue
-                    limit = self._over_limit(peer, frame)
-                    if limit is not None:
-                        ipc.close_fds(frame.fds)
-                        self.counters["limited"] += 1
-                        with anyio.move_on_after(1):
-                            await conn.send_error(frame.id, limit)
-                        continue
-                    peer.in_flight += 1
-                    peer.held_fds += len(frame.fds)
-                    tg.start_soon(self._dispatch, conn, peer, frame)
-                # The peer is gone (or broke the protocol): its in-flight ops are cancelled,
-                # which releases their pins in the cache.
-                tg.cancel_scope.cancel()
+                            await conn.send_error(rid, error)
+                    except (CacheUnavailableError, OSError):
+                        break  # the peer is gone: on_end has been called
+                conn.resume_reading()
         finally:
+            # The peer is gone (or broke the protocol, or the server stops): its in-flight
+            # ops are cancelled, which releases their pins in the cache, and waited for.
+            left = dict(ops)
+            for task in left:
+                task.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(*left, return_exceptions=True)
+            for fds in left.values():
+                # A task cancelled before its first step never ran its cleanup.
+                ipc.close_fds(fds)
+                fds.clear()
             self._release_peer(peer)
             await conn.aclose()
 
@@ -633,13 +719,24 @@ class Server:
 
     def _release_peer(self, peer: _Peer) -> None:
         peer.regs.clear()
+        peer.buffers.clear()
         peer.staged = None
         peer.table.close_all()
         self._peers.discard(peer)
 
-    async def _dispatch(self, conn: ipc.Connection, peer: _Peer, req: ipc.Request) -> None:
+    async def _dispatch(self, conn: ipc.Connection, peer: _Peer, req: ipc.Request,
+                        fds: list[int], ops: dict[asyncio.Task[None], list[int]]) -> None:
+        """Run one request; ``fds`` are its fds (handlers take theirs out of the list; the
+        rest are closed here, and the list emptied). It leaves ``ops`` when it ends (no done
+        callback: one more turn of the loop per request)."""
+        try:
+            await self._run(conn, peer, req, fds)
+        finally:
+            ops.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
+
+    async def _run(self, conn: ipc.Connection, peer: _Peer, req: ipc.Request,
+                   fds: list[int]) -> None:
         self.counters["requests"] += 1
-        fds = list(req.fds)
         held = len(fds)
         try:
             try:
@@ -652,11 +749,10 @@ class Server:
                         raise PermissionDeniedError(
                             f"{req.op}: a monitor connection may only read stats")
                 # decode_args admitted only known ops, each handled here or by _DataOps.
-                handler = getattr(self, f"_op_{req.op}", None) or getattr(
-                    self._data, f"_op_{req.op}")
-                result = await handler(peer, msg, fds)
+                result = await self._handlers[req.op](peer, msg, fds)
             finally:
                 ipc.close_fds(fds)  # whatever a handler did not take
+                fds.clear()
         except MusaCacheError as e:
             # The peer's mistake (or a refused request): answered, never logged as a bug.
             self.counters["errors"] += 1
@@ -735,7 +831,8 @@ class Server:
         cache = await self._cache_for(key)
         peer.cache, peer.key, peer.hello = cache, key, True
         return {**info, "namespace": msg.namespace, "spec": spec.to_dict(),
-                "chunk_size": chunk, "device": str(cache.device)}
+                "chunk_size": chunk, "device": str(cache.device),
+                "max_buffers": self.config.max_buffers_per_peer}
 
     async def _op_register(self, peer: _Peer, msg: msgs.RegisterMessage,
                            fds: list[int]) -> Any:
@@ -787,6 +884,7 @@ class Server:
             "caches": len(self.caches),
             "max_caches": self.config.max_caches,
             "registrations": sum(len(p.regs) for p in self._peers),
+            "buffers": sum(len(p.buffers) for p in self._peers),
             "open_mappings": sum(p.table.open_mappings for p in self._peers),
             "open_events": sum(p.table.open_events for p in self._peers),
             "requests_in_flight": sum(p.in_flight for p in self._peers),

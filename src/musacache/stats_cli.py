@@ -94,7 +94,7 @@ def render(st: dict[str, Any], elapsed: float | None = None,
         f"requests {srv.get('requests', 0)}  errors {srv.get('errors', 0)}  "
         f"refused {srv.get('refused', 0)}  limited {srv.get('limited', 0)}  "
         f"bad frames {srv.get('bad_frames', 0)}  open mappings {srv.get('open_mappings', 0)}  "
-        f"fds {srv.get('open_fds', 0)}",
+        f"kept buffers {srv.get('buffers', 0)}  fds {srv.get('open_fds', 0)}",
     ]
     before = {_cache_id(c): c for c in (prev or {}).get("caches", [])} if prev else {}
     for c in caches:

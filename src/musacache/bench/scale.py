@@ -37,6 +37,7 @@ from .._engine import Cache
 from .._keys import Fingerprint, KeyChain
 from .._spec import KVSpec
 from ..tiers.base import ChunkMeta, StorageTier, TierContext
+from . import _scale_server
 
 CH = 16                                          # tokens per chunk for the control-plane runs
 TINY = KVSpec(1, 1, 8, torch.float16)            # 512 B per chunk: bookkeeping dominates
@@ -544,8 +545,6 @@ def _fmt_stats(d: dict[str, float], unit: str = "") -> str:
 def report(res: dict[str, Any]) -> None:
     print("musacache bench scale (issue 12): measured, and the ratio to its baseline "
           "in this run")
-    print("(the node server's goals, lookup and get against a bare echo and put latency over "
-          "the directory size, are the server's benchmark)")
     sib = res.get("siblings")
     if sib:
         lo, hi = sib[0], sib[-1]
@@ -626,6 +625,8 @@ def report(res: dict[str, Any]) -> None:
               f"memory at {hi['entries']}: {hi['object_bytes_per_entry']:.0f} B/entry, "
               f"{hi['bytes_per_entry']:.0f} by RSS (ratio to the 400 B goal "
               f"{hi['object_bytes_per_entry'] / 400:.2f}, {hi['bytes_per_entry'] / 400:.2f})")
+    if res.get("server"):
+        _scale_server.report(res["server"])
 
 
 def plot(res: dict[str, Any], path: str) -> None:
@@ -687,6 +688,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         res["disk"] = await disk(args.disk_tokens, args.repeats)
     if want("curve"):
         res["curve"] = await curve(_ints(args.sizes), args.repeats)
+    if want("server"):
+        res["server"] = await _scale_server.server_part(_ints(args.sizes), args.repeats)
     return res
 
 
@@ -706,7 +709,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--disk-tokens", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--only", default="",
-                   help="comma list of parts: siblings,eviction,stalls,small,paged,disk,curve")
+                   help="comma list of parts: siblings,eviction,stalls,small,paged,disk,curve,"
+                        "server")
     p.add_argument("--plot", metavar="FILE", help="draw the curves (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="print machine-readable results")
     args = p.parse_args(argv)

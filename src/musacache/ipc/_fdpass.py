@@ -13,11 +13,12 @@ adopts them (``open_tensor``, ``IpcEvent.from_wire``, ``MappingTable``).
 from __future__ import annotations
 
 import array
+import asyncio
 import errno
 import os
 import socket
 import struct
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 import anyio
@@ -136,6 +137,45 @@ def _fds_from_ancillary(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
     return list(fds)
 
 
+def _ancillary(fds: Sequence[int]) -> list[tuple[int, int, bytes]]:
+    return ([(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
+            if fds else [])
+
+
+def _send_now(sock: socket.socket, data: bytes, fds: Sequence[int]) -> int:
+    """One non-blocking sendmsg of ``data`` with ``fds``: the bytes sent (0 if the socket
+    is full). The fds go with the first byte, so they are sent whenever this returns > 0."""
+    if len(fds) > MAX_FDS_PER_FRAME:
+        raise ProtocolError(f"cannot attach {len(fds)} fds to one message "
+                            f"(the kernel allows {MAX_FDS_PER_FRAME})")
+    try:
+        return sock.sendmsg([data], _ancillary(fds))
+    except BlockingIOError:
+        return 0
+    except OSError as exc:
+        raise CacheUnavailableError(f"sending to the peer failed: {exc}") from exc
+
+
+_ANC_SIZE = socket.CMSG_SPACE(MAX_FDS_PER_FRAME * _INT_SIZE)
+
+
+def _recv_now(sock: socket.socket) -> tuple[bytes, list[int]]:
+    """:func:`recv_with_fds` without the wait: BlockingIOError when nothing is there."""
+    try:
+        data, ancdata, flags, _ = sock.recvmsg(_RECV_CHUNK, _ANC_SIZE, socket.MSG_CMSG_CLOEXEC)
+    except BlockingIOError:
+        raise
+    except OSError as exc:
+        raise CacheUnavailableError(f"receiving from the peer failed: {exc}") from exc
+    fds = _fds_from_ancillary(ancdata)
+    if flags & socket.MSG_CTRUNC:
+        for fd in fds:
+            os.close(fd)
+        raise ProtocolError(f"the peer attached more than {MAX_FDS_PER_FRAME} fds to one "
+                            f"message")
+    return data, fds
+
+
 # -- peers ------------------------------------------------------------------------------------
 
 
@@ -215,6 +255,11 @@ class Connection:
         self._decoder = FrameDecoder(max_frame_size=max_frame_size, max_fds=max_fds,
                                      expect=expect, ops=ops)
         self._send_lock = anyio.Lock()
+        self._read_waiter: asyncio.Future[None] | None = None
+        self._reader_loop: asyncio.AbstractEventLoop | None = None
+        self._on_frame: Callable[[Frame | FrameError], None] | None = None
+        self._paused = False
+        self._on_end: Callable[[BaseException | None], None] | None = None
         self._closed = False
         self._eof = False
 
@@ -236,10 +281,44 @@ class Connection:
 
     # -- sending --------------------------------------------------------------------------
 
-    async def send_frame(self, frame: bytes, fds: Sequence[int] = ()) -> None:
-        """Send one encoded frame; ``fds`` must match the count in its header (borrowed)."""
+    async def send_frame(self, frame: bytes, fds: Sequence[int] = (), *,
+                         timeout: float | None = None) -> None:
+        """Send one encoded frame; ``fds`` must match the count in its header (borrowed).
+
+        ``timeout``: the longest wait for room in the socket (TimeoutError, and the
+        connection is closed if part of the frame went out)."""
         if self._closed:
             raise CacheUnavailableError("the connection is closed")
+        if self._send_lock.locked():
+            with anyio.fail_after(timeout):
+                await self._send_locked(frame, fds)
+            return
+        # Nobody is in the middle of a frame: one sendmsg usually takes a whole small frame,
+        # and then the send costs no wait (the lock alone is a trip through the loop).
+        try:
+            sent = _send_now(self._sock, frame, fds)
+        except BaseException:
+            self._close_now()
+            raise
+        if sent == len(frame):
+            return
+        if sent == 0:
+            with anyio.fail_after(timeout):
+                await self._send_locked(frame, fds)
+            return
+        # Part of the frame is out (its fds with it): the rest goes before any other frame.
+        # No await since the lock was seen free, so it is still free and taken at once.
+        sent_all = False
+        try:
+            with anyio.fail_after(timeout):
+                async with self._send_lock:
+                    await send_with_fds(self._sock, memoryview(frame)[sent:])
+                    sent_all = True
+        finally:
+            if not sent_all:
+                self._close_now()
+
+    async def _send_locked(self, frame: bytes, fds: Sequence[int]) -> None:
         async with self._send_lock:
             if self._closed:
                 raise CacheUnavailableError("the connection is closed")
@@ -253,9 +332,10 @@ class Connection:
                     self._close_now()
 
     async def send_request(self, request_id: int, op: str, args: Mapping[str, Any] | None = None,
-                           fds: Sequence[int] = ()) -> None:
+                           fds: Sequence[int] = (), *, timeout: float | None = None) -> None:
         await self.send_frame(encode_request(request_id, op, args, nfds=len(fds),
-                                             max_frame_size=self._max_frame_size), fds)
+                                             max_frame_size=self._max_frame_size), fds,
+                              timeout=timeout)
 
     async def send_reply(self, request_id: int, result: Any = None,
                          fds: Sequence[int] = ()) -> None:
@@ -286,9 +366,10 @@ class Connection:
                                      f"({self._decoder.buffered} bytes pending)", fatal=True)
                 return None
             try:
-                data, fds = await recv_with_fds(self._sock)
-            except anyio.ClosedResourceError as exc:
-                raise CacheUnavailableError("the connection was closed while receiving") from exc
+                data, fds = _recv_now(self._sock)
+            except BlockingIOError:
+                await self._wait_readable()
+                continue
             except ProtocolError as exc:
                 raise FrameError(str(exc), fatal=True) from exc
             if data:
@@ -298,19 +379,146 @@ class Connection:
                     os.close(fd)
                 self._eof = True
 
+    def start_reading(self, on_frame: Callable[[Frame | FrameError], None],
+                      on_end: Callable[[BaseException | None], None]) -> None:
+        """Deliver frames from the loop's reader callback instead of :meth:`receive`: each
+        frame to ``on_frame`` as soon as its bytes are in, with no receiving task to wake
+        in between. A frame that broke the protocol without breaking the stream comes as
+        its (non-fatal) :class:`FrameError`. ``on_end`` is called once: with None at a clean
+        EOF, with the error otherwise (a fatal bad frame, a lost peer, :meth:`aclose`);
+        nothing is delivered after it. :meth:`pause_reading` stops the delivery (a server
+        answering a refused frame reads no further meanwhile), :meth:`resume_reading`
+        goes on. Use this or :meth:`receive`, never both."""
+        if self._closed:
+            raise CacheUnavailableError("the connection is closed")
+        if self._read_waiter is not None or self._on_frame is not None:
+            raise anyio.BusyResourceError("receiving")
+        self._on_frame, self._on_end = on_frame, on_end
+        self._paused = False
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self._sock.fileno(), self._deliver)
+        self._reader_loop = loop
+
+    def pause_reading(self) -> None:
+        """Deliver no more frames until :meth:`resume_reading` (see :meth:`start_reading`)."""
+        if not self._paused:
+            self._paused = True
+            self._stop_reading()
+
+    def resume_reading(self) -> None:
+        if not self._paused or self._closed or self._on_frame is None:
+            return
+        self._paused = False
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self._sock.fileno(), self._deliver)
+        self._reader_loop = loop
+        loop.call_soon(self._resume)  # frames already received wait in the decoder
+
+    def _resume(self) -> None:
+        try:
+            self._drain_frames()
+        except Exception as exc:
+            self._end(exc)
+
+    def _deliver(self) -> None:
+        # Called when the socket is readable; the decoder holds no whole frame then (every
+        # one was handed out, or delivery is paused and this is not registered).
+        try:
+            while self._on_frame is not None and not self._paused:
+                data, fds = _recv_now(self._sock)
+                if not data:
+                    for fd in fds:
+                        os.close(fd)
+                    if self._decoder.buffered:
+                        raise FrameError(f"the peer closed the connection in the middle of a "
+                                         f"frame ({self._decoder.buffered} bytes pending)",
+                                         fatal=True)
+                    self._end(None)
+                    return
+                self._decoder.feed(data, fds)
+                if not self._drain_frames() or len(data) < _RECV_CHUNK:
+                    # Paused, ended, or the socket is drained: no second recvmsg only to
+                    # hear EAGAIN.
+                    return
+        except BlockingIOError:
+            return
+        except Exception as exc:  # the peer's (a bad frame, a reset) or a bug in on_frame
+            self._end(exc)
+
+    def _drain_frames(self) -> bool:
+        """Hand out the frames in the decoder; False once delivery stopped or paused."""
+        while self._on_frame is not None and not self._paused:
+            try:
+                frame: Frame | FrameError | None = self._decoder.next_frame()
+            except FrameError as exc:
+                if exc.fatal:
+                    raise
+                frame = exc
+            if frame is None:
+                return True
+            self._on_frame(frame)
+        return False
+
+    def _end(self, exc: BaseException | None) -> None:
+        on_end, self._on_end, self._on_frame = self._on_end, None, None
+        self._close_now()
+        if on_end is not None:
+            on_end(exc)
+
+    async def _wait_readable(self) -> None:
+        # The loop's reader callback stays registered while a receiver keeps waiting, and
+        # resolves a plain future: anyio.wait_readable registers and unregisters the fd with
+        # the selector on every wait, two of which are a large share of a small round trip.
+        if self._read_waiter is not None:
+            raise anyio.BusyResourceError("receiving")  # one task receives (see the class)
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+        if self._reader_loop is not loop:
+            if self._reader_loop is not None:
+                self._reader_loop.remove_reader(self._sock.fileno())
+            loop.add_reader(self._sock.fileno(), self._on_readable)
+            self._reader_loop = loop
+        self._read_waiter = waiter
+        try:
+            await waiter
+        finally:
+            self._read_waiter = None
+
+    def _on_readable(self) -> None:
+        waiter = self._read_waiter
+        if waiter is None or waiter.done():
+            # Nobody waits (the receiver is busy with a frame): stop watching until it waits
+            # again, so the loop does not call this on every turn meanwhile.
+            self._stop_reading()
+            return
+        waiter.set_result(None)
+
+    def _stop_reading(self) -> None:
+        loop, self._reader_loop = self._reader_loop, None
+        if loop is not None and not loop.is_closed():
+            loop.remove_reader(self._sock.fileno())
+
     # -- closing --------------------------------------------------------------------------
 
     def _close_now(self) -> None:
         if self._closed:
             return
         self._closed = True
-        try:
-            # Wakes a task blocked in receive() on this socket before the fd number goes away.
-            anyio.notify_closing(self._sock)
-        except RuntimeError:
-            pass  # no running event loop: nobody can be waiting
+        self._stop_reading()
+        if self._on_end is not None:
+            on_end, self._on_end, self._on_frame = self._on_end, None, None
+            on_end(CacheUnavailableError("the connection was closed"))
+        waiter, self._read_waiter = self._read_waiter, None
+        if waiter is not None and not waiter.done():
+            # Wake a task blocked in receive() before the fd number goes away.
+            waiter.set_exception(CacheUnavailableError(
+                "the connection was closed while receiving"))
         self._sock.close()
         self._decoder.close()
+
+    def close(self) -> None:
+        """:meth:`aclose` without the await (from a callback)."""
+        self._close_now()
 
     async def aclose(self) -> None:
         """Close the socket and every received fd nobody took (idempotent)."""

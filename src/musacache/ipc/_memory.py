@@ -46,6 +46,7 @@ __all__ = [
     "open_tensor",
     "rebuild_view",
     "share",
+    "shared_segment",
     "to_shared",
 ]
 
@@ -297,6 +298,16 @@ def empty_shared(shape: Sequence[int], dtype: torch.dtype = torch.float32) -> to
     out = torch.empty((), dtype=dtype)
     out.set_(storage, 0, dims, _contiguous_stride(dims))
     return out
+
+
+def shared_segment(tensor: torch.Tensor) -> object | None:
+    """The mapping behind a CPU tensor of :func:`empty_shared` memory, or None (other
+    memory). It lives exactly as long as that memory, so a ``weakref.finalize`` on it says
+    when the memory is gone, and its ``id`` names the memory until then."""
+    if tensor.device.type != "cpu":
+        return None
+    entry = _segments.get(tensor.untyped_storage().data_ptr())
+    return None if entry is None else entry[0]()
 
 
 def to_shared(tensor: torch.Tensor) -> torch.Tensor:

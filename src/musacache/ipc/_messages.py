@@ -194,21 +194,47 @@ class PrefetchMessage:
         return cls(_tokens(args, "prefetch"), None if timeout is None else float(timeout))
 
 
+#: Buffers one request may release (the client keeps far fewer mapped).
+MAX_RELEASE: Final = 1024
+_MAX_BUFFER_ID: Final = (1 << 63) - 1
+
+
 @dataclass(frozen=True)
 class DenseMessage:
-    """put (``kv``) and get (``out``): tokens and one tensor handle."""
+    """put (``kv``) and get (``out``): tokens and the tensor to read or write.
+
+    The tensor is a handle (mapped for this request only), a handle with ``buf`` (mapped
+    and kept on the connection as buffer ``buf``), or ``buf`` alone (a buffer kept by an
+    earlier request: no handle, no fd, no mapping). ``release`` names buffers the client no
+    longer needs; they are let go before the op runs.
+    """
 
     tokens: bytes
-    handle: TensorHandle
+    handle: TensorHandle | None
+    buf: int | None = None
+    release: tuple[int, ...] = ()
 
     @property
     def nfds(self) -> int:
-        return self.handle.num_fds
+        return self.handle.num_fds if self.handle is not None else 0
 
     @classmethod
     def decode(cls, args: Mapping[str, Any], op: str) -> DenseMessage:
         name = "kv" if op == "put" else "out"
-        return cls(_tokens(args, op), _handle(_get(args, op, name, dict), op, name))
+        buf = _get(args, op, "buf", int, optional=True)
+        if buf is not None and not 0 <= buf <= _MAX_BUFFER_ID:
+            raise ProtocolError(f"{op}: 'buf' must be in [0, 2**63), got {buf}")
+        wire = _get(args, op, name, dict, optional=buf is not None)
+        release: tuple[int, ...] = ()
+        raw = _get(args, op, "release", list, optional=True)
+        if raw is not None:
+            if len(raw) > MAX_RELEASE or any(type(b) is not int or not 0 <= b <= _MAX_BUFFER_ID
+                                             for b in raw):
+                raise ProtocolError(f"{op}: 'release' must list at most {MAX_RELEASE} "
+                                    f"buffer ids")
+            release = tuple(raw)
+        handle = None if wire is None else _handle(wire, op, name)
+        return cls(_tokens(args, op), handle, buf, release)
 
 
 @dataclass(frozen=True)

@@ -303,6 +303,28 @@ def check_body_shape(body: bytes | bytearray | memoryview, *, max_objects: int =
         raise fail(f"{n - pos} bytes after the body")
 
 
+#: A body this small unpacks to at most this many objects (each takes a byte at least), so it
+#: is unpacked first and only its nesting checked, on the objects: the walk of the encoding
+#: in check_body_shape costs more than the whole unpacking of a typical request.
+_SMALL_BODY: Final = 512
+
+
+def _nested_deeper(obj: object, limit: int) -> bool:
+    """Whether containers in ``obj`` nest deeper than ``limit`` (an empty one opens no
+    level, as in check_body_shape)."""
+    stack: list[tuple[object, int]] = [(obj, 0)]
+    while stack:
+        value, depth = stack.pop()
+        items: Any = value.values() if type(value) is dict else value
+        if not items:
+            continue
+        depth += 1
+        if depth > limit:
+            return True
+        stack.extend((v, depth) for v in items if type(v) is dict or type(v) is list)
+    return False
+
+
 def _reject_ext(code: int, data: bytes) -> object:
     raise ValueError(f"msgpack extension types are not part of the protocol (type {code})")
 
@@ -428,7 +450,9 @@ class FrameDecoder:
         return tuple(batch.fds)
 
     def _parse_body(self, body: bytes, fds: tuple[int, ...]) -> Frame:
-        check_body_shape(body)
+        small = len(body) <= _SMALL_BODY
+        if not small:
+            check_body_shape(body)
         try:
             obj = msgpack.unpackb(body, raw=False, strict_map_key=True, ext_hook=_reject_ext,
                                   max_array_len=MAX_CONTAINER_LEN, max_map_len=MAX_CONTAINER_LEN,
@@ -438,6 +462,8 @@ class FrameDecoder:
         if not isinstance(obj, dict):
             raise FrameError(f"a frame body must be a map, got {type(obj).__name__}",
                              fatal=False)
+        if small and _nested_deeper(obj, MAX_DEPTH):
+            raise FrameError(f"frame body refused: nested deeper than {MAX_DEPTH}", fatal=False)
         raw_id = obj.get("id")
         readable_id = (raw_id if type(raw_id) is int and 0 <= raw_id <= _MAX_REQUEST_ID
                        else None)
