@@ -70,6 +70,8 @@ _PERSIST_BATCH = 16
 # counted as "foreign", not deleted.
 _FOREIGN: tuple[type[BaseException], ...] = (_errors.FingerprintMismatchError,
                                              _errors.ForeignFormatError)
+# What a tier's read_into raises for an object it cannot read (other errors are faults).
+_UNREADABLE: tuple[type[BaseException], ...] = (*_FOREIGN, _errors.CorruptChunkError)
 
 log = logging.getLogger("musacache")
 
@@ -78,6 +80,9 @@ class ColdPath:
     def __init__(self, engine: EngineServices) -> None:
         self.eng = engine
         self.errlog = RateLimitedLog(log)
+        # Top-tier slots a timed-out read may still write into: (tier, slot index, the
+        # storage tier read, the slot's view), released once the read's thread returns.
+        self._parked: list[tuple[MemTier, int, StoreTier, torch.Tensor]] = []
 
     # -- reads ----------------------------------------------------------------------------
 
@@ -86,8 +91,9 @@ class ColdPath:
         """``e``'s KV from ``t`` (a host tensor, decoded into ``out`` when given: no fresh
         allocation, no second copy), or None: absent, a fault, a timeout, or an object that
         cannot be read here (corrupt, another model's, another format version). Each is
-        counted under its own name and is a miss, never an exception; ``out`` is then left
-        untouched."""
+        counted under its own name and is a miss, never an exception; ``out`` then holds
+        garbage (a tier that reads into it may have written part of the chunk), so it must
+        be a destination the caller discards on a miss."""
         from .codec import decode_chunk
 
         eng = self.eng
@@ -96,42 +102,63 @@ class ColdPath:
         if obj is None:
             if e.stored_size(t.idx) is None:
                 return None
+            dst: torch.Tensor | None = None
+            if t.store.reads_into:
+                # Read, verify and decode in the tier's one worker-thread call, straight into
+                # the destination (a raw payload needs no buffer in between).
+                dst = out if out is not None else torch.empty(
+                    eng.spec.shape(e.num_tokens), dtype=eng.spec.dtype)
             try:
                 async with t.sem:
                     with anyio.fail_after(t.store.timeout):
-                        obj = await t.store.read(meta)
+                        if dst is not None:
+                            got: bytes | int | None = await t.store.read_into(
+                                meta, eng.fingerprint, dst)
+                        else:
+                            got = await t.store.read(meta)
             except TimeoutError:
                 self._count(t, "timeouts", "faults", "misses")
                 self.errlog.warn(t.name, "timeout", f"read took over {t.store.timeout} s")
+                return None
+            except _UNREADABLE as exc:
+                self._unreadable(t, e, exc)
                 return None
             except Exception as exc:  # TierError, or anything a plug-in tier lets escape
                 self._count(t, "faults", "misses")
                 self.errlog.warn(t.name, "read fault", repr(exc))
                 return None
-            if obj is None:
+            if got is None:
                 t.c["misses"] += 1
                 self.forget(t, e)
                 return None
+            if dst is not None and isinstance(got, int):
+                t.c["bytes_out"] += got
+                return dst
+            obj = got if isinstance(got, bytes) else bytes(got)
         try:
             _, data = await eng.mover.in_thread(
                 lambda: decode_chunk(eng.fingerprint, obj, expect=meta, out=out))
-        except _FOREIGN as exc:
+        except MusaCacheError as exc:  # any failure to decode the bytes is a corrupt object
+            self._unreadable(t, e, exc)
+            return None
+        t.c["bytes_out"] += len(obj)
+        return data
+
+    def _unreadable(self, t: StoreTier, e: Entry, exc: BaseException) -> None:
+        """Count and log an object that cannot be read here; a corrupt one is deleted."""
+        if isinstance(exc, _FOREIGN):
             # Another model's, layout's or format version's object under our key: a miss, and
             # the message names both sides. It is not ours to delete.
             self._count(t, "foreign", "misses")
             self.errlog.warn(t.name, "foreign chunk", f"{e.key.hex()}: {exc}")
             self.forget(t, e)
-            return None
-        except MusaCacheError as exc:
-            self._count(t, "corrupt", "misses")
-            self.errlog.warn(t.name, "corrupt chunk", f"{e.key.hex()}: {exc}")
-            was_current = not e.dead
-            self.forget(t, e)
-            if was_current:  # a dead entry may be reading a newer entry's object: keep it
-                self.schedule_delete(t, e.key)
-            return None
-        t.c["bytes_out"] += len(obj)
-        return data
+            return
+        self._count(t, "corrupt", "misses")
+        self.errlog.warn(t.name, "corrupt chunk", f"{e.key.hex()}: {exc}")
+        was_current = not e.dead
+        self.forget(t, e)
+        if was_current:  # a dead entry may be reading a newer entry's object: keep it
+            self.schedule_delete(t, e.key)
 
     async def promote_decoding(self, e: Entry,
                                ) -> tuple[torch.Tensor | None, str, Tier | None]:
@@ -145,16 +172,23 @@ class ColdPath:
         if not isinstance(top, MemTier) or top.device.type != "cpu" \
                 or not isinstance(src, StoreTier) or e.dead:
             return None, "", None
+        self._release_parked()
         idx = top.pool.reserve()
         if idx is None and await eng.evict(top, 1):
             idx = top.pool.reserve()
         if idx is None:
             return None, "", None
         committed = False
+        view: torch.Tensor | None = None
         try:
             slot = await top.pool.materialize(idx)
             view = eng.block_view(slot, e.num_tokens)
             if await self.read(src, e, out=view) is None:
+                if src.store.writing_into(view):
+                    # A timed-out read's thread may still write into this slot: it is not
+                    # free until that thread returns (_release_parked).
+                    self._parked.append((top, idx, src, view))
+                    committed = True  # not released below
                 return None, "", src
             src.c["hits"] += 1
             if not e.dead and not top.holds(e):
@@ -167,6 +201,18 @@ class ColdPath:
         finally:
             if not committed:
                 top.pool.release(idx)
+
+    def _release_parked(self) -> None:
+        """Give back the slots whose abandoned reads have returned."""
+        if not self._parked:
+            return
+        keep = []
+        for top, idx, src, view in self._parked:
+            if src.store.writing_into(view):
+                keep.append((top, idx, src, view))
+            else:
+                top.pool.release(idx)
+        self._parked = keep
 
     @staticmethod
     def _count(t: StoreTier, *names: str) -> None:

@@ -21,6 +21,8 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+import torch
+
 from .._chunkmeta import ChunkMeta
 from .._keys import Fingerprint
 from .._spec import KVSpec
@@ -103,6 +105,9 @@ class StorageTier(abc.ABC):
     max_concurrency: int = 8
     #: Whether ``refresh`` can discover chunks written by others (worth asking on a miss).
     shared: bool = False
+    #: The tier implements :meth:`read_into` (the engine then reads chunks straight into
+    #: their destination instead of calling :meth:`read` and decoding the bytes).
+    reads_into: bool = False
 
     @abc.abstractmethod
     async def start(self, ctx: TierContext) -> list[ChunkMeta]:
@@ -123,6 +128,21 @@ class StorageTier(abc.ABC):
     @abc.abstractmethod
     async def delete(self, key: bytes) -> None:
         """Remove the object under ``key`` (absent keys are not an error)."""
+
+    async def read_into(self, meta: ChunkMeta, fingerprint: Fingerprint,
+                        out: torch.Tensor) -> int | None:
+        """Optional (set :attr:`reads_into`): read, verify and decode the chunk under
+        ``meta.key`` into ``out`` (a contiguous CPU tensor of its shape), as
+        :func:`~musacache.codec.read_chunk_into` does from a file. Returns the object's size,
+        or ``None`` if there is none. Raises :class:`~musacache.TierError` on a fault and
+        the codec's errors for an object that cannot be read here; ``out`` then holds
+        garbage, and after a timeout it may be written until :meth:`writing_into` is False.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not read into a tensor")
+
+    def writing_into(self, out: torch.Tensor) -> bool:
+        """Whether an abandoned :meth:`read_into` may still write into ``out``."""
+        return False
 
     async def refresh(self, parent: bytes | None = None) -> list[ChunkMeta]:
         """Chunks stored now (under ``parent`` only, if given). Shared tiers override this."""
