@@ -663,3 +663,21 @@ def test_read_chunk_into_checks_key_fingerprint_and_out(fp: Fingerprint,
             read_chunk_into(fp, fd, len(obj), torch.empty_like(data)[:, :, :5])
         with pytest.raises(CorruptChunkError, match="trailing"):
             read_chunk_into(fp, fd, len(obj) + 1, torch.empty_like(data))
+
+
+def test_encode_chunks_matches_encode_chunk_and_checks_every_item_first(
+        fp: Fingerprint, monkeypatch: pytest.MonkeyPatch) -> None:
+    items = [(_meta(fp.spec, 32, tag=f"c{i}"), _data(fp.spec, 32, seed=i)) for i in range(5)]
+    for codec in CODECS:
+        got = codec_mod.encode_chunks(fp, items, codec, threads=2)
+        assert got == [encode_chunk(fp, m, d, codec) for m, d in items]
+    calls: list[int] = []
+    encode = codec_mod.encode_chunk
+    monkeypatch.setattr(codec_mod, "encode_chunk",
+                        lambda *a, **k: calls.append(1) or encode(*a, **k))
+    bad = [*items[:3], (_meta(fp.spec, 31, tag="short"), items[0][1])]
+    with pytest.raises(ShapeError):
+        codec_mod.encode_chunks(fp, bad, "raw", threads=2)
+    with pytest.raises(InvalidInputError, match="codec"):
+        codec_mod.encode_chunks(fp, items, "zstd")
+    assert calls == []  # nothing was encoded before the bad item was found

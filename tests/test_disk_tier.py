@@ -549,3 +549,53 @@ async def test_model_check_loses_and_resurrects_nothing(tmp_path: Path, seed: in
     assert report.ok, report
     assert report.rounds == 3 and report.writes and report.deletes
     assert report.max_overlap >= 3  # the operations of one key really overlapped
+
+
+# -- batched encoding ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("codec", ["raw", "lz4"])
+async def test_a_multi_chunk_disk_put_encodes_in_one_hop_on_every_copy_thread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, codec: str) -> None:
+    # A disk-only put of 8 chunks: one worker-thread hop encodes all of them, and the chunks
+    # are spread over the cache's copy threads (before: one after another on one thread).
+    import numpy as np
+
+    import musacache as mc
+    from musacache import _move
+    from musacache import codec as codec_mod
+
+    spec = KVSpec(2, 2, 64, torch.bfloat16)
+    cfg = mc.CacheConfig(spec, "batched", chunk_size=16, copy_threads=2, tiers=(
+        DiskTier(path=str(tmp_path), capacity_bytes="64MiB", codec=codec),))
+    encoded: list[int] = []  # the thread of each encode_chunk call
+    hops: list[int] = []  # chunks encoded by each worker-thread hop that encoded any
+    encode_chunk_ = codec_mod.encode_chunk
+
+    def counting_encode(*args: Any, **kw: Any) -> bytes:
+        encoded.append(threading.get_ident())
+        return encode_chunk_(*args, **kw)
+
+    in_thread = _move.Mover.in_thread
+
+    async def counting_hop(self: _move.Mover, fn: Any) -> Any:
+        before = len(encoded)
+        try:
+            return await in_thread(self, fn)
+        finally:
+            if len(encoded) > before:
+                hops.append(len(encoded) - before)
+
+    monkeypatch.setattr(codec_mod, "encode_chunk", counting_encode)
+    monkeypatch.setattr(_move.Mover, "in_thread", counting_hop)
+    toks = np.arange(8 * 16, dtype=np.int32)
+    kv = torch.randn(spec.shape(len(toks))).to(spec.dtype)
+    async with mc.Cache(cfg) as cache:
+        assert await cache.put(toks, kv) == len(toks)
+        assert hops == [8]
+        assert len(set(encoded)) == 2
+        await cache.flush()
+        out = torch.empty_like(kv)
+        hit = await cache.get(toks, out=out)
+        assert hit.num_tokens == len(toks) and torch.equal(out.view(torch.uint8),
+                                                           kv.view(torch.uint8))

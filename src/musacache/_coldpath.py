@@ -229,18 +229,15 @@ class ColdPath:
 
     async def encode(self, t: StoreTier, items: Sequence[tuple[Entry, torch.Tensor]],
                      ) -> list[bytes]:
-        """Encode every item for ``t`` in one worker-thread hop (host data only)."""
-        from .codec import encode_chunk
+        """Encode every item for ``t`` in one worker-thread hop and one codec call, the chunks
+        spread over ``copy_threads`` (host data only)."""
+        from .codec import encode_chunks
 
         eng = self.eng
-        metas = [ChunkMeta(e.key, e.parent, e.num_tokens, e.raw_bytes) for e, _ in items]
-        datas = [d for _, d in items]
-
-        def run() -> list[bytes]:
-            return [encode_chunk(eng.fingerprint, m, d if d.is_contiguous() else d.contiguous(),
-                                 t.store.codec) for m, d in zip(metas, datas, strict=True)]
-
-        out: list[bytes] = await eng.mover.in_thread(run)
+        batch = [(ChunkMeta(e.key, e.parent, e.num_tokens, e.raw_bytes), d) for e, d in items]
+        out: list[bytes] = await eng.mover.in_thread(
+            lambda: encode_chunks(eng.fingerprint, batch, t.store.codec,
+                                  threads=eng.config.copy_threads))
         return out
 
     async def place(self, t: StoreTier, e: Entry, obj: bytes) -> bool:

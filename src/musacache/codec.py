@@ -89,6 +89,7 @@ __all__ = [
     "ChunkHeader",
     "decode_chunk",
     "encode_chunk",
+    "encode_chunks",
     "read_chunk_into",
     "read_header",
 ]
@@ -413,6 +414,29 @@ def encode_chunk(fp: Fingerprint, meta: ChunkMeta, data: torch.Tensor, codec: st
         _give_scratch(coded)
         if shuffled is not None:
             _give_scratch(shuffled)
+
+
+def encode_chunks(fp: Fingerprint, items: Sequence[tuple[ChunkMeta, torch.Tensor]],
+                  codec: str = "lz4", *, threads: int = 1,
+                  block_size: int = DEFAULT_BLOCK_SIZE) -> list[bytes]:
+    """:func:`encode_chunk` for a batch, in one call: up to ``threads`` chunks are encoded at
+    once (the calling thread takes the first share), so a multi-chunk put or demotion makes
+    one worker-thread hop and uses every core it is given. Every item is checked before any
+    is encoded, so bad input raises before any work is done."""
+    if codec not in CODECS:
+        raise InvalidInputError(f"unknown codec {codec!r}; use one of {CODECS}")
+    for meta, data in items:
+        _check_meta(fp, meta)
+        if not isinstance(data, torch.Tensor) or data.device.type != "cpu":
+            where = data.device if isinstance(data, torch.Tensor) else type(data).__name__
+            raise DeviceError(f"encode_chunks needs CPU tensors, got one on {where}")
+        if fp.spec.check_dense(data, what="chunk data") != meta.num_tokens:
+            raise ShapeError(f"chunk data holds {data.shape[fp.spec.token_dim]} tokens, the "
+                             f"ChunkMeta says {meta.num_tokens}")
+    out: list[bytes] = _run_blocks(
+        lambda i: encode_chunk(fp, items[i][0], items[i][1], codec, block_size=block_size),
+        len(items), threads)
+    return out
 
 
 def _tag_crc(tag: int) -> int:
