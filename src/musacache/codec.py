@@ -620,16 +620,22 @@ def decode_chunk(fp: Fingerprint, obj: bytes | bytearray | memoryview, *,
     return hdr.meta(stored_bytes=len(view)), dst
 
 
-def _pread_into(fd: int, buf: memoryview, offset: int) -> None:
-    """Fill ``buf`` from ``fd`` at ``offset``; a file that ends first is a truncated object."""
-    want = len(buf)
-    while buf:
-        got = os.preadv(fd, [buf], offset)
+def _pread_into(fd: int, buf: memoryview, offset: int, *more: memoryview) -> None:
+    """Fill ``buf`` (then each of ``more``) from ``fd`` at ``offset``, in one ``preadv`` when
+    the file allows; a file that ends first is a truncated object."""
+    bufs = [b for b in (buf, *more) if len(b)]
+    while bufs:
+        got = os.preadv(fd, bufs, offset)
         if got == 0:
-            raise CorruptChunkError(f"chunk file ended {len(buf)} bytes short of the {want} "
-                                    f"bytes its header promised at offset {offset} (truncated)")
-        buf = buf[got:]
+            raise CorruptChunkError(f"chunk file ended {sum(map(len, bufs))} bytes short of "
+                                    f"what its header promised, at offset {offset} (truncated)")
         offset += got
+        while got:  # drop what was filled
+            if got >= len(bufs[0]):
+                got -= len(bufs.pop(0))
+            else:
+                bufs[0] = bufs[0][got:]
+                got = 0
 
 
 def read_chunk_into(fp: Fingerprint, fd: int, size: int, out: torch.Tensor, *,
@@ -652,7 +658,7 @@ def read_chunk_into(fp: Fingerprint, fd: int, size: int, out: torch.Tensor, *,
     hdr = read_header(head)
     _check_header(fp, hdr, expect, size)
     _check_out(out, fp, hdr.num_tokens)
-    if hdr.codec_id not in _RAW_IDS:
+    if hdr.codec_id == _ID_LZ4_V1:
         buf = _take_scratch(size)
         try:
             obj = memoryview(buf.data)
@@ -664,6 +670,9 @@ def read_chunk_into(fp: Fingerprint, fd: int, size: int, out: torch.Tensor, *,
     table = bytearray(hdr.table_len)
     _pread_into(fd, memoryview(table), HEADER_SIZE)
     entries, offsets = _block_layout(hdr, table)
+    if hdr.codec_id == _ID_TAGGED:
+        _read_tagged_into(fd, hdr, entries, offsets, out, threads)
+        return hdr.meta(stored_bytes=size)
     dst = memoryview(_as_bytes(out).data)
     crc = _block_crc(hdr)
 
@@ -676,6 +685,50 @@ def read_chunk_into(fp: Fingerprint, fd: int, size: int, out: torch.Tensor, *,
 
     _run_blocks(read_block, hdr.num_blocks, threads)
     return hdr.meta(stored_bytes=size)
+
+
+def _read_tagged_into(fd: int, hdr: ChunkHeader, entries: Sequence[tuple[int, int]],
+                      offsets: list[int], out: torch.Tensor, threads: int) -> None:
+    """The tagged blocks of a file into the shuffled planes, then unshuffled into ``out``.
+    A block one byte longer than its raw size can only be raw: its body is read straight to
+    its place in the planes (the method byte aside), with no copy. Any other block is read
+    into a small buffer, checked while in cache, and decoded into place."""
+    native = _native()
+    shuffled = hdr.itemsize > 1
+    dst_bytes = _as_bytes(out)
+    target = _take_scratch(hdr.raw_len) if shuffled else dst_bytes
+    raw_crc = _tag_crc(_TAG_RAW)
+
+    def read_block(i: int) -> None:
+        stored_len, crc = entries[i]
+        start = i * hdr.block_size
+        raw_block = min(hdr.block_size, hdr.raw_len - start)
+        dst = target[start : start + raw_block]
+        if stored_len == raw_block + 1:
+            tag = bytearray(1)
+            body = memoryview(dst.data)
+            _pread_into(fd, memoryview(tag), offsets[i], body)
+            if tag[0] != _TAG_RAW or native.crc32c(body, raw_crc) != crc:
+                raise CorruptChunkError(f"chunk payload checksum mismatch in block {i} "
+                                        f"(method {tag[0]}, {raw_block} bytes stored)")
+            return
+        buf = _take_scratch(stored_len)
+        try:
+            stored = memoryview(buf.data)
+            _pread_into(fd, stored, offsets[i])
+            if native.crc32c(stored) != crc:
+                raise CorruptChunkError(f"chunk payload checksum mismatch in block {i}")
+            _decode_tagged_block(i, stored, dst)
+        finally:
+            _give_scratch(buf)
+
+    try:
+        _run_blocks(read_block, hdr.num_blocks, threads)
+        if shuffled:
+            _unshuffle(target, hdr.itemsize, out=dst_bytes)
+    finally:
+        if shuffled:
+            _give_scratch(target)
 
 
 def _decode_blocks(view: memoryview, hdr: ChunkHeader, offsets: list[int],
@@ -710,6 +763,28 @@ def _decode_blocks(view: memoryview, hdr: ChunkHeader, offsets: list[int],
     _run_blocks(decode_block, hdr.num_blocks, threads)
 
 
+def _decode_tagged_block(i: int, stored: memoryview, dst: np.ndarray) -> None:
+    """Decode verified block ``i`` of a tagged object (method byte, then body) into ``dst``."""
+    raw_block = dst.size
+    tag, body = stored[0], stored[1:]
+    if tag == _TAG_RAW and len(body) == raw_block:
+        dst[:] = np.frombuffer(body, dtype=np.uint8)
+    elif tag == _TAG_NIBBLE and len(body) < raw_block:
+        _native().nib_decode(body, dst)
+    elif tag == _TAG_LZ4 and len(body) < raw_block:
+        try:
+            plain = lz4.block.decompress(body, uncompressed_size=raw_block)
+        except lz4.block.LZ4BlockError as e:
+            raise CorruptChunkError(f"chunk block {i} does not decompress: {e}") from e
+        if len(plain) != raw_block:
+            raise CorruptChunkError(f"chunk block {i} decompressed to {len(plain)} bytes, "
+                                    f"expected {raw_block}")
+        dst[:] = np.frombuffer(plain, dtype=np.uint8)
+    else:
+        raise CorruptChunkError(f"chunk block {i} has method {tag} with {len(body)} bytes "
+                                f"for {raw_block} raw bytes")
+
+
 def _decode_tagged(view: memoryview, hdr: ChunkHeader, offsets: list[int],
                    entries: Sequence[tuple[int, int]], target: np.ndarray, *,
                    verify_first: bool, threads: int) -> None:
@@ -725,24 +800,7 @@ def _decode_tagged(view: memoryview, hdr: ChunkHeader, offsets: list[int],
         stored = view[offsets[i] : offsets[i + 1]] if verify_first else check_block(i)
         start = i * hdr.block_size
         raw_block = min(hdr.block_size, hdr.raw_len - start)
-        tag, body = stored[0], stored[1:]
-        dst = target[start : start + raw_block]
-        if tag == _TAG_RAW and len(body) == raw_block:
-            dst[:] = np.frombuffer(body, dtype=np.uint8)
-        elif tag == _TAG_NIBBLE and len(body) < raw_block:
-            native.nib_decode(body, dst)
-        elif tag == _TAG_LZ4 and len(body) < raw_block:
-            try:
-                plain = lz4.block.decompress(body, uncompressed_size=raw_block)
-            except lz4.block.LZ4BlockError as e:
-                raise CorruptChunkError(f"chunk block {i} does not decompress: {e}") from e
-            if len(plain) != raw_block:
-                raise CorruptChunkError(f"chunk block {i} decompressed to {len(plain)} bytes, "
-                                        f"expected {raw_block}")
-            dst[:] = np.frombuffer(plain, dtype=np.uint8)
-        else:
-            raise CorruptChunkError(f"chunk block {i} has method {tag} with {len(body)} bytes "
-                                    f"for {raw_block} raw bytes")
+        _decode_tagged_block(i, stored, target[start : start + raw_block])
 
     if verify_first:
         _run_blocks(check_block, hdr.num_blocks, threads)
