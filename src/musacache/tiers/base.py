@@ -78,6 +78,8 @@ class StorageTier(abc.ABC):
     * ``read`` returns the object's bytes, ``None`` when the key is absent, and raises
       :class:`~musacache.TierError` on a fault. The engine bounds it with ``timeout`` seconds and
       turns faults and timeouts into counted misses.
+    * ``read_into`` is optional (set ``reads_into``): a tier that can read a chunk straight
+      into a tensor (a local file) saves the engine a buffer and a copy per chunk.
     * ``start`` returns the chunks that already exist (after a restart, or written by other
       nodes), so the engine can rebuild its directory. ``refresh`` is asked again on a miss.
     * Keep each cache's objects under its ``ctx.storage_name`` (fingerprint and tenant), and

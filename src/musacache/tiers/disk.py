@@ -27,6 +27,11 @@ the rename and of its folder after it, for deployments that want the chunks to s
 Reads touch the file's mtime, which is what ``last_used`` reports after a restart (access times
 are unreliable under ``noatime``/``relatime``).
 
+**Reads land in their destination.** The engine reads a chunk with :meth:`DiskStore.read_into`:
+one worker-thread call opens the file, reads, verifies and decodes it into the tensor it is
+given (a reserved top-tier slot), with :func:`~musacache.codec.read_chunk_into`. A raw chunk's
+payload goes from the page cache into the slot with ``preadv`` and no buffer in between.
+
 **Writes and deletes of one key are ordered.** They take effect one at a time, in the order the
 engine called them (:class:`~musacache.tiers._ordering.KeyOrder`), so a delete never races a
 rename of the same key. A write always replaces the file: a key re-put after a delete may carry
