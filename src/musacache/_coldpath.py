@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -74,6 +74,7 @@ _FOREIGN: tuple[type[BaseException], ...] = (_errors.FingerprintMismatchError,
 _UNREADABLE: tuple[type[BaseException], ...] = (*_FOREIGN, _errors.CorruptChunkError)
 
 log = logging.getLogger("musacache")
+_R = TypeVar("_R")
 
 
 class ColdPath:
@@ -102,39 +103,20 @@ class ColdPath:
         if obj is None:
             if e.stored_size(t.idx) is None:
                 return None
-            dst: torch.Tensor | None = None
             if t.store.reads_into:
                 # Read, verify and decode in the tier's one worker-thread call, straight into
                 # the destination (a raw payload needs no buffer in between).
                 dst = out if out is not None else torch.empty(
                     eng.spec.shape(e.num_tokens), dtype=eng.spec.dtype)
-            try:
-                async with t.sem:
-                    with anyio.fail_after(t.store.timeout):
-                        if dst is not None:
-                            got: bytes | int | None = await t.store.read_into(
-                                meta, eng.fingerprint, dst)
-                        else:
-                            got = await t.store.read(meta)
-            except TimeoutError:
-                self._count(t, "timeouts", "faults", "misses")
-                self.errlog.warn(t.name, "timeout", f"read took over {t.store.timeout} s")
-                return None
-            except _UNREADABLE as exc:
-                self._unreadable(t, e, exc)
-                return None
-            except Exception as exc:  # TierError, or anything a plug-in tier lets escape
-                self._count(t, "faults", "misses")
-                self.errlog.warn(t.name, "read fault", repr(exc))
-                return None
-            if got is None:
-                t.c["misses"] += 1
-                self.forget(t, e)
-                return None
-            if dst is not None and isinstance(got, int):
-                t.c["bytes_out"] += got
+                size = await self._guarded(
+                    t, e, lambda: t.store.read_into(meta, eng.fingerprint, dst), decodes=True)
+                if size is None:
+                    return None
+                t.c["bytes_out"] += size
                 return dst
-            obj = got if isinstance(got, bytes) else bytes(got)
+            obj = await self._guarded(t, e, lambda: t.store.read(meta), decodes=False)
+            if obj is None:
+                return None
         try:
             _, data = await eng.mover.in_thread(
                 lambda: decode_chunk(eng.fingerprint, obj, expect=meta, out=out))
@@ -143,6 +125,31 @@ class ColdPath:
             return None
         t.c["bytes_out"] += len(obj)
         return data
+
+    async def _guarded(self, t: StoreTier, e: Entry, call: Callable[[], Awaitable[_R | None]],
+                       *, decodes: bool) -> _R | None:
+        """``await call()`` (a read of ``e`` from ``t``) under the tier's concurrency bound and
+        timeout; None, counted, for an absent object, a fault or a timeout, and (when the call
+        ``decodes``) an object that cannot be read here."""
+        try:
+            async with t.sem:
+                with anyio.fail_after(t.store.timeout):
+                    got = await call()
+        except TimeoutError:
+            self._count(t, "timeouts", "faults", "misses")
+            self.errlog.warn(t.name, "timeout", f"read took over {t.store.timeout} s")
+            return None
+        except Exception as exc:
+            if decodes and isinstance(exc, _UNREADABLE):  # the object, not the tier
+                self._unreadable(t, e, exc)
+            else:  # TierError, or anything a plug-in tier lets escape
+                self._count(t, "faults", "misses")
+                self.errlog.warn(t.name, "read fault", repr(exc))
+            return None
+        if got is None:
+            t.c["misses"] += 1
+            self.forget(t, e)
+        return got
 
     def _unreadable(self, t: StoreTier, e: Entry, exc: BaseException) -> None:
         """Count and log an object that cannot be read here; a corrupt one is deleted."""
@@ -184,11 +191,6 @@ class ColdPath:
             slot = await top.pool.materialize(idx)
             view = eng.block_view(slot, e.num_tokens)
             if await self.read(src, e, out=view) is None:
-                if src.store.writing_into(view):
-                    # A timed-out read's thread may still write into this slot: it is not
-                    # free until that thread returns (_release_parked).
-                    self._parked.append((top, idx, src, view))
-                    committed = True  # not released below
                 return None, "", src
             src.c["hits"] += 1
             if not e.dead and not top.holds(e):
@@ -200,7 +202,12 @@ class ColdPath:
             return view.clone(), src.name, None
         finally:
             if not committed:
-                top.pool.release(idx)
+                if view is not None and src.store.writing_into(view):
+                    # A timed-out (or cancelled) read's thread may still write into this slot:
+                    # it is not free until that thread returns (_release_parked).
+                    self._parked.append((top, idx, src, view))
+                else:
+                    top.pool.release(idx)
 
     def _release_parked(self) -> None:
         """Give back the slots whose abandoned reads have returned."""
