@@ -599,3 +599,42 @@ async def test_a_multi_chunk_disk_put_encodes_in_one_hop_on_every_copy_thread(
         hit = await cache.get(toks, out=out)
         assert hit.num_tokens == len(toks) and torch.equal(out.view(torch.uint8),
                                                            kv.view(torch.uint8))
+
+
+@pytest.mark.parametrize("codec", ["raw", "lz4"])
+async def test_a_disk_promotion_is_one_worker_thread_call_per_chunk(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, codec: str) -> None:
+    # Read, verify and decode of a chunk file happen in one worker-thread call, into the
+    # top-tier slot (before: a hop to read the file into fresh bytes, another to decode).
+    import anyio.to_thread
+    import numpy as np
+
+    import musacache as mc
+
+    spec = KVSpec(2, 2, 64, torch.bfloat16)
+    chunks = 4
+    cfg = mc.CacheConfig(spec, "hops", chunk_size=16, tiers=(
+        mc.HostTier(capacity_bytes=spec.nbytes(16) * chunks),
+        DiskTier(path=str(tmp_path), capacity_bytes="64MiB", codec=codec)))
+    toks = np.arange(chunks * 16, dtype=np.int32)
+    kv = torch.randn(spec.shape(len(toks))).to(spec.dtype)
+    async with mc.Cache(cfg) as cache:
+        await cache.put(toks, kv)
+        top = cache._engine.mem[0]
+        await cache._engine.evict(top, len(top.lru))
+        await cache.flush()
+        hops: list[str] = []
+        run_sync = anyio.to_thread.run_sync
+
+        async def counting(fn: Any, *args: Any, **kw: Any) -> Any:
+            hops.append(getattr(fn, "__name__", repr(fn)))
+            return await run_sync(fn, *args, **kw)
+
+        monkeypatch.setattr(anyio.to_thread, "run_sync", counting)
+        out = torch.empty_like(kv)
+        hit = await cache.get(toks, out=out)
+        monkeypatch.setattr(anyio.to_thread, "run_sync", run_sync)
+        assert hit.tiers == {"disk": len(toks)}
+        assert torch.equal(out.view(torch.uint8), kv.view(torch.uint8))
+        # One call per chunk, plus at most one for the copy into out.
+        assert chunks <= len(hops) <= chunks + 1, hops

@@ -49,8 +49,9 @@ an attacker (who could also rewrite the header), so a fast CRC is the right one.
 passes its checksum is still checked for being a valid coding of its raw length before it is
 used.
 
-``encode_chunk``/``decode_chunk`` are synchronous and CPU-bound (lz4, zlib.crc32 and the native
-calls release the GIL): the engine calls them in worker threads.
+``encode_chunk``/``decode_chunk`` (and ``encode_chunks`` for a batch, ``read_chunk_into`` from
+an open file) are synchronous and CPU-bound (lz4, zlib.crc32, ``preadv`` and the native calls
+release the GIL): the engine calls them in worker threads.
 """
 
 from __future__ import annotations
