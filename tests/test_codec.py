@@ -613,6 +613,10 @@ def test_read_chunk_into_round_trips(spec: KVSpec, codec: str, tmp_path: Path) -
             got = read_chunk_into(fp, fd, len(obj), out, expect=meta)
         assert _same(out, data)
         assert got == decode_chunk(fp, obj, expect=meta)[0]
+        out = torch.zeros_like(data)
+        with _open(tmp_path, obj) as fd:  # blocks read and checked by two threads at once
+            read_chunk_into(fp, fd, len(obj), out, expect=meta, threads=2)
+        assert _same(out, data)
 
 
 @pytest.mark.parametrize("codec", CODECS)
