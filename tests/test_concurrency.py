@@ -41,7 +41,9 @@ async def test_200_concurrent_puts_and_gets_of_overlapping_prompts(spec):
 
 
 async def test_a_chunk_being_read_is_not_evicted_under_its_reader(spec):
-    async with mc.Cache(cfg(spec, 2)) as c:
+    # Copies above inline_copy_bytes go through a worker thread: a read that yields while it
+    # holds its chunks (a small read from the host tier never yields, see _fastpath).
+    async with mc.Cache(cfg(spec, 2, inline_copy_bytes=0)) as c:
         a = list(range(32))
         await c.put(a, prefix_kv(spec, a))
         gate, entered = anyio.Event(), anyio.Event()
@@ -76,7 +78,7 @@ async def test_a_chunk_being_read_is_not_evicted_under_its_reader(spec):
 
 
 async def test_deleted_while_read_is_freed_after_the_reader(spec):
-    async with mc.Cache(cfg(spec, 4)) as c:
+    async with mc.Cache(cfg(spec, 4, inline_copy_bytes=0)) as c:  # a read that yields
         a = list(range(32))
         await c.put(a, prefix_kv(spec, a))
         gate, entered = anyio.Event(), anyio.Event()

@@ -19,6 +19,7 @@ from ._config import CacheConfig, DeviceTier, HostTier
 from ._core import BATCH, DenseSource, Engine, PagedSource
 from ._directory import Match
 from ._errors import CacheClosedError, ConfigError, DeviceError, InvalidInputError, ShapeError
+from ._fastpath import FastPath
 from ._keys import Fingerprint, KeyChain, as_tokens
 from ._move import Mover, accelerator_of, scatter_chunks
 from ._pages import PageSource, check_pages, page_keys
@@ -88,6 +89,7 @@ class Cache:
         self._state = "new"
         self._tasks = TaskOwner()
         self._eng: Engine | None = None
+        self._fast: FastPath | None = None  # the direct read path, while open (_fastpath)
         self._ops = dict.fromkeys(("puts", "gets", "lookups", "prefetches", "deletes"), 0)
         self._close = dict.fromkeys(("to_persist", "persisted", "not_persisted",
                                      "writes_abandoned", "timed_out"), 0)
@@ -158,6 +160,7 @@ class Cache:
             self._state = "closed"
             raise
         self._eng = eng
+        self._fast = FastPath(eng, self._ops, self._device)
         self._state = "open"
 
     async def aclose(self) -> None:
@@ -168,6 +171,7 @@ class Cache:
             self._state = "closed"
             return
         self._state = "closing"
+        self._fast = None
         eng = self._eng
         with anyio.CancelScope(shield=True):
             try:
@@ -225,6 +229,8 @@ class Cache:
 
     async def lookup(self, tokens: Any) -> int:
         """The length of the longest prefix of ``tokens`` cached in any tier. Moves no data."""
+        if self._fast is not None and (n := self._fast.lookup(tokens)) is not None:
+            return n
         eng = self._check_open()
         toks = as_tokens(tokens)
         self._ops["lookups"] += 1
@@ -241,6 +247,8 @@ class Cache:
         into it and ``hit.kv`` is a view of it. Without it, ``hit.kv`` is on
         :attr:`device`. A miss is ``hit.num_tokens == 0``.
         """
+        if self._fast is not None and (got := self._fast.get(tokens, out)) is not None:
+            return Hit(*got)
         eng = self._check_open()
         toks = as_tokens(tokens)
         if out is not None:

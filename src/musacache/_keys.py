@@ -90,15 +90,23 @@ def as_tokens(tokens: Any) -> np.ndarray:
     if isinstance(tokens, torch.Tensor):
         if tokens.layout != torch.strided:
             raise TokensError(f"tokens must be a dense tensor, got a {tokens.layout} tensor")
-        if tokens.device.type == "meta":
+        if tokens.is_meta:  # an attribute: tokens.device builds a device object
             raise TokensError("tokens are on the meta device: they have a shape but no values")
         if tokens.dim() != 1:
             raise TokensError(f"tokens must be 1-D, got a tensor of shape {tuple(tokens.shape)}")
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
             raise TokensError(f"tokens must be integers, got dtype {tokens.dtype}")
-        arr = tokens.detach().to("cpu").numpy()
+        # No detach() (a view, microseconds): integer tensors never require grad.
+        arr = (tokens if tokens.is_cpu else tokens.to("cpu")).numpy()
     elif isinstance(tokens, np.ndarray):
         arr = tokens
+    elif isinstance(tokens, list) and set(map(type, tokens)) <= {int}:
+        # Plain ints (the common list): numpy refuses one that does not fit in int32, and the
+        # general path below then names it. No per-token isinstance walk.
+        try:
+            return np.array(tokens, dtype="<i4")
+        except OverflowError:
+            return as_tokens(tuple(tokens))
     elif isinstance(tokens, Sequence) and not isinstance(tokens, (str, bytes, bytearray)):
         if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in tokens):
             bad = next(t for t in tokens
@@ -116,8 +124,10 @@ def as_tokens(tokens: Any) -> np.ndarray:
         raise TokensError(f"tokens must be 1-D, got an array of shape {arr.shape}")
     if arr.dtype.kind not in "iu":
         raise TokensError(f"tokens must be integers, got dtype {arr.dtype}")
-    if arr.dtype != np.int32 and arr.size:
+    out = np.ascontiguousarray(arr, dtype="<i4")
+    # A token outside int32 wraps in the cast: one comparison finds it (min and max are two
+    # passes, a few microseconds on a short prompt).
+    if arr.dtype != np.int32 and arr.size and (out != arr).any():
         lo, hi = int(arr.min()), int(arr.max())
-        if lo < _INT32_MIN or hi > _INT32_MAX:
-            raise TokensError(f"token ids must fit in int32, found {lo if lo < _INT32_MIN else hi}")
-    return np.ascontiguousarray(arr, dtype="<i4")
+        raise TokensError(f"token ids must fit in int32, found {lo if lo < _INT32_MIN else hi}")
+    return out

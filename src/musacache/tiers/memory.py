@@ -58,6 +58,9 @@ class MemoryPool:
         self.max_slots = capacity_bytes // slot_bytes if slot_bytes else 0
         self.slots_per_segment = max(1, segment_bytes // slot_bytes) if slot_bytes else 1
         self._segments: dict[int, torch.Tensor] = {}
+        #: Each host segment's base address, as an int: the direct read path
+        #: (``_fastpath``) copies between addresses without making a tensor view per slot.
+        self.seg_addr: dict[int, int] = {}
         self._typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self._free: list[int] = []
         self._next = 0  # slots [0, _next) have been handed out at least once
@@ -132,6 +135,7 @@ class MemoryPool:
             if seg is None:
                 seg = await self._allocate_segment(seg_no)
                 self._segments[seg_no] = seg
+                self.seg_addr[seg_no] = seg.data_ptr()
             return seg
 
     def segment_to_grow(self) -> int | None:
@@ -170,6 +174,7 @@ class MemoryPool:
     def clear_memory(self) -> None:
         """Drop every segment (after aclose); the pool can still grow again."""
         self._segments.clear()
+        self.seg_addr.clear()
         self._typed.clear()
         self._free.clear()
         self._next = 0

@@ -1,0 +1,264 @@
+"""The direct read path of ``Cache.get`` and ``Cache.lookup`` for small requests (issue 12,
+"small ops").
+
+The general read path (``Engine.match``, pins, ``Engine.sources``, ``Mover.copy``) makes a
+torch view of every chunk it reads and of every part of ``out`` it writes, and a torch view
+costs 3 to 5 µs on this build of torch: a one-chunk get of a tiny spec cost 60 µs there.
+The common case needs none of it. When every matched chunk is resident in a host top tier,
+the request's bytes are below ``inline_copy_bytes`` (the general path would copy them on the
+loop too) and ``out`` (if given) is a plain host tensor of the exact shape, this path does:
+
+* the key chain over the prompt's token bytes, one dict probe per chunk;
+* checks of ``out`` on plain attributes (type, layout, device, dtype, shape, grad);
+* ``memmove`` between data pointers: the slot's address is its segment's base address (kept
+  as an int by the pool) plus its offset, and every write stays inside ``out``, whose shape,
+  dtype and contiguity were checked first. An ``out`` with other strides (proven not to
+  overlap itself) gets one torch copy per chunk;
+* the same LRU touches and counters as the general path.
+
+Anything else (a chunk below the top tier or learned from a listing, a match that continues
+into a child's prefix, a shared tier that may know more, a device tier or ``out``, a large
+request, any ``out`` the general checks would refuse) returns None and the caller takes the
+general path, which also raises the typed error. Nothing is written and nothing is counted
+before this path has decided to serve the request, so falling back is always clean.
+
+No pin is taken: nothing here awaits, so from the dict probe to the last byte copied no other
+task runs, and no eviction, delete or demotion can touch the chunk in between.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import _move
+from ._core import Engine
+from ._directory import _TIER_BITS, _TIER_MASK, Entry
+from ._keys import KEY_BYTES, as_tokens
+from ._spec import may_overlap
+from ._tierstate import MemTier
+
+__all__ = ["FastPath"]
+
+# The most chunks one request may span here: beyond that the key chain and the per-chunk work
+# dominate anyway, and the general path is no slower per chunk.
+_MAX_CHUNKS = 32
+# The most memmove calls one request may make (a chunk that is not the whole of ``out`` is
+# one call per layer and K/V row); beyond that one torch copy per chunk is cheaper.
+_MAX_MEMMOVES = 64
+_I4 = np.dtype("<i4")
+_LITTLE = sys.byteorder == "little"
+
+_blake2b = hashlib.blake2b
+_memmove = ctypes.memmove
+# Autograd's record that a tensor was written in place (``copy_`` bumps it too): a graph that
+# saved ``out`` for its backward pass then refuses to run on the new values.
+_bump_version = torch._C._increment_version
+_Tensor = torch.Tensor
+_strided = torch.strided
+
+
+def token_bytes(tokens: Any) -> bytes:
+    """``as_tokens(tokens)`` as int32 little-endian bytes; a 1-D int32 numpy array (the
+    common case) without the general conversion. Raises what ``as_tokens`` raises."""
+    if type(tokens) is np.ndarray and tokens.dtype is _I4 and tokens.ndim == 1:
+        return tokens.tobytes()  # C order whatever the strides
+    return as_tokens(tokens).tobytes()
+
+
+class FastPath:
+    """The direct path of one open cache (built by ``Cache.open``, dropped by ``aclose``)."""
+
+    def __init__(self, eng: Engine, ops: dict[str, int], device: torch.device) -> None:
+        spec = eng.spec
+        self.eng = eng
+        self.ops = ops
+        self.entries = eng.dir.entries
+        self.seed = eng.chain.seed
+        self.cs = eng.chain.chunk_size
+        self.dtype = spec.dtype
+        self.td = spec.token_dim
+        self.bpt = spec.bytes_per_token
+        # Dense KV is (rows, T, row) with rows = L*2 (L for MLA): one token's row of one layer
+        # and one of K/V is row_bytes; a slot holds (rows, n, row) contiguously.
+        self.rows = spec.num_layers * (1 if spec.mla else 2)
+        self.row_bytes = spec.row_elems * spec.itemsize
+        # The general path copies a request below inline_copy_bytes on the loop as well.
+        self.max_bytes = min(eng.mover.inline_bytes, _MAX_CHUNKS * self.cs * self.bpt + 1)
+        self.shapes: dict[int, tuple[int, ...]] = {}
+        self.templates: dict[int, torch.Tensor] = {}
+        top = eng.tiers[0]
+        # get is served here only from a host top tier into host memory, asked once the way
+        # the data path asks whether a move touches a device; lookup is served for any tiers.
+        host = isinstance(top, MemTier) and _move.accelerator_of(
+            [torch.empty(0, device=top.device), torch.empty(0, device=device)]) is None
+        self.top: MemTier | None = top if host and isinstance(top, MemTier) and _LITTLE \
+            else None
+        # The tiers below the top: a get touches its chunks in each that holds them.
+        self.lower = eng.tiers[1:]
+
+    def _shape(self, n: int) -> tuple[int, ...]:
+        shape = self.shapes.get(n)
+        if shape is None:
+            shape = self.shapes[n] = self.eng.spec.shape(n)
+        return shape
+
+    def _walk(self, buf: bytes, n: int, top: int) -> list[tuple[int, int, Entry, int]] | None:
+        """What ``Directory.match`` finds for ``buf`` (``n`` tokens), as ``(start, tokens,
+        entry, slot)``, or None when the general path must decide. With ``top`` >= 0 every
+        match must be resident in memory tier ``top`` (``slot``: its slot there; else -1)."""
+        entries = self.entries
+        cs = self.cs
+        parent = self.seed
+        found: list[tuple[int, int, Entry, int]] = []
+        for start in range(0, n, cs):
+            end = start + cs if start + cs < n else n
+            key = _blake2b(parent + buf[start * 4 : end * 4], digest_size=KEY_BYTES).digest()
+            e = entries.get(key)
+            last = False
+            if e is None:
+                if self.eng.shared:
+                    return None  # a shared tier may know more: the general path asks it
+                d = self.eng.dir
+                if d._kids(parent) is None:
+                    return found
+                # A child of the same parent that starts with these tokens (the matcher's own
+                # rule, through the index of the children) ends the match.
+                m = d._best_prefix_child(parent, np.frombuffer(buf, dtype=_I4), start, end)
+                if m is None:
+                    return found
+                e, end, last = m.entry, start + m.num_tokens, True
+            elif e._gen < 0 or e.tokens is None:
+                return None  # deleted under a reader, or its tokens are still to be learned
+            slot = -1
+            if top >= 0:
+                code = e._mem  # the packed residency (see _directory): one int, most often
+                if type(code) is int and code & _TIER_MASK == top:
+                    slot = code >> _TIER_BITS
+                else:
+                    got = e.slot_index(top)
+                    if got is None:
+                        return None  # below the top tier: a promotion, the general path's
+                    slot = got
+            found.append((start, end - start, e, slot))
+            if last:
+                break
+            parent = key
+        return found
+
+    def lookup(self, tokens: Any) -> int | None:
+        buf = token_bytes(tokens)
+        n = len(buf) >> 2
+        if n > _MAX_CHUNKS * self.cs:
+            return None
+        found = self._walk(buf, n, -1)
+        if found is None:
+            return None
+        self.ops["lookups"] += 1
+        return found[-1][0] + found[-1][1] if found else 0
+
+    def get(self, tokens: Any, out: torch.Tensor | None,
+            ) -> tuple[int, torch.Tensor, dict[str, int]] | None:
+        """``(num_tokens, kv, tiers)`` of the hit, or None: take the general path."""
+        top = self.top
+        if top is None:
+            return None
+        buf = token_bytes(tokens)
+        n = len(buf) >> 2
+        if n == 0 or n * self.bpt >= self.max_bytes:
+            return None
+        dense = True
+        if out is not None:
+            # What check_dense/check_out/_check_kv ask, on plain attributes; any doubt, and
+            # the general path decides (and raises the typed error).
+            if type(out) is not _Tensor or out.layout is not _strided or not out.is_cpu \
+                    or out.dtype is not self.dtype or out.requires_grad \
+                    or out.shape != (self.shapes.get(n) or self._shape(n)):
+                return None
+            dense = out.is_contiguous()
+            if not dense and may_overlap(out):
+                return None
+        found = self._walk(buf, n, top.idx)
+        if found is None:
+            return None
+        served = found[-1][0] + found[-1][1] if found else 0
+        if out is None:
+            # empty_like of a zero-stride template: a µs cheaper than torch.empty(shape).
+            tmpl = self.templates.get(served)
+            dst = torch.empty_like(tmpl if tmpl is not None else self._template(served))
+            width = served
+            dense = dst.is_contiguous()
+        else:
+            dst = out
+            width = n
+        if found:
+            self._copy(found, dst, width, dense)
+        # The general path's counters, exactly: the request's tokens, the top tier's hits and
+        # bytes out, one move, and the LRU touches (children first, parents last, in every
+        # tier that holds them).
+        eng = self.eng
+        self.ops["gets"] += 1
+        tok = eng.tok
+        tok["hit_tokens"] += served
+        tok["miss_tokens"] += n - served
+        if not found:
+            return 0, dst if out is None else dst.narrow(self.td, 0, 0), {}
+        c = top.c
+        c["hits"] += len(found)
+        c["bytes_out"] += served * self.bpt
+        eng.mover.moves += 1
+        touch = top.lru.touch
+        for _s, _n, _e, slot in reversed(found):
+            touch(slot)
+        for t in self.lower:
+            for _s, _n, e, _slot in reversed(found):
+                t.touch(e)
+        kv = dst if served == width else dst.narrow(self.td, 0, served)
+        return served, kv, {top.name: served}
+
+    def _template(self, n: int) -> torch.Tensor:
+        t = self.templates[n] = torch.empty(1, dtype=self.dtype).expand(self._shape(n))
+        return t
+
+    def _copy(self, found: list[tuple[int, int, Entry, int]], dst: torch.Tensor, width: int,
+              dense: bool) -> None:
+        """Copy the first ``n`` tokens of each found chunk into tokens ``[start, start+n)`` of
+        ``dst`` (``width`` tokens wide, on the host; ``dense``: C-contiguous)."""
+        top = self.top
+        if top is None:
+            return
+        pool = top.pool
+        rows = self.rows
+        # One block when the chunk is all of dst; else one range per layer and K/V row.
+        whole = [n == width == e.num_tokens for _s, n, e, _slot in found]
+        if dense and sum(1 if w else rows for w in whole) <= _MAX_MEMMOVES:
+            # A slot holds its chunk as (rows, num_tokens, row) from its address (the pool's
+            # segment base plus its offset; a slot never spans segments), and dst is (rows,
+            # width, row): every range below lies inside one slot and inside dst.
+            sps = pool.slots_per_segment
+            slot_bytes = pool.slot_bytes
+            addr = pool.seg_addr
+            dptr = dst.data_ptr()
+            rb = self.row_bytes
+            for (start, n, e, slot), w in zip(found, whole):
+                seg_no, off = divmod(slot, sps)
+                src = addr[seg_no] + off * slot_bytes
+                if w:
+                    _memmove(dptr, src, n * self.bpt)
+                else:  # row r of the chunk goes to row r of dst, at token start
+                    step = e.num_tokens * rb
+                    for r in range(rows):
+                        _memmove(dptr + (r * width + start) * rb, src + r * step, n * rb)
+            _bump_version((dst,))
+            return
+        td = self.td
+        for start, n, e, slot in found:
+            src_t = pool.view(slot, self.dtype, self._shape(e.num_tokens))
+            if n < e.num_tokens:
+                src_t = src_t.narrow(td, 0, n)
+            (dst if n == width else dst.narrow(td, start, n)).copy_(src_t)

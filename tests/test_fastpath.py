@@ -1,0 +1,267 @@
+"""The direct read path (``_fastpath``) against the general one.
+
+Two caches with the same configuration run the same random sequence of puts, gets (with and
+without ``out``, good and bad), lookups and deletes: one with the direct path, one with it
+turned off. After every step both must have answered alike (the same bytes, the same ``Hit``,
+the same error and an untouched ``out``), and must hold the same state (every counter of
+``stats()``, the moves made, each memory tier's LRU order). The bytes are also checked against
+the KV that was put. The sequences are built so that a good share of the gets is served by the
+direct path, and the test checks that it was.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import musacache as mc
+from helpers import prefix_kv, small_spec
+from musacache import _core
+from musacache.tiers.disk import DiskTier
+
+CHUNK = 4
+
+
+def _configs(tmp: Any) -> dict[str, tuple[mc.KVSpec, Any]]:
+    f32 = small_spec()
+    mla = small_spec(mla=True, dtype=torch.bfloat16)
+    f16 = mc.KVSpec(1, 1, 8, torch.float16)
+    return {
+        # Evictions drop chunks; requests over 3 chunks are copied off the loop (general path).
+        "host": (f32, lambda: dict(tiers=(mc.HostTier(f32.nbytes(CHUNK) * 6),),
+                                   inline_copy_bytes=f32.nbytes(3 * CHUNK) + 1)),
+        # Evictions demote into a second memory tier; a get there promotes (general path),
+        # and a promoted chunk is then in both.
+        "host+mem": (f16, lambda: dict(
+            tiers=(mc.HostTier(f16.nbytes(CHUNK) * 4),
+                   mc.DeviceTier(f16.nbytes(CHUNK) * 8, device="cpu", name="mem2")),
+            tenant="tenant-a")),
+        # Every chunk is also written through to disk: the direct path touches it there too.
+        # (No evictions here: promotions from disk finish in worker-thread order, so two
+        # caches would not stay in step, whichever path reads.)
+        "host+disk": (mla, lambda: dict(
+            tiers=(mc.HostTier(mla.nbytes(CHUNK) * 64),
+                   DiskTier(path=str(tmp / f"disk{random.random()}"), capacity_bytes="64MiB",
+                            write_through=True)),
+            namespace="other-model")),
+    }
+
+
+def _tokens_as(seq: list[int], rng: random.Random) -> Any:
+    kind = rng.randrange(6)
+    if kind == 0:
+        return list(seq)
+    if kind == 1:
+        return np.asarray(seq, dtype=np.int64)
+    if kind == 2:
+        return torch.tensor(seq, dtype=torch.int64)
+    if kind == 3:
+        return torch.tensor(seq, dtype=torch.int32)
+    if kind == 4:  # int32, not contiguous
+        return np.repeat(np.asarray(seq, dtype=np.int32), 2)[::2]
+    return np.asarray(seq, dtype=np.int32)
+
+
+def _out(spec: mc.KVSpec, n: int, kind: str) -> tuple[torch.Tensor, bool]:
+    """An ``out`` for ``n`` tokens of ``kind``, filled with a sentinel; whether it is valid."""
+    shape = spec.shape(n)
+    sentinel = -3.0
+    if kind == "contiguous":
+        return torch.full(shape, sentinel, dtype=spec.dtype), True
+    if kind == "strided":  # every other element of the last dim
+        wide = torch.full((*shape[:-1], shape[-1] * 2), sentinel, dtype=spec.dtype)
+        return wide[..., ::2], True
+    if kind == "permuted":  # tokens outermost in memory, as a HuggingFace cache may be
+        td = spec.token_dim
+        order = [td, *[d for d in range(len(shape)) if d != td]]
+        base = torch.full([shape[d] for d in order], sentinel, dtype=spec.dtype)
+        return base.permute(*[order.index(d) for d in range(len(shape))]), True
+    if kind == "short":
+        return torch.full(spec.shape(n + 1), sentinel, dtype=spec.dtype), False
+    if kind == "dtype":
+        return torch.full(shape, sentinel, dtype=torch.float64), False
+    if kind == "overlap":  # (with no tokens, nothing overlaps)
+        return torch.full((1,), sentinel, dtype=spec.dtype).expand(shape), n == 0
+    if kind == "grad":
+        return torch.full(shape, sentinel, dtype=torch.float32).requires_grad_(), False
+    if kind == "meta":
+        return torch.empty(shape, dtype=spec.dtype, device="meta"), False
+    raise AssertionError(kind)
+
+
+OUT_KINDS = ["none", "none", "contiguous", "contiguous", "strided", "permuted", "short", "dtype",
+             "overlap", "grad", "meta"]
+
+
+async def _state(c: mc.Cache) -> dict[str, Any]:
+    st = await c.stats()
+    for tier in st["tiers"].values():
+        tier.pop("store_path", None)  # each cache has a directory of its own
+    eng = c._engine
+    lru = {t.name: [e.key for _k, e in t.lru.items()] for t in eng.mem}
+    return {"stats": st, "moves": eng.mover.moves, "lru": lru}
+
+
+async def _both(a: mc.Cache, b: mc.Cache, op: str, *args: Any, **kw: Any) -> tuple[Any, Any]:
+    """Run ``op`` on each cache; their results, or the exception each raised."""
+    got = []
+    for c in (a, b):
+        try:
+            got.append(await getattr(c, op)(*args, **kw))
+        except mc.MusaCacheError as e:
+            got.append(e)
+    return got[0], got[1]
+
+
+def _same_error(ea: Any, eb: Any) -> None:
+    assert isinstance(ea, mc.MusaCacheError) and isinstance(eb, mc.MusaCacheError), (ea, eb)
+    assert type(ea) is type(eb) and str(ea) == str(eb)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("which", ["host", "host+mem", "host+disk"])
+async def test_direct_path_agrees_with_general_path(tmp_path: Any, which: str, seed: int) -> None:
+    spec, make = _configs(tmp_path)[which]
+    rng = random.Random(f"{which}-{seed}")
+    fast_served = {"get": 0, "lookup": 0}
+    def config() -> mc.CacheConfig:
+        kw = make()
+        return mc.CacheConfig(spec, kw.pop("namespace", "fast"), chunk_size=CHUNK, **kw)
+
+    async with mc.Cache(config()) as a, mc.Cache(config()) as b:
+        b._fast = None  # the reference: the general path only
+        direct = a._fast
+        assert direct is not None
+        real_get, real_lookup = direct.get, direct.lookup
+
+        def spy_get(tokens: Any, out: Any) -> Any:
+            r = real_get(tokens, out)
+            fast_served["get"] += r is not None
+            return r
+
+        def spy_lookup(tokens: Any) -> Any:
+            r = real_lookup(tokens)
+            fast_served["lookup"] += r is not None
+            return r
+
+        direct.get, direct.lookup = spy_get, spy_lookup  # type: ignore[method-assign]
+        # Prompts over a 3-token vocabulary: many share prefixes, end inside chunks, and
+        # extend one another's partial tails.
+        stems = [[rng.randrange(3) for _ in range(4 * CHUNK + 3)] for _ in range(5)]
+        for step in range(90):
+            seq = rng.choice(stems)[: rng.randrange(0, 4 * CHUNK + 4)]
+            op = rng.choices(["put", "get", "lookup", "delete"], [3, 8, 2, 1])[0]
+            toks = _tokens_as(seq, rng)
+            where = f"step {step}: {op} of {len(seq)} tokens"
+            if op == "put":
+                ra, rb = await _both(a, b, "put", toks, prefix_kv(spec, seq))
+                assert ra == rb, where
+            elif op in ("lookup", "delete"):
+                ra, rb = await _both(a, b, op, toks)
+                assert ra == rb, where
+            else:
+                kind = rng.choice(OUT_KINDS)
+                if kind == "none":
+                    ha, hb = await _both(a, b, "get", toks)
+                else:
+                    out_a, ok = _out(spec, len(seq), kind)
+                    out_b, _ = _out(spec, len(seq), kind)
+                    before = out_a.detach().clone() if kind != "meta" else None
+                    ha, hb = await _both(a, b, "get", toks, out=out_a)
+                    if not ok:
+                        _same_error(ha, hb)
+                        if before is not None:  # refused before anything was written
+                            assert torch.equal(out_a.detach(), before), where
+                        await a.flush()
+                        await b.flush()
+                        assert await _state(a) == await _state(b), where
+                        continue
+                    await _both(a, b, "get", toks, out=out_b)  # b's own out, same state
+                    assert ha.kv.data_ptr() == out_a.data_ptr() or ha.num_tokens == 0, where
+                    assert torch.equal(out_a, out_b), where  # untouched past the hit, too
+                assert isinstance(ha, mc.Hit) and isinstance(hb, mc.Hit), (where, ha, hb)
+                assert (ha.num_tokens, ha.tiers) == (hb.num_tokens, hb.tiers), where
+                assert ha.kv.shape == hb.kv.shape and ha.kv.dtype == hb.kv.dtype, where
+                assert torch.equal(ha.kv, hb.kv), where
+                assert torch.equal(ha.kv, prefix_kv(spec, seq[: ha.num_tokens])), where
+                assert ha.kv.device == hb.kv.device == a.device, where
+            await a.flush()
+            await b.flush()
+            assert await _state(a) == await _state(b), where
+    # The sequences reach the direct path often (else this test would show nothing).
+    assert fast_served["get"] >= 5 and fast_served["lookup"] >= 3, fast_served
+
+
+async def test_a_resident_get_and_lookup_skip_the_general_path(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A get whose chunks are all in the host top tier neither pins nor plans a move, and a
+    lookup of a cached prompt does not go through the engine's matcher."""
+    spec = mc.KVSpec(1, 1, 8, torch.float16)
+    cfg = mc.CacheConfig(spec, "fast", chunk_size=16,
+                         tiers=(mc.HostTier(spec.nbytes(16) * 8),))
+    toks = list(range(100, 120))  # a full chunk and a partial tail
+    kv = prefix_kv(spec, toks)
+    async with mc.Cache(cfg) as c:
+        assert await c.put(toks, kv) == 20
+
+        def general(*a: Any, **k: Any) -> Any:
+            raise AssertionError("the general read path was taken")
+
+        monkeypatch.setattr(_core.Engine, "sources", general)
+        monkeypatch.setattr(_core.Engine, "match", general)
+        monkeypatch.setattr(_core.Engine, "pin", general)
+        hit = await c.get(toks)
+        assert hit.num_tokens == 20 and torch.equal(hit.kv, kv)
+        out = torch.empty(spec.shape(20), dtype=spec.dtype)
+        hit = await c.get(np.asarray(toks, dtype=np.int32), out=out)
+        assert hit.kv is out and torch.equal(out, kv)
+        assert await c.lookup(toks) == 20
+        assert await c.lookup(toks[:16]) == 16
+        st = await c.stats()
+        assert st["ops"]["gets"] == 2 and st["ops"]["lookups"] == 2
+        assert st["tiers"]["host"]["hits"] == 4
+        assert st["tokens"]["hit_tokens"] == 40 and st["pins"] == 0
+
+
+async def test_direct_write_into_out_is_seen_by_autograd() -> None:
+    """The direct path writes ``out`` by address; like ``copy_`` it records the in-place write
+    (a graph that saved ``out`` refuses to run its backward pass on the new values)."""
+    spec = mc.KVSpec(1, 1, 8, torch.float32)
+    cfg = mc.CacheConfig(spec, "fast", chunk_size=16, tiers=(mc.HostTier(spec.nbytes(16) * 4),))
+    toks = list(range(16))
+    async with mc.Cache(cfg) as c:
+        await c.put(toks, prefix_kv(spec, toks))
+        out = torch.zeros(spec.shape(16))
+        w = torch.ones(spec.shape(16), requires_grad=True)
+        y = (w * out).sum()  # saves out for the backward pass
+        hit = await c.get(toks, out=out)
+        assert hit.num_tokens == 16 and torch.equal(out, prefix_kv(spec, toks))
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.backward()
+
+
+async def test_a_miss_with_a_shared_tier_still_asks_it() -> None:
+    """With a shared storage tier, a prompt this node never saw may have been written by
+    another: the direct path leaves that miss to the general path, which refreshes."""
+    from fake_store import MemStore
+
+    spec = mc.KVSpec(1, 1, 8, torch.float16)
+    objects: dict[bytes, bytes] = {}
+    toks = list(range(40))
+
+    def config() -> mc.CacheConfig:
+        return mc.CacheConfig(spec, "fast", chunk_size=16, refresh_interval=0,
+                              tiers=(mc.HostTier(spec.nbytes(16) * 8),
+                                     MemStore(objects, shared=True, write_through=True)))
+
+    async with mc.Cache(config()) as reader, mc.Cache(config()) as writer:
+        assert reader._fast is not None
+        assert await writer.put(toks, prefix_kv(spec, toks)) == 40
+        await writer.flush()  # written after the reader listed the tier
+        assert await reader.lookup(toks) == 40
+        hit = await reader.get(toks)
+        assert hit.num_tokens == 40 and torch.equal(hit.kv, prefix_kv(spec, toks))
