@@ -158,11 +158,11 @@ async def test_disk_timed_out_read_keeps_its_slot_until_its_thread_returns(
         returned = threading.Event()
         read_into = DiskStore._read_regular_into
 
-        def hung(path: Path, fp: Any, meta: Any, out: torch.Tensor) -> object:
+        def hung(path: Path, fp: Any, meta: Any, out: torch.Tensor, *rest: Any) -> object:
             release.wait(30)  # a stuck network file system
             out.view(torch.uint8).fill_(0xEE)  # the late write the slot must be kept for
             returned.set()
-            return read_into(path, fp, meta, out)
+            return read_into(path, fp, meta, out, *rest)
 
         monkeypatch.setattr(DiskStore, "_read_regular_into", staticmethod(hung))
         free = top.pool.free_slots

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from ._move import Mover
     from ._spec import KVSpec
     from ._tasks import TaskOwner
+    from ._tee import Tee
     from .tiers.memory import Slot
 
 
@@ -87,14 +88,15 @@ class ColdPath:
 
     # -- reads ----------------------------------------------------------------------------
 
-    async def read(self, t: StoreTier, e: Entry,
-                   out: torch.Tensor | None = None) -> torch.Tensor | None:
+    async def read(self, t: StoreTier, e: Entry, out: torch.Tensor | None = None,
+                   tee: Tee | None = None) -> torch.Tensor | None:
         """``e``'s KV from ``t`` (a host tensor, decoded into ``out`` when given: no fresh
         allocation, no second copy), or None: absent, a fault, a timeout, or an object that
         cannot be read here (corrupt, another model's, another format version). Each is
         counted under its own name and is a miss, never an exception; ``out`` then holds
         garbage (a tier that reads into it may have written part of the chunk), so it must
-        be a destination the caller discards on a miss."""
+        be a destination the caller discards on a miss. A ``tee`` is written block by block
+        from the read's thread when the tier reads into ``out`` (:mod:`musacache._tee`)."""
         from .codec import decode_chunk
 
         eng = self.eng
@@ -108,9 +110,21 @@ class ColdPath:
                 # the destination (a raw payload needs no buffer in between).
                 dst = out if out is not None else torch.empty(
                     eng.spec.shape(e.num_tokens), dtype=eng.spec.dtype)
-                size = await self._guarded(
-                    t, e, lambda: t.store.read_into(meta, eng.fingerprint, dst), decodes=True)
+                if tee is None:
+                    def read_into() -> Awaitable[int | None]:
+                        return t.store.read_into(meta, eng.fingerprint, dst)
+                else:
+                    def on_block(start: int, end: int) -> None:
+                        tee.put(dst, start, end)
+
+                    def read_into() -> Awaitable[int | None]:
+                        return t.store.read_into(meta, eng.fingerprint, dst, on_block=on_block)
+                size = await self._guarded(t, e, read_into, decodes=True)
                 if size is None:
+                    if tee is not None:
+                        # A timed-out read's thread may still complete it: the chunk may be
+                        # served by another tier now, and only the move may write it then.
+                        tee.close()
                     return None
                 t.c["bytes_out"] += size
                 return dst
@@ -167,12 +181,13 @@ class ColdPath:
         if was_current:  # a dead entry may be reading a newer entry's object: keep it
             self.schedule_delete(t, e.key)
 
-    async def promote_decoding(self, e: Entry,
+    async def promote_decoding(self, e: Entry, tee: Tee | None = None,
                                ) -> tuple[torch.Tensor | None, str, Tier | None]:
         """When ``e`` lives only in storage and the top tier is host memory: decode it
         straight into a top-tier slot (one decode, no fresh tensor, no second copy). Returns
         the data and the tier it came from, or None and the tier whose read missed (not to be
-        asked again; None if this did not apply)."""
+        asked again; None if this did not apply). ``tee`` (the caller's tensor for this
+        chunk) is written by the same read, block by block."""
         eng = self.eng
         top = eng.tiers[0]
         src = next((t for t in eng.tiers if t.holds(e)), None)
@@ -190,7 +205,7 @@ class ColdPath:
         try:
             slot = await top.pool.materialize(idx)
             view = eng.block_view(slot, e.num_tokens)
-            if await self.read(src, e, out=view) is None:
+            if await self.read(src, e, out=view, tee=tee) is None:
                 return None, "", src
             src.c["hits"] += 1
             if not e.dead and not top.holds(e):

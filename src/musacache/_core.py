@@ -31,6 +31,7 @@ from ._keys import Fingerprint, KeyChain
 from ._move import Mover, accelerator_of, gather_chunks
 from ._placement import victims
 from ._tasks import TaskOwner
+from ._tee import Tee
 from ._tierstate import MemTier, StoreTier, Tier, counters
 from .tiers.memory import Slot
 from .transfer import Pages
@@ -147,6 +148,7 @@ class Flight:
         self.done = anyio.Event()
         self.tensor: torch.Tensor | None = None
         self.source = ""
+        self.tee: Tee | None = None  # the starting get's tensor for this chunk (_tee)
 
 
 class Engine:
@@ -523,9 +525,11 @@ class Engine:
         t.c["misses"] += 1
         return None
 
-    async def sources(self, matches: Sequence[Match]) -> list[tuple[Match, torch.Tensor, str]]:
+    async def sources(self, matches: Sequence[Match], tees: Sequence[Tee | None] = (),
+                      ) -> list[tuple[Match, torch.Tensor, str]]:
         """The data of each match (the caller holds pins), up to the first that cannot be
-        read. Chunks below the top tier are fetched concurrently, promoting them."""
+        read. Chunks below the top tier are fetched concurrently, promoting them; a
+        promotion this call starts also writes ``tees[i]`` (the caller's tensor)."""
         found: list[tuple[torch.Tensor | None, str]] = []
         slow: list[int] = []
         for i, m in enumerate(matches):
@@ -535,7 +539,8 @@ class Engine:
                 slow.append(i)
         if slow:
             async def fetch(i: int) -> None:
-                found[i] = await self.fetch(matches[i].entry)
+                found[i] = await self.fetch(matches[i].entry,
+                                            tees[i] if i < len(tees) else None)
 
             async with anyio.create_task_group() as tg:
                 for i in slow:
@@ -547,14 +552,15 @@ class Engine:
             out.append((m, src, name))
         return out
 
-    async def fetch(self, e: Entry) -> tuple[torch.Tensor | None, str]:
+    async def fetch(self, e: Entry, tee: Tee | None = None) -> tuple[torch.Tensor | None, str]:
         """Data of ``e`` from below the top tier, promoting it on the way (single-flight)."""
-        flight = self.promotion(e)
+        flight = self.promotion(e, tee)
         await flight.done.wait()
         return flight.tensor, flight.source
 
-    def promotion(self, e: Entry) -> Flight:
-        """Join or start the promotion of ``e`` into the top tier."""
+    def promotion(self, e: Entry, tee: Tee | None = None) -> Flight:
+        """Join or start the promotion of ``e`` into the top tier (a started one also writes
+        ``tee``)."""
         top = self.tiers[0]
         if isinstance(top, MemTier) and top.holds(e):
             f = Flight()
@@ -565,6 +571,7 @@ class Engine:
         if joined is not None:
             return joined
         f = Flight()
+        f.tee = tee
         self.flights[e.key] = f
         self.tasks.spawn(self._promote, e, f)
         return f
@@ -573,7 +580,7 @@ class Engine:
         self.pin(e)
         self.inflight["promotions"] += 1
         try:
-            got, source, tried = await self.cold.promote_decoding(e)
+            got, source, tried = await self.cold.promote_decoding(e, f.tee)
             if got is not None:
                 f.tensor, f.source = got, source
                 return

@@ -640,7 +640,8 @@ def _pread_into(fd: int, buf: memoryview, offset: int, *more: memoryview) -> Non
 
 
 def read_chunk_into(fp: Fingerprint, fd: int, size: int, out: torch.Tensor, *,
-                    expect: ChunkMeta | None = None, threads: int = 1) -> ChunkMeta:
+                    expect: ChunkMeta | None = None, threads: int = 1,
+                    on_block: Callable[[int, int], None] | None = None) -> ChunkMeta:
     """Read, verify and decode the chunk object in the open file ``fd`` (``size`` bytes, as
     its ``fstat`` says) into ``out``, a contiguous CPU tensor of the chunk's shape.
 
@@ -648,6 +649,12 @@ def read_chunk_into(fp: Fingerprint, fd: int, size: int, out: torch.Tensor, *,
     ``out``, a block at a time, and each block's checksum is taken right after its read, while
     the block is still in the CPU's cache: one pass over the bytes, no buffer in between.
     Other codecs are read into a reused buffer and decoded as :func:`decode_chunk` does.
+
+    ``on_block(start, end)``, when given, is called as soon as bytes ``[start, end)`` of
+    ``out`` hold their final, verified value, from the thread that wrote them (for a raw
+    object right after each block's checksum, while the block is in cache): a caller copies
+    each range on to a second destination in the same pass. Ranges are disjoint, at most one
+    block long, and cover ``out`` only if the read succeeds.
 
     Raises what :func:`decode_chunk` raises, :class:`CorruptChunkError` when the file ends
     before its header says, and ``OSError`` from the file system. Unlike
@@ -665,14 +672,15 @@ def read_chunk_into(fp: Fingerprint, fd: int, size: int, out: torch.Tensor, *,
             obj = memoryview(buf.data)
             _pread_into(fd, obj, 0)
             meta, _ = decode_chunk(fp, obj, expect=expect, out=out, threads=threads)
-            return meta
         finally:
             _give_scratch(buf)
+        _ranges_done(on_block, hdr.raw_len, hdr.block_size)
+        return meta
     table = bytearray(hdr.table_len)
     _pread_into(fd, memoryview(table), HEADER_SIZE)
     entries, offsets = _block_layout(hdr, table)
     if hdr.codec_id == _ID_TAGGED:
-        _read_tagged_into(fd, hdr, entries, offsets, out, threads)
+        _read_tagged_into(fd, hdr, entries, offsets, out, threads, on_block)
         return hdr.meta(stored_bytes=size)
     dst = memoryview(_as_bytes(out).data)
     crc = _block_crc(hdr)
@@ -683,13 +691,26 @@ def read_chunk_into(fp: Fingerprint, fd: int, size: int, out: torch.Tensor, *,
         _pread_into(fd, block, offsets[i])
         if crc(block) != entries[i][1]:
             raise CorruptChunkError(f"chunk payload checksum mismatch in block {i}")
+        if on_block is not None:
+            on_block(start, start + entries[i][0])
 
     _run_blocks(read_block, hdr.num_blocks, threads)
     return hdr.meta(stored_bytes=size)
 
 
+def _ranges_done(on_block: Callable[[int, int], None] | None, nbytes: int,
+                 block_size: int) -> None:
+    """Report ``[0, nbytes)`` to ``on_block`` a block at a time (a codec whose last step, the
+    unshuffle, writes the whole destination at once)."""
+    if on_block is None:
+        return
+    for start in range(0, nbytes, block_size):
+        on_block(start, min(nbytes, start + block_size))
+
+
 def _read_tagged_into(fd: int, hdr: ChunkHeader, entries: Sequence[tuple[int, int]],
-                      offsets: list[int], out: torch.Tensor, threads: int) -> None:
+                      offsets: list[int], out: torch.Tensor, threads: int,
+                      on_block: Callable[[int, int], None] | None) -> None:
     """The tagged blocks of a file into the shuffled planes, then unshuffled into ``out``.
     A block one byte longer than its raw size can only be raw: its body is read straight to
     its place in the planes (the method byte aside), with no copy. Any other block is read
@@ -712,16 +733,18 @@ def _read_tagged_into(fd: int, hdr: ChunkHeader, entries: Sequence[tuple[int, in
             if tag[0] != _TAG_RAW or native.crc32c(body, raw_crc) != crc:
                 raise CorruptChunkError(f"chunk payload checksum mismatch in block {i} "
                                         f"(method {tag[0]}, {raw_block} bytes stored)")
-            return
-        buf = _take_scratch(stored_len)
-        try:
-            stored = memoryview(buf.data)
-            _pread_into(fd, stored, offsets[i])
-            if native.crc32c(stored) != crc:
-                raise CorruptChunkError(f"chunk payload checksum mismatch in block {i}")
-            _decode_tagged_block(i, stored, dst)
-        finally:
-            _give_scratch(buf)
+        else:
+            buf = _take_scratch(stored_len)
+            try:
+                stored = memoryview(buf.data)
+                _pread_into(fd, stored, offsets[i])
+                if native.crc32c(stored) != crc:
+                    raise CorruptChunkError(f"chunk payload checksum mismatch in block {i}")
+                _decode_tagged_block(i, stored, dst)
+            finally:
+                _give_scratch(buf)
+        if on_block is not None and not shuffled:  # the block is final in ``out``
+            on_block(start, start + raw_block)
 
     try:
         _run_blocks(read_block, hdr.num_blocks, threads)
@@ -730,6 +753,9 @@ def _read_tagged_into(fd: int, hdr: ChunkHeader, entries: Sequence[tuple[int, in
     finally:
         if shuffled:
             _give_scratch(target)
+    if shuffled:
+        # The unshuffle writes all of ``out`` at once: its ranges are final only now.
+        _ranges_done(on_block, hdr.raw_len, hdr.block_size)
 
 
 def _decode_blocks(view: memoryview, hdr: ChunkHeader, offsets: list[int],

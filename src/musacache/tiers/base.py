@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -132,13 +133,18 @@ class StorageTier(abc.ABC):
         """Remove the object under ``key`` (absent keys are not an error)."""
 
     async def read_into(self, meta: ChunkMeta, fingerprint: Fingerprint,
-                        out: torch.Tensor) -> int | None:
+                        out: torch.Tensor, *,
+                        on_block: Callable[[int, int], None] | None = None) -> int | None:
         """Optional (set :attr:`reads_into`): read, verify and decode the chunk under
         ``meta.key`` into ``out`` (a contiguous CPU tensor of its shape), as
-        :func:`~musacache.codec.read_chunk_into` does from a file. Returns the object's size,
-        or ``None`` if there is none. Raises :class:`~musacache.TierError` on a fault and
-        the codec's errors for an object that cannot be read here; ``out`` then holds
-        garbage, and after a timeout it may be written until :meth:`writing_into` is False.
+        :func:`~musacache.codec.read_chunk_into` does from a file. When ``on_block`` is
+        given, call ``on_block(start, end)`` as soon as bytes ``[start, end)`` of ``out`` are
+        verified and final (the engine copies them on to the caller's tensor while they are
+        in cache; a tier that never calls it only costs that copy later). Returns the
+        object's size, or ``None`` if there is none. Raises :class:`~musacache.TierError`
+        on a fault and the codec's errors for an object that cannot be read here; ``out``
+        then holds garbage, and after a timeout it may be written until
+        :meth:`writing_into` is False.
         """
         raise NotImplementedError(f"{type(self).__name__} does not read into a tensor")
 

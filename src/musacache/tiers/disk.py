@@ -379,10 +379,12 @@ class DiskStore(StorageTier):
         return obj
 
     async def read_into(self, meta: ChunkMeta, fingerprint: Fingerprint,
-                        out: torch.Tensor) -> int | None:
+                        out: torch.Tensor, *,
+                        on_block: Callable[[int, int], None] | None = None) -> int | None:
         """Read, verify and decode the chunk straight into ``out`` in one worker-thread call
         (:func:`~musacache.codec.read_chunk_into`: a raw chunk's payload lands in ``out``
-        with no buffer in between). Returns the object's size, or None when it is absent.
+        with no buffer in between; ``on_block`` is called in that thread as each verified
+        range of ``out`` is final). Returns the object's size, or None when it is absent.
 
         Raises :class:`TierError` on a fault or a timeout, and the codec's errors
         (:class:`CorruptChunkError`, :class:`FingerprintMismatchError`,
@@ -391,7 +393,7 @@ class DiskStore(StorageTier):
         :meth:`writing_into` says otherwise.
         """
         def read(path: Path) -> int | OSError | _NotAFile | None:
-            return self._read_regular_into(path, fingerprint, meta, out)
+            return self._read_regular_into(path, fingerprint, meta, out, on_block)
 
         call = _ThreadRead(out)
         size = await self._read_call(meta, read, call)
@@ -510,10 +512,11 @@ class DiskStore(StorageTier):
         return DiskStore._with_file(path, whole)
 
     @staticmethod
-    def _read_regular_into(path: Path, fp: Fingerprint, meta: ChunkMeta,
-                           out: torch.Tensor) -> int | OSError | _NotAFile | None:
+    def _read_regular_into(path: Path, fp: Fingerprint, meta: ChunkMeta, out: torch.Tensor,
+                           on_block: Callable[[int, int], None] | None = None,
+                           ) -> int | OSError | _NotAFile | None:
         def into(fd: int, size: int) -> int:
-            read_chunk_into(fp, fd, size, out, expect=meta)
+            read_chunk_into(fp, fd, size, out, expect=meta, on_block=on_block)
             return size
 
         return DiskStore._with_file(path, into)
