@@ -49,13 +49,13 @@ def _flip_byte(path: str, at: int) -> None:
 
 
 def _spy_moves(c: mc.Cache) -> list[int]:
-    """Pairs handed to the engine's move, one count per call."""
+    """The storage address of each destination handed to the engine's move."""
     calls: list[int] = []
     mover = c._engine.mover
     copy = mover.copy
 
     async def spy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        calls.append(len(pairs))
+        calls.extend(d.untyped_storage().data_ptr() for d, _ in pairs)
         await copy(pairs)
 
     mover.copy = spy  # type: ignore[method-assign]
@@ -79,7 +79,7 @@ async def test_a_disk_promotion_writes_out_in_its_read_and_is_not_moved_again(
         hit = await c.get(toks, out=out)
         assert hit.num_tokens == len(toks) and hit.tiers == {"disk": len(toks)}
         assert torch.equal(out, kv)
-        assert sum(moves) == 0  # no chunk copied a second time into out
+        assert base.untyped_storage().data_ptr() not in moves  # out written once
 
 
 async def test_chunks_served_from_memory_still_go_through_the_move(tmp_path: Path) -> None:
@@ -97,7 +97,8 @@ async def test_chunks_served_from_memory_still_go_through_the_move(tmp_path: Pat
         assert hit.num_tokens == len(toks)
         assert hit.tiers == {"host": 2 * CH, "disk": 4 * CH}
         assert torch.equal(out, kv)
-        assert sum(moves) == 2  # exactly the two chunks the disk read did not write
+        # exactly the two chunks the disk read did not write
+        assert moves.count(out.untyped_storage().data_ptr()) == 2
 
 
 async def test_get_pages_from_disk_writes_each_page_in_its_read(tmp_path: Path) -> None:
@@ -112,7 +113,7 @@ async def test_get_pages_from_disk_writes_each_page_in_its_read(tmp_path: Path) 
         outs = [torch.zeros(spec.nbytes(CH) // 4) for _ in range(3)]  # flat pages
         assert await c.get_pages(keys, outs) == [True, True, True]
         assert all(torch.equal(o, p.reshape(-1)) for o, p in zip(outs, pages, strict=True))
-        assert sum(moves) == 0
+        assert not {o.untyped_storage().data_ptr() for o in outs} & set(moves)
 
 
 async def test_a_damaged_chunk_ends_the_hit_before_it_with_the_served_bytes_exact(
@@ -299,3 +300,49 @@ def test_a_closed_tee_writes_nothing_and_is_not_complete() -> None:
     dst.zero_()
     tee.put(src, 0, 32)
     assert not dst.any()
+
+
+async def test_a_read_that_missed_cannot_complete_its_tee_later(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The first disk's read times out and the chunk is served by the second disk. The first
+    # read's thread then finishes before the get checks its tee: that late copy must not count
+    # as the chunk's delivery, so the chunk still goes through the move.
+    spec = small_spec()
+    toks = _toks(CH, seed=6)
+    kv = prefix_kv(spec, toks)
+    d1, d2 = tmp_path / "d1", tmp_path / "d2"
+    slow = mc.DiskTier(path=str(d1), capacity_bytes="64MiB", codec="raw", timeout=0.2,
+                       name="slow")
+    backup = mc.DiskTier(path=str(d2), capacity_bytes="64MiB", codec="raw", name="backup",
+                         write_through=True)
+    cfg = mc.CacheConfig(spec, "tee", chunk_size=CH, tiers=(
+        mc.HostTier(capacity_bytes=spec.nbytes(CH) * 4), slow, backup))
+    async with mc.Cache(cfg) as c:
+        await c.put(toks, kv)
+        await _on_disk_only(c)
+        assert [t.holds(e) for t in c._engine.stores
+                for e in c._engine.dir.entries.values()] == [True, True]
+        release, returned = threading.Event(), threading.Event()
+        read = DiskStore._read_regular_into
+
+        def racing(path: Path, *rest: Any) -> object:
+            if str(path).startswith(str(d1)):
+                release.wait(30)
+                try:
+                    return read(path, *rest)
+                finally:
+                    returned.set()
+            release.set()  # the slow read finishes now, while the backup is read
+            returned.wait(30)
+            return read(path, *rest)
+
+        monkeypatch.setattr(DiskStore, "_read_regular_into", staticmethod(racing))
+        moves = _spy_moves(c)
+        out = torch.zeros_like(kv)
+        try:
+            hit = await c.get(toks, out=out)
+        finally:
+            release.set()
+        assert hit.num_tokens == CH and hit.tiers == {"backup": CH}
+        assert returned.is_set() and torch.equal(out, kv)
+        assert moves.count(out.untyped_storage().data_ptr()) == 1
