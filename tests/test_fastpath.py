@@ -265,3 +265,30 @@ async def test_a_miss_with_a_shared_tier_still_asks_it() -> None:
         assert await reader.lookup(toks) == 40
         hit = await reader.get(toks)
         assert hit.num_tokens == 40 and torch.equal(hit.kv, prefix_kv(spec, toks))
+
+
+def test_native_copy_bytes() -> None:
+    from musacache._native import lib
+
+    src = torch.arange(64, dtype=torch.uint8)
+    dst = torch.zeros(64, dtype=torch.uint8)
+    assert lib.mc_copy_bytes(dst.data_ptr() + 8, src.data_ptr() + 16, 32) == lib.MC_OK
+    assert torch.equal(dst[8:40], src[16:48]) and not dst[:8].any() and not dst[40:].any()
+    assert lib.mc_copy_bytes(dst.data_ptr(), src.data_ptr(), 0) == lib.MC_OK
+    assert lib.mc_copy_bytes(dst.data_ptr(), src.data_ptr(), -1) == lib.MC_ERR_ARGUMENT
+    assert lib.mc_copy_bytes(0, src.data_ptr(), 4) == lib.MC_ERR_ARGUMENT
+    assert lib.mc_copy_bytes(dst.data_ptr(), 0, 4) == lib.MC_ERR_ARGUMENT
+
+
+async def test_a_native_module_built_before_copy_bytes_still_serves(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from musacache import _fastpath
+
+    monkeypatch.setattr(_fastpath, "_copy_bytes", _fastpath._ctypes_copy)
+    spec = small_spec()
+    cfg = mc.CacheConfig(spec, "fast", chunk_size=CHUNK, tiers=(mc.HostTier(spec.nbytes(CHUNK) * 8),))
+    toks = list(range(10))
+    async with mc.Cache(cfg) as c:
+        await c.put(toks, prefix_kv(spec, toks))
+        hit = await c.get(toks)
+        assert hit.num_tokens == 10 and torch.equal(hit.kv, prefix_kv(spec, toks))

@@ -33,6 +33,8 @@ _DETACHED = 0x80
 _PENDING = 0x80
 # One int object per distinct chunk size, shared by every entry of that size.
 _SIZES: dict[int, int] = {}
+# The key chain's hash with its parameters set (``match`` copies it per chunk).
+_EMPTY_HASH = hashlib.blake2b(digest_size=KEY_BYTES)
 
 _Packed = int | tuple[int, ...] | None
 
@@ -348,13 +350,14 @@ class Directory:
         out: list[Match] = []
         entries = self.entries
         view = memoryview(tokens).cast("B")  # type: ignore[arg-type]
-        blake2b = hashlib.blake2b
+        empty = _EMPTY_HASH
         step = self.chain.chunk_size
         n = len(tokens)
         parent = self.chain.seed
         for start in range(0, n, step):
             end = min(start + step, n)
-            h = blake2b(parent, digest_size=KEY_BYTES)
+            h = empty.copy()  # a copy of a hasher costs less than making one
+            h.update(parent)
             h.update(view[start * 4 : end * 4])
             key = h.digest()
             e = entries.get(key)

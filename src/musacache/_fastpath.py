@@ -10,17 +10,19 @@ loop too) and ``out`` (if given) is a plain host tensor of the exact shape, this
 
 * the key chain over the prompt's token bytes, one dict probe per chunk;
 * checks of ``out`` on plain attributes (type, layout, device, dtype, shape, grad);
-* ``memmove`` between data pointers: the slot's address is its segment's base address (kept
-  as an int by the pool) plus its offset, and every write stays inside ``out``, whose shape,
-  dtype and contiguity were checked first. An ``out`` with other strides (proven not to
-  overlap itself) gets one torch copy per chunk;
+* ``memmove`` (``mc_copy_bytes``, one native call) between addresses: the slot's address is
+  its segment's base address (kept as an int by the pool) plus its offset, and every write
+  stays inside ``out``, whose shape, dtype and contiguity were checked first. An ``out`` with
+  other strides (proven not to overlap itself) gets one torch copy per chunk;
 * the same LRU touches and counters as the general path.
 
-Anything else (a chunk below the top tier or learned from a listing, a match that continues
-into a child's prefix, a shared tier that may know more, a device tier or ``out``, a large
-request, any ``out`` the general checks would refuse) returns None and the caller takes the
-general path, which also raises the typed error. Nothing is written and nothing is counted
-before this path has decided to serve the request, so falling back is always clean.
+A match that ends inside a prefix of a child chunk is found by the matcher's own helper
+(``Directory._best_prefix_child``). Anything else (a chunk below the top tier, one learned
+from a listing whose tokens are unknown, a shared tier that may know more on a miss, a device
+tier or ``out``, a large request, any ``out`` the general checks would refuse) returns None
+and the caller takes the general path, which also raises the typed error. Nothing is
+written and nothing is counted before this path has decided to serve the request, so falling
+back is always clean.
 
 No pin is taken: nothing here awaits, so from the dict probe to the last byte copied no other
 task runs, and no eviction, delete or demotion can touch the chunk in between.
@@ -36,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _move
+from . import _move, _native
 from ._core import Engine
 from ._directory import _TIER_BITS, _TIER_MASK, Entry
 from ._keys import KEY_BYTES, as_tokens
@@ -51,11 +53,24 @@ _MAX_CHUNKS = 32
 # The most memmove calls one request may make (a chunk that is not the whole of ``out`` is
 # one call per layer and K/V row); beyond that one torch copy per chunk is cheaper.
 _MAX_MEMMOVES = 64
+# Token counts whose output template is kept (each a tensor object of a few hundred bytes).
+_MAX_TEMPLATES = 64
 _I4 = np.dtype("<i4")
 _LITTLE = sys.byteorder == "little"
 
-_blake2b = hashlib.blake2b
-_memmove = ctypes.memmove
+# The key chain's hash, parameters set once: copying a hasher costs less than making one
+# (the first chunk's copy already holds the seed, its parent).
+_EMPTY_HASH = hashlib.blake2b(digest_size=KEY_BYTES)
+
+
+def _ctypes_copy(dst: int, src: int, n: int) -> int:
+    ctypes.memmove(dst, src, n)
+    return 0
+
+
+# A cffi call with three ints is about 0.15 µs, ctypes.memmove about 0.6. A native module
+# built before mc_copy_bytes existed still works (through ctypes) until it is rebuilt.
+_copy_bytes = getattr(_native.lib, "mc_copy_bytes", None) or _ctypes_copy
 # Autograd's record that a tensor was written in place (``copy_`` bumps it too): a graph that
 # saved ``out`` for its backward pass then refuses to run on the new values.
 _bump_version = torch._C._increment_version
@@ -80,6 +95,8 @@ class FastPath:
         self.ops = ops
         self.entries = eng.dir.entries
         self.seed = eng.chain.seed
+        self.seed_hash = _EMPTY_HASH.copy()
+        self.seed_hash.update(self.seed)
         self.cs = eng.chain.chunk_size
         self.dtype = spec.dtype
         self.td = spec.token_dim
@@ -118,7 +135,13 @@ class FastPath:
         found: list[tuple[int, int, Entry, int]] = []
         for start in range(0, n, cs):
             end = start + cs if start + cs < n else n
-            key = _blake2b(parent + buf[start * 4 : end * 4], digest_size=KEY_BYTES).digest()
+            if start:
+                h = _EMPTY_HASH.copy()
+                h.update(parent)
+            else:
+                h = self.seed_hash.copy()
+            h.update(buf[start * 4 : end * 4])
+            key = h.digest()
             e = entries.get(key)
             last = False
             if e is None:
@@ -191,13 +214,12 @@ class FastPath:
             # empty_like of a zero-stride template: a µs cheaper than torch.empty(shape).
             tmpl = self.templates.get(served)
             dst = torch.empty_like(tmpl if tmpl is not None else self._template(served))
-            width = served
-            dense = dst.is_contiguous()
+            width = served  # (empty_like of a tensor that overlaps itself is contiguous)
         else:
             dst = out
             width = n
         if found:
-            self._copy(found, dst, width, dense)
+            self._copy(found, dst, width, dense, out is not None)
         # The general path's counters, exactly: the request's tokens, the top tier's hits and
         # bytes out, one move, and the LRU touches (children first, parents last, in every
         # tier that holds them).
@@ -222,39 +244,48 @@ class FastPath:
         return served, kv, {top.name: served}
 
     def _template(self, n: int) -> torch.Tensor:
-        t = self.templates[n] = torch.empty(1, dtype=self.dtype).expand(self._shape(n))
+        """A tensor of ``spec.shape(n)`` over one element: ``empty_like`` of it is a new
+        contiguous tensor of that shape. Kept for the first widths asked (a bounded set)."""
+        t = torch.empty(1, dtype=self.dtype).expand(self._shape(n))
+        if len(self.templates) < _MAX_TEMPLATES:
+            self.templates[n] = t
         return t
 
     def _copy(self, found: list[tuple[int, int, Entry, int]], dst: torch.Tensor, width: int,
-              dense: bool) -> None:
+              dense: bool, caller_owned: bool) -> None:
         """Copy the first ``n`` tokens of each found chunk into tokens ``[start, start+n)`` of
-        ``dst`` (``width`` tokens wide, on the host; ``dense``: C-contiguous)."""
+        ``dst`` (``width`` tokens wide, on the host; ``dense``: C-contiguous; ``caller_owned``:
+        the caller's ``out``)."""
         top = self.top
         if top is None:
             return
         pool = top.pool
         rows = self.rows
-        # One block when the chunk is all of dst; else one range per layer and K/V row.
-        whole = [n == width == e.num_tokens for _s, n, e, _slot in found]
-        if dense and sum(1 if w else rows for w in whole) <= _MAX_MEMMOVES:
-            # A slot holds its chunk as (rows, num_tokens, row) from its address (the pool's
-            # segment base plus its offset; a slot never spans segments), and dst is (rows,
-            # width, row): every range below lies inside one slot and inside dst.
+        # A slot holds its chunk as (rows, num_tokens, row) from its address (its segment's
+        # base plus its offset; a slot never spans segments), and a dense dst is (rows, width,
+        # row): each range below lies inside one slot and inside dst. A chunk that is all of
+        # dst is one block; any other, one range per layer and K/V row.
+        if dense and len(found) * rows <= _MAX_MEMMOVES:
             sps = pool.slots_per_segment
             slot_bytes = pool.slot_bytes
             addr = pool.seg_addr
             dptr = dst.data_ptr()
             rb = self.row_bytes
-            for (start, n, e, slot), w in zip(found, whole):
+            status = 0
+            for start, n, e, slot in found:
                 seg_no, off = divmod(slot, sps)
                 src = addr[seg_no] + off * slot_bytes
-                if w:
-                    _memmove(dptr, src, n * self.bpt)
-                else:  # row r of the chunk goes to row r of dst, at token start
-                    step = e.num_tokens * rb
-                    for r in range(rows):
-                        _memmove(dptr + (r * width + start) * rb, src + r * step, n * rb)
-            _bump_version((dst,))
+                if n == width == e.num_tokens:
+                    status |= _copy_bytes(dptr, src, n * self.bpt)
+                    continue
+                step = e.num_tokens * rb
+                for r in range(rows):
+                    status |= _copy_bytes(dptr + (r * width + start) * rb, src + r * step,
+                                          n * rb)
+            if status:
+                _native._check_status(status, "copy_bytes")
+            if caller_owned:  # (a tensor made here has no autograd history to warn)
+                _bump_version((dst,))
             return
         td = self.td
         for start, n, e, slot in found:

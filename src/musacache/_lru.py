@@ -68,7 +68,9 @@ class SlotLRU:
 
     def touch(self, index: int) -> None:
         """Slot ``index`` becomes the newest."""
-        if index in self and index != self._tail:
+        # (``in self``, inlined: a get touches every chunk it serves)
+        if index != self._tail and 0 <= index < len(self._entry) \
+                and self._entry[index] is not None:
             self._unlink(index)
             self._link_newest(index)
 

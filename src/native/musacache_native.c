@@ -1140,3 +1140,9 @@ __attribute__((target("sse4.2"))) static uint32_t crc32c_hw3(uint32_t crc, const
     return crc32c_hw(crc, p, n);
 }
 #endif
+
+int mc_copy_bytes(uintptr_t dst, uintptr_t src, int64_t n) {
+    if (n < 0 || (n > 0 && (dst == 0 || src == 0))) return MC_ERR_ARGUMENT;
+    if (n > 0) memmove((void *)dst, (const void *)src, (size_t)n);
+    return MC_OK;
+}

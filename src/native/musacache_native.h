@@ -118,6 +118,11 @@ int mc_set_simd_level(int level);
 int mc_get_simd_level(int *out);
 int mc_max_simd_level(int *out);
 
+/* memmove(dst, src, n) between two addresses given as integers: the direct read path copies a
+ * small chunk between host buffers whose bounds the caller has checked, in one call and
+ * without building a pointer object per call. MC_ERR_ARGUMENT for n < 0 or a null address. */
+int mc_copy_bytes(uintptr_t dst, uintptr_t src, int64_t n);
+
 #ifdef __cplusplus
 }
 #endif
