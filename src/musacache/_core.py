@@ -30,6 +30,7 @@ from ._directory import Directory, Entry, Match
 from ._keys import Fingerprint, KeyChain
 from ._move import Mover, accelerator_of, gather_chunks
 from ._placement import victims
+from ._staging import STAGE_KEEP_BYTES, StagePool
 from ._tasks import TaskOwner
 from ._tee import Tee
 from ._tierstate import MemTier, StoreTier, Tier, counters
@@ -171,6 +172,7 @@ class Engine:
         self.mover = mover
         self.tasks = tasks
         self.cold = ColdPath(self)
+        self.stage = StagePool(STAGE_KEEP_BYTES)  # host buffers of chunks put to storage
         self.wt_sem = anyio.Semaphore(max(2, config.copy_threads * 2))
         self.flights: dict[bytes, Flight] = {}
         self.put_flights: dict[bytes, anyio.Event] = {}
@@ -372,7 +374,7 @@ class Engine:
             batches[-1].append(it)
             size += it.entry.raw_bytes
         for b, batch in enumerate(batches or [[]]):
-            staged = [(it, torch.empty(self.spec.shape(it.end - it.start), dtype=self.spec.dtype))
+            staged = [(it, self.stage.take(self.spec.shape(it.end - it.start), self.spec.dtype))
                       for it in batch]
             await source.move(self.mover, (parts if b == 0 else [])
                               + [(it.start, it.end - it.start, h) for it, h in staged])
@@ -384,6 +386,7 @@ class Engine:
                     self._commit_new(it, held)
             if staged:
                 placed = await self._place_in_storage(staged, held)
+                self.stage.give([d for _, d in staged])  # encoded: nothing reads them now
                 if placed < len(staged):
                     return staged[placed][0].start
         return None
@@ -527,9 +530,8 @@ class Engine:
 
     async def sources(self, matches: Sequence[Match], tees: Sequence[Tee | None] = (),
                       ) -> list[tuple[Match, torch.Tensor, str]]:
-        """The data of each match (the caller holds pins), up to the first that cannot be
-        read. Chunks below the top tier are fetched concurrently, promoting them; a
-        promotion this call starts also writes ``tees[i]`` (the caller's tensor)."""
+        """The data of each match (the caller holds pins) up to the first that cannot be read;
+        those below the top tier fetched concurrently (promoting them, writing ``tees[i]``)."""
         found: list[tuple[torch.Tensor | None, str]] = []
         slow: list[int] = []
         for i, m in enumerate(matches):
@@ -539,8 +541,7 @@ class Engine:
                 slow.append(i)
         if slow:
             async def fetch(i: int) -> None:
-                found[i] = await self.fetch(matches[i].entry,
-                                            tees[i] if i < len(tees) else None)
+                found[i] = await self.fetch(matches[i].entry, tees[i] if tees else None)
 
             async with anyio.create_task_group() as tg:
                 for i in slow:
