@@ -154,10 +154,13 @@ async def test_direct_path_agrees_with_general_path(tmp_path: Any, which: str, s
         stems = [[rng.randrange(3) for _ in range(4 * CHUNK + 3)] for _ in range(5)]
         for step in range(90):
             seq = rng.choice(stems)[: rng.randrange(0, 4 * CHUNK + 4)]
-            op = rng.choices(["put", "get", "lookup", "delete"], [3, 8, 2, 1])[0]
+            op = rng.choices(["put", "get", "lookup", "delete", "clear"], [3, 8, 2, 1, 0.3])[0]
             toks = _tokens_as(seq, rng)
             where = f"step {step}: {op} of {len(seq)} tokens"
-            if op == "put":
+            if op == "clear":
+                await a.clear()
+                await b.clear()
+            elif op == "put":
                 ra, rb = await _both(a, b, "put", toks, prefix_kv(spec, seq))
                 assert ra == rb, where
             elif op in ("lookup", "delete"):
@@ -292,3 +295,86 @@ async def test_a_native_module_built_before_copy_bytes_still_serves(
         await c.put(toks, prefix_kv(spec, toks))
         hit = await c.get(toks)
         assert hit.num_tokens == 10 and torch.equal(hit.kv, prefix_kv(spec, toks))
+
+
+async def test_a_get_while_clear_runs_finds_nothing() -> None:
+    """``clear`` swaps in an empty directory at once and frees the old entries in batches: a
+    get or lookup between two batches must not find what is being cleared."""
+    import anyio
+
+    spec = mc.KVSpec(1, 1, 8, torch.float16)
+    cfg = mc.CacheConfig(spec, "fast", chunk_size=16,
+                         tiers=(mc.HostTier(spec.nbytes(16) * 400),))
+    prompts = [[i, *range(15)] for i in range(300)]
+    async with mc.Cache(cfg) as c:
+        for p in prompts:
+            await c.put(p, prefix_kv(spec, p))
+        assert (await c.get(prompts[0])).num_tokens == 16
+        seen = []
+
+        async def reader() -> None:
+            await anyio.lowlevel.checkpoint()  # clear has swapped and freed one batch
+            seen.append((await c.get(prompts[0])).num_tokens)
+            seen.append(await c.lookup(prompts[0]))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(c.clear)
+            tg.start_soon(reader)
+        assert seen == [0, 0]
+
+
+@pytest.mark.parametrize("direct", [True, False])
+async def test_out_made_under_inference_mode(direct: bool) -> None:
+    """An engine runs under ``torch.inference_mode()`` and hands in ``out`` made there: the get
+    writes it (inference tensors have no version counter to bump). The same ``out`` outside
+    inference mode is refused with a typed error before anything is written (torch forbids
+    that in-place write), on either path."""
+    spec = mc.KVSpec(1, 1, 8, torch.float16)
+    cfg = mc.CacheConfig(spec, "fast", chunk_size=16, tiers=(mc.HostTier(spec.nbytes(16) * 4),))
+    toks = list(range(16))
+    async with mc.Cache(cfg) as c:
+        if not direct:
+            c._fast = None
+        await c.put(toks, prefix_kv(spec, toks))
+        with torch.inference_mode():
+            out = torch.zeros(spec.shape(16), dtype=spec.dtype)
+            hit = await c.get(toks, out=out)
+            assert hit.num_tokens == 16 and torch.equal(out, prefix_kv(spec, toks))
+            fresh = await c.get(toks)
+            assert torch.equal(fresh.kv, prefix_kv(spec, toks))
+        with torch.inference_mode():
+            out = torch.zeros(spec.shape(16), dtype=spec.dtype)
+        with pytest.raises(mc.InvalidInputError, match="inference_mode"):
+            await c.get(toks, out=out)
+        assert not out.any()
+
+
+@pytest.mark.parametrize("form", ["list", "tuple", "np64", "npu32", "np32-strided", "np32-be",
+                                  "torch64", "torch32", "torch-strided"])
+def test_as_tokens_agrees_across_forms(form: str) -> None:
+    """The shortcuts in ``as_tokens`` (plain-int lists, CPU tensors without a detach, one
+    comparison for the int32 range) give the same array and the same errors as before."""
+    from musacache._keys import as_tokens
+
+    good = [0, 7, 2**31 - 1, 123456, -(2**31), 5]
+    bad = [3, 2**31, 4] if form != "npu32" else None
+
+    def make(seq: list[int]) -> Any:
+        return {
+            "list": lambda: list(seq), "tuple": lambda: tuple(seq),
+            "np64": lambda: np.asarray(seq, dtype=np.int64),
+            "npu32": lambda: np.asarray([abs(x) % 2**31 for x in seq], dtype=np.uint32),
+            "np32-strided": lambda: np.repeat(np.asarray(seq, dtype=np.int64), 2)[::2],
+            "np32-be": lambda: np.asarray(seq, dtype=">i8"),
+            "torch64": lambda: torch.tensor(seq, dtype=torch.int64),
+            "torch32": lambda: torch.tensor(seq, dtype=torch.int64).to(torch.int32)
+            if max(seq) < 2**31 else torch.tensor(seq, dtype=torch.int64),
+            "torch-strided": lambda: torch.tensor(seq, dtype=torch.int64).repeat_interleave(2)[::2],
+        }[form]()
+
+    want = np.asarray(good if form != "npu32" else [abs(x) % 2**31 for x in good], dtype="<i4")
+    got = as_tokens(make(good))
+    assert got.dtype == np.dtype("<i4") and got.flags.c_contiguous and np.array_equal(got, want)
+    if bad is not None:
+        with pytest.raises(mc.TokensError, match="int32"):
+            as_tokens(make(bad))

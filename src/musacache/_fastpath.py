@@ -74,6 +74,7 @@ _copy_bytes = getattr(_native.lib, "mc_copy_bytes", None) or _ctypes_copy
 # Autograd's record that a tensor was written in place (``copy_`` bumps it too): a graph that
 # saved ``out`` for its backward pass then refuses to run on the new values.
 _bump_version = torch._C._increment_version
+_inference_mode = torch.is_inference_mode_enabled
 _Tensor = torch.Tensor
 _strided = torch.strided
 
@@ -93,7 +94,6 @@ class FastPath:
         spec = eng.spec
         self.eng = eng
         self.ops = ops
-        self.entries = eng.dir.entries
         self.seed = eng.chain.seed
         self.seed_hash = _EMPTY_HASH.copy()
         self.seed_hash.update(self.seed)
@@ -129,7 +129,8 @@ class FastPath:
         """What ``Directory.match`` finds for ``buf`` (``n`` tokens), as ``(start, tokens,
         entry, slot)``, or None when the general path must decide. With ``top`` >= 0 every
         match must be resident in memory tier ``top`` (``slot``: its slot there; else -1)."""
-        entries = self.entries
+        d = self.eng.dir  # asked each time: clear() swaps in a new directory
+        entries = d.entries
         cs = self.cs
         parent = self.seed
         found: list[tuple[int, int, Entry, int]] = []
@@ -147,7 +148,6 @@ class FastPath:
             if e is None:
                 if self.eng.shared:
                     return None  # a shared tier may know more: the general path asks it
-                d = self.eng.dir
                 if d._kids(parent) is None:
                     return found
                 # A child of the same parent that starts with these tokens (the matcher's own
@@ -196,6 +196,7 @@ class FastPath:
         if n == 0 or n * self.bpt >= self.max_bytes:
             return None
         dense = True
+        bump = out is not None  # a tensor made here has no autograd history to warn
         if out is not None:
             # What check_dense/check_out/_check_kv ask, on plain attributes; any doubt, and
             # the general path decides (and raises the typed error).
@@ -206,6 +207,12 @@ class FastPath:
             dense = out.is_contiguous()
             if not dense and may_overlap(out):
                 return None
+            if out.is_inference():
+                # No version counter to bump; and outside inference_mode torch refuses the
+                # write (the general path says so).
+                if not _inference_mode():
+                    return None
+                bump = False
         found = self._walk(buf, n, top.idx)
         if found is None:
             return None
@@ -219,7 +226,7 @@ class FastPath:
             dst = out
             width = n
         if found:
-            self._copy(found, dst, width, dense, out is not None)
+            self._copy(found, dst, width, dense, bump)
         # The general path's counters, exactly: the request's tokens, the top tier's hits and
         # bytes out, one move, and the LRU touches (children first, parents last, in every
         # tier that holds them).
@@ -252,10 +259,10 @@ class FastPath:
         return t
 
     def _copy(self, found: list[tuple[int, int, Entry, int]], dst: torch.Tensor, width: int,
-              dense: bool, caller_owned: bool) -> None:
+              dense: bool, bump: bool) -> None:
         """Copy the first ``n`` tokens of each found chunk into tokens ``[start, start+n)`` of
-        ``dst`` (``width`` tokens wide, on the host; ``dense``: C-contiguous; ``caller_owned``:
-        the caller's ``out``)."""
+        ``dst`` (``width`` tokens wide, on the host; ``dense``: C-contiguous; ``bump``: record
+        the write in ``dst``'s autograd version counter)."""
         top = self.top
         if top is None:
             return
@@ -284,7 +291,7 @@ class FastPath:
                                           n * rb)
             if status:
                 _native._check_status(status, "copy_bytes")
-            if caller_owned:  # (a tensor made here has no autograd history to warn)
+            if bump:
                 _bump_version((dst,))
             return
         td = self.td

@@ -100,13 +100,11 @@ def as_tokens(tokens: Any) -> np.ndarray:
         arr = (tokens if tokens.is_cpu else tokens.to("cpu")).numpy()
     elif isinstance(tokens, np.ndarray):
         arr = tokens
-    elif isinstance(tokens, list) and set(map(type, tokens)) <= {int}:
-        # Plain ints (the common list): numpy refuses one that does not fit in int32, and the
-        # general path below then names it. No per-token isinstance walk.
-        try:
-            return np.array(tokens, dtype="<i4")
-        except OverflowError:
-            return as_tokens(tuple(tokens))
+    elif isinstance(tokens, list) and set(map(type, tokens)) <= {int} and (
+            not tokens or (min(tokens) >= _INT32_MIN and max(tokens) <= _INT32_MAX)):
+        # Plain ints that fit (the common list): no per-token isinstance walk, no numpy
+        # reductions. Anything else takes the checks below, which name what is wrong.
+        return np.array(tokens, dtype="<i4")
     elif isinstance(tokens, Sequence) and not isinstance(tokens, (str, bytes, bytearray)):
         if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in tokens):
             bad = next(t for t in tokens

@@ -146,6 +146,11 @@ class KVSpec:
         if out.requires_grad:
             raise InvalidInputError(f"{what} requires grad; the cache writes into it in place. "
                                     f"Pass {what}.detach() or a tensor made without grad")
+        if out.is_inference() and not torch.is_inference_mode_enabled():
+            raise InvalidInputError(
+                f"{what} was made under torch.inference_mode(), and torch allows writing into "
+                "it in place only there: call the cache inside torch.inference_mode(), or pass "
+                "a tensor made outside it")
         if may_overlap(out):
             raise InvalidInputError(
                 f"{what} has overlapping memory (shape {tuple(out.shape)}, strides "
