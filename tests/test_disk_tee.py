@@ -346,3 +346,38 @@ async def test_a_read_that_missed_cannot_complete_its_tee_later(
         assert hit.num_tokens == CH and hit.tiers == {"backup": CH}
         assert returned.is_set() and torch.equal(out, kv)
         assert moves.count(out.untyped_storage().data_ptr()) == 1
+
+
+async def test_a_promotion_that_outlives_a_cancelled_get_leaves_out_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A promotion is a background task: a get cancelled while the chunk is being read does
+    # not stop it, and the read then finishes into the top tier, but not into the caller's
+    # tensor, which the caller owns again once the get has returned.
+    spec = small_spec()
+    toks = _toks(2 * CH, seed=7)
+    kv = prefix_kv(spec, toks)
+    disk = mc.DiskTier(path=str(tmp_path), capacity_bytes="64MiB", codec="raw")
+    async with mc.Cache(_cfg(spec, disk)) as c:
+        await c.put(toks, kv)
+        await _on_disk_only(c)
+        started, release = threading.Event(), threading.Event()
+        read = DiskStore._read_regular_into
+
+        def slow(*args: Any) -> object:
+            started.set()
+            release.wait(30)
+            return read(*args)
+
+        monkeypatch.setattr(DiskStore, "_read_regular_into", staticmethod(slow))
+        out = torch.zeros_like(kv)
+        with anyio.move_on_after(0.3) as scope:
+            await c.get(toks, out=out)
+        assert scope.cancelled_caught and started.is_set()
+        release.set()
+        with anyio.fail_after(30):
+            while len(c._engine.mem[0].lru) < 2:  # noqa: ASYNC110  (promotions finish)
+                await anyio.sleep(0.01)
+        assert not out.any()
+        monkeypatch.setattr(DiskStore, "_read_regular_into", staticmethod(read))
+        hit = await c.get(toks, out=out)
+        assert hit.num_tokens == 2 * CH and torch.equal(out, kv)
