@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import struct
 import zlib
+from collections.abc import Iterator
+from pathlib import Path
 
 import lz4.block
 import pytest
@@ -31,6 +35,7 @@ from musacache.codec import (
     HEADER_SIZE,
     decode_chunk,
     encode_chunk,
+    read_chunk_into,
     read_header,
 )
 from musacache.tiers.base import ChunkMeta
@@ -507,9 +512,9 @@ def test_unknown_codec_id_is_a_miss(encoded: tuple[ChunkMeta, torch.Tensor, byte
                                     fp: Fingerprint) -> None:
     _, _, obj = encoded
     head = bytearray(obj[:HEADER_SIZE])
-    head[12] = 3
+    head[12] = 9  # ids 0 to 3 are codecs (3: raw with CRC-32C)
     head[8:12] = codec_mod._header_crc(head).to_bytes(4, "little")
-    with pytest.raises(CorruptChunkError, match="codec id=3"):
+    with pytest.raises(CorruptChunkError, match="codec id=9"):
         decode_chunk(fp, bytes(head) + obj[HEADER_SIZE:])
 
 
@@ -535,3 +540,167 @@ def test_arbitrary_bit_patterns_round_trip(spec: KVSpec, pattern: str) -> None:
     out = torch.empty_like(data)
     decode_chunk(fp, obj, out=out, threads=2)
     assert _same(out, data)
+
+
+# -- raw with CRC-32C (codec id 3), and reading a file straight into the destination -----------
+
+
+def _encode_raw_v1(fp: Fingerprint, meta: ChunkMeta, data: torch.Tensor) -> bytes:
+    """An object of the first raw format (codec id 0: raw blocks, zlib.crc32), built by hand
+    as the old writer did."""
+    new = encode_chunk(fp, meta, data, "raw", block_size=SMALL_BLOCK)
+    hdr = read_header(new)
+    payload = new[HEADER_SIZE + hdr.table_len :]
+    blocks = [payload[i : i + SMALL_BLOCK] for i in range(0, len(payload), SMALL_BLOCK)]
+    table = b"".join(_BLOCK_ENTRY.pack(len(b), zlib.crc32(b)) for b in blocks)
+    fields = list(codec_mod._HEADER.unpack(new[:HEADER_SIZE]))
+    fields[4] = 0  # codec id
+    fields[15] = zlib.crc32(table)
+    head = bytearray(codec_mod._HEADER.pack(*fields))
+    head[8:12] = codec_mod._header_crc(head).to_bytes(4, "little")
+    return bytes(head) + table + payload
+
+
+def test_raw_writes_codec_id_3_with_crc32c_blocks(fp: Fingerprint) -> None:
+    meta, data = _meta(fp.spec, 32), _data(fp.spec, 32)
+    obj = encode_chunk(fp, meta, data, "raw", block_size=SMALL_BLOCK)
+    hdr = read_header(obj)
+    assert hdr.codec == "raw" and hdr.codec_id == 3
+    table = obj[HEADER_SIZE : HEADER_SIZE + hdr.table_len]
+    raw = data.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+    assert obj[HEADER_SIZE + hdr.table_len :] == raw  # the payload is the tensor's bytes
+    for i, (stored_len, crc) in enumerate(_BLOCK_ENTRY.iter_unpack(table)):
+        assert crc == _native.crc32c(raw[i * SMALL_BLOCK : i * SMALL_BLOCK + stored_len])
+
+
+def test_objects_of_the_first_raw_format_still_decode(fp: Fingerprint, tmp_path: Path) -> None:
+    meta, data = _meta(fp.spec, 32), _data(fp.spec, 32)
+    old = _encode_raw_v1(fp, meta, data)
+    hdr = read_header(old)
+    assert hdr.codec == "raw" and hdr.codec_id == 0
+    assert _same(decode_chunk(fp, old, expect=meta)[1], data)
+    out = torch.empty_like(data)
+    with _open(tmp_path, old) as fd:
+        read_chunk_into(fp, fd, len(old), out, expect=meta)
+    assert _same(out, data)
+    bad = _flip(old, HEADER_SIZE + hdr.table_len + 5)
+    with pytest.raises(CorruptChunkError, match="checksum"):
+        decode_chunk(fp, bad)
+    with _open(tmp_path, bad) as fd, pytest.raises(CorruptChunkError, match="checksum"):
+        read_chunk_into(fp, fd, len(bad), torch.empty_like(data))
+
+
+@contextlib.contextmanager
+def _open(folder: Path, obj: bytes) -> Iterator[int]:
+    path = folder / f"chunk-{hashlib.blake2b(obj, digest_size=8).hexdigest()}.kvc"
+    path.write_bytes(obj)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.describe().replace(" ", "_"))
+def test_read_chunk_into_round_trips(spec: KVSpec, codec: str, tmp_path: Path) -> None:
+    fp = Fingerprint("ns", spec, 32)
+    for tokens in (32, 7):  # a whole chunk and a tail
+        meta, data = _meta(spec, tokens), _data(spec, tokens, seed=tokens)
+        obj = encode_chunk(fp, meta, data, codec, block_size=SMALL_BLOCK)
+        out = torch.full_like(data.view(torch.uint8), 0xAB).view(spec.dtype)
+        with _open(tmp_path, obj) as fd:
+            got = read_chunk_into(fp, fd, len(obj), out, expect=meta)
+        assert _same(out, data)
+        assert got == decode_chunk(fp, obj, expect=meta)[0]
+        out = torch.zeros_like(data)
+        with _open(tmp_path, obj) as fd:  # blocks read and checked by two threads at once
+            read_chunk_into(fp, fd, len(obj), out, expect=meta, threads=2)
+        assert _same(out, data)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_read_chunk_into_catches_a_flipped_payload_byte_in_every_block(
+        codec: str, fp: Fingerprint, tmp_path: Path) -> None:
+    meta, data = _meta(fp.spec, 32), _data(fp.spec, 32)
+    obj = encode_chunk(fp, meta, data, codec, block_size=SMALL_BLOCK)
+    hdr = read_header(obj)
+    offsets = [HEADER_SIZE + hdr.table_len]
+    table = obj[HEADER_SIZE : HEADER_SIZE + hdr.table_len]
+    for stored_len, _ in _BLOCK_ENTRY.iter_unpack(table):
+        offsets.append(offsets[-1] + stored_len)
+    assert hdr.num_blocks > 1
+    for i in range(hdr.num_blocks):
+        for where in (offsets[i], offsets[i + 1] - 1):  # the first and the last byte
+            bad = _flip(obj, where)
+            with _open(tmp_path, bad) as fd, pytest.raises(CorruptChunkError):
+                read_chunk_into(fp, fd, len(bad), torch.empty_like(data), expect=meta)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_read_chunk_into_catches_a_truncated_file(codec: str, fp: Fingerprint,
+                                                  tmp_path: Path) -> None:
+    meta, data = _meta(fp.spec, 32), _data(fp.spec, 32)
+    obj = encode_chunk(fp, meta, data, codec, block_size=SMALL_BLOCK)
+    for cut in (len(obj) - 1, len(obj) // 2, HEADER_SIZE + 3, 10):
+        short = obj[:cut]
+        # The size the file has now, and the size it had when it was opened (a file cut
+        # while it is read): both are a miss, never a partial chunk served as whole.
+        for size in (cut, len(obj)):
+            with _open(tmp_path, short) as fd, \
+                    pytest.raises(CorruptChunkError, match="truncated"):
+                read_chunk_into(fp, fd, size, torch.empty_like(data), expect=meta)
+
+
+def test_read_chunk_into_checks_key_fingerprint_and_out(fp: Fingerprint,
+                                                        tmp_path: Path) -> None:
+    meta, data = _meta(fp.spec, 32), _data(fp.spec, 32)
+    obj = encode_chunk(fp, meta, data, "raw", block_size=SMALL_BLOCK)
+    with _open(tmp_path, obj) as fd:
+        with pytest.raises(CorruptChunkError, match="key"):
+            read_chunk_into(fp, fd, len(obj), torch.empty_like(data),
+                            expect=_meta(fp.spec, 32, tag="other"))
+        other = Fingerprint("model-b", fp.spec, 32)
+        with pytest.raises(FingerprintMismatchError):
+            read_chunk_into(other, fd, len(obj), torch.empty_like(data))
+        with pytest.raises(ShapeError):
+            read_chunk_into(fp, fd, len(obj), torch.empty_like(data)[:, :, :5])
+        with pytest.raises(CorruptChunkError, match="trailing"):
+            read_chunk_into(fp, fd, len(obj) + 1, torch.empty_like(data))
+
+
+def test_encode_chunks_matches_encode_chunk_and_checks_every_item_first(
+        fp: Fingerprint, monkeypatch: pytest.MonkeyPatch) -> None:
+    items = [(_meta(fp.spec, 32, tag=f"c{i}"), _data(fp.spec, 32, seed=i)) for i in range(5)]
+    for codec in CODECS:
+        got = codec_mod.encode_chunks(fp, items, codec, threads=2)
+        assert got == [encode_chunk(fp, m, d, codec) for m, d in items]
+    calls: list[int] = []
+    encode = codec_mod.encode_chunk
+    monkeypatch.setattr(codec_mod, "encode_chunk",
+                        lambda *a, **k: calls.append(1) or encode(*a, **k))
+    bad = [*items[:3], (_meta(fp.spec, 31, tag="short"), items[0][1])]
+    with pytest.raises(ShapeError):
+        codec_mod.encode_chunks(fp, bad, "raw", threads=2)
+    with pytest.raises(InvalidInputError, match="codec"):
+        codec_mod.encode_chunks(fp, items, "zstd")
+    assert calls == []  # nothing was encoded before the bad item was found
+
+
+def test_read_chunk_into_every_block_method(mixed: tuple[ChunkMeta, torch.Tensor, bytes],
+                                            fp: Fingerprint, tmp_path: Path) -> None:
+    # Raw blocks are read straight into the planes, lz4 and nibble blocks through a buffer:
+    # each kind round-trips, and a flipped byte anywhere in any of them is caught.
+    meta, data, obj = mixed
+    out = torch.zeros_like(data)
+    with _open(tmp_path, obj) as fd:
+        read_chunk_into(fp, fd, len(obj), out, expect=meta)
+    assert _same(out, data)
+    hdr = read_header(obj)
+    pos = HEADER_SIZE + hdr.table_len
+    for block in _blocks(obj):
+        for offset in {pos, pos + 1, pos + len(block) // 2, pos + len(block) - 1}:
+            bad = _flip(obj, offset)
+            with _open(tmp_path, bad) as fd, pytest.raises(CorruptChunkError, match="checksum"):
+                read_chunk_into(fp, fd, len(bad), torch.empty_like(data), expect=meta)
+        pos += len(block)

@@ -98,6 +98,93 @@ async def test_disk_corrupt_file_is_a_counted_miss(tmp_path: Path) -> None:
         assert hit.num_tokens == len(toks) and torch.equal(hit.kv, kv)
 
 
+@pytest.mark.parametrize("codec", ["raw", "lz4"])
+@pytest.mark.parametrize("damage", ["payload byte", "truncated"])
+async def test_disk_read_into_the_top_slot_turns_damage_into_a_counted_miss(
+        tmp_path: Path, codec: str, damage: str) -> None:
+    # Promotions read a chunk file straight into a reserved top-tier slot (a raw payload
+    # lands there before its checksum is known): a damaged file must still be a counted
+    # miss, the slot must go back to the pool, and no damaged byte may reach the caller.
+    spec = small_spec()
+    toks = _prompt(6 * CHUNK, seed=5)
+    kv = prefix_kv(spec, toks)
+    disk = DiskTier(path=str(tmp_path / "disk"), capacity_bytes="64MiB", codec=codec)
+    async with mc.Cache(_config(spec, disk, host_chunks=8)) as cache:
+        await cache.put(toks, kv)
+        eng = cache._engine
+        top = eng.mem[0]
+        await eng.evict(top, len(top.lru))  # every chunk now only on disk
+        await cache.flush()
+        root = Path((await _tier_stats(cache, "disk"))["store_path"])
+        path = _disk_path(root, spec, toks, 3)
+        raw = bytearray(path.read_bytes())
+        if damage == "payload byte":
+            raw[-3] ^= 0x40
+        else:
+            raw = raw[: len(raw) - 100]
+        path.write_bytes(raw)
+        free = top.pool.free_slots
+        out = torch.zeros_like(kv)
+        hit = await cache.get(toks, out=out)
+        assert hit.num_tokens == 3 * CHUNK
+        assert torch.equal(hit.kv, kv[:, :, : 3 * CHUNK])
+        assert (await _tier_stats(cache, "disk"))["corrupt"] == 1
+        # The chunks are fetched concurrently: all but the damaged one were promoted, and
+        # the damaged one's slot went back to the pool.
+        assert top.pool.free_slots == free - 5
+        hit = await cache.get(toks)
+        assert hit.num_tokens == 3 * CHUNK and torch.equal(hit.kv, kv[:, :, : 3 * CHUNK])
+
+
+async def test_disk_timed_out_read_keeps_its_slot_until_its_thread_returns(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A read that times out is abandoned to its thread, which may still write into the top
+    # slot it reads into. That slot must not go back to the pool (and to another chunk)
+    # until the thread returns.
+    from musacache.tiers.disk import DiskStore
+
+    spec = small_spec()
+    toks = _prompt(CHUNK, seed=6)
+    kv = prefix_kv(spec, toks)
+    disk = DiskTier(path=str(tmp_path / "disk"), capacity_bytes="64MiB", codec="raw",
+                    timeout=0.2)
+    async with mc.Cache(_config(spec, disk)) as cache:
+        await cache.put(toks, kv)
+        eng = cache._engine
+        top = eng.mem[0]
+        await eng.evict(top, 1)
+        await cache.flush()
+        release = threading.Event()
+        returned = threading.Event()
+        read_into = DiskStore._read_regular_into
+
+        def hung(path: Path, fp: Any, meta: Any, out: torch.Tensor, *rest: Any) -> object:
+            release.wait(30)  # a stuck network file system
+            out.view(torch.uint8).fill_(0xEE)  # the late write the slot must be kept for
+            returned.set()
+            return read_into(path, fp, meta, out, *rest)
+
+        monkeypatch.setattr(DiskStore, "_read_regular_into", staticmethod(hung))
+        free = top.pool.free_slots
+        try:
+            hit = await cache.get(toks)
+            assert hit.num_tokens == 0
+            assert top.pool.free_slots == free - 1  # parked, not released
+            eng.cold._release_parked()
+            assert top.pool.free_slots == free - 1  # the thread is still in its read
+        finally:
+            release.set()
+        with anyio.fail_after(30):
+            while not returned.is_set() or disk_stuck(cache):  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+        eng.cold._release_parked()
+        assert top.pool.free_slots == free
+
+
+def disk_stuck(cache: mc.Cache) -> int:
+    return int(cache._engine.stores[0].store.stats()["stuck_reads"])
+
+
 def _disk_path(root: Path, spec: mc.KVSpec, toks: torch.Tensor, i: int) -> Path:
     _, end, parent, key = _chunk_keys(spec, toks)[i]
     n = end - _chunk_keys(spec, toks)[i][0]

@@ -549,3 +549,92 @@ async def test_model_check_loses_and_resurrects_nothing(tmp_path: Path, seed: in
     assert report.ok, report
     assert report.rounds == 3 and report.writes and report.deletes
     assert report.max_overlap >= 3  # the operations of one key really overlapped
+
+
+# -- batched encoding ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("codec", ["raw", "lz4"])
+async def test_a_multi_chunk_disk_put_encodes_in_one_hop_on_every_copy_thread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, codec: str) -> None:
+    # A disk-only put of 8 chunks: one worker-thread hop encodes all of them, and the chunks
+    # are spread over the cache's copy threads (before: one after another on one thread).
+    import numpy as np
+
+    import musacache as mc
+    from musacache import _move
+    from musacache import codec as codec_mod
+
+    spec = KVSpec(2, 2, 64, torch.bfloat16)
+    cfg = mc.CacheConfig(spec, "batched", chunk_size=16, copy_threads=2, tiers=(
+        DiskTier(path=str(tmp_path), capacity_bytes="64MiB", codec=codec),))
+    encoded: list[int] = []  # the thread of each encode_chunk call
+    hops: list[int] = []  # chunks encoded by each worker-thread hop that encoded any
+    encode_chunk_ = codec_mod.encode_chunk
+
+    def counting_encode(*args: Any, **kw: Any) -> bytes:
+        encoded.append(threading.get_ident())
+        return encode_chunk_(*args, **kw)
+
+    in_thread = _move.Mover.in_thread
+
+    async def counting_hop(self: _move.Mover, fn: Any) -> Any:
+        before = len(encoded)
+        try:
+            return await in_thread(self, fn)
+        finally:
+            if len(encoded) > before:
+                hops.append(len(encoded) - before)
+
+    monkeypatch.setattr(codec_mod, "encode_chunk", counting_encode)
+    monkeypatch.setattr(_move.Mover, "in_thread", counting_hop)
+    toks = np.arange(8 * 16, dtype=np.int32)
+    kv = torch.randn(spec.shape(len(toks))).to(spec.dtype)
+    async with mc.Cache(cfg) as cache:
+        assert await cache.put(toks, kv) == len(toks)
+        assert hops == [8]
+        assert len(set(encoded)) == 2
+        await cache.flush()
+        out = torch.empty_like(kv)
+        hit = await cache.get(toks, out=out)
+        assert hit.num_tokens == len(toks) and torch.equal(out.view(torch.uint8),
+                                                           kv.view(torch.uint8))
+
+
+@pytest.mark.parametrize("codec", ["raw", "lz4"])
+async def test_a_disk_promotion_is_one_worker_thread_call_per_chunk(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, codec: str) -> None:
+    # Read, verify and decode of a chunk file happen in one worker-thread call, into the
+    # top-tier slot (before: a hop to read the file into fresh bytes, another to decode).
+    import anyio.to_thread
+    import numpy as np
+
+    import musacache as mc
+
+    spec = KVSpec(2, 2, 64, torch.bfloat16)
+    chunks = 4
+    cfg = mc.CacheConfig(spec, "hops", chunk_size=16, tiers=(
+        mc.HostTier(capacity_bytes=spec.nbytes(16) * chunks),
+        DiskTier(path=str(tmp_path), capacity_bytes="64MiB", codec=codec)))
+    toks = np.arange(chunks * 16, dtype=np.int32)
+    kv = torch.randn(spec.shape(len(toks))).to(spec.dtype)
+    async with mc.Cache(cfg) as cache:
+        await cache.put(toks, kv)
+        top = cache._engine.mem[0]
+        await cache._engine.evict(top, len(top.lru))
+        await cache.flush()
+        hops: list[str] = []
+        run_sync = anyio.to_thread.run_sync
+
+        async def counting(fn: Any, *args: Any, **kw: Any) -> Any:
+            hops.append(getattr(fn, "__name__", repr(fn)))
+            return await run_sync(fn, *args, **kw)
+
+        monkeypatch.setattr(anyio.to_thread, "run_sync", counting)
+        out = torch.empty_like(kv)
+        hit = await cache.get(toks, out=out)
+        monkeypatch.setattr(anyio.to_thread, "run_sync", run_sync)
+        assert hit.tiers == {"disk": len(toks)}
+        assert torch.equal(out.view(torch.uint8), kv.view(torch.uint8))
+        # One call per chunk, plus at most one for the copy into out.
+        assert chunks <= len(hops) <= chunks + 1, hops

@@ -466,6 +466,27 @@ def test_crc32c_matches_the_standard_and_chains(simd: str) -> None:
     assert _native.crc32c(data[:5], 12345) == _crc32c_reference(data[:5], 12345)
 
 
+def test_crc32c_three_stream_path_matches_the_single_stream_one() -> None:
+    # Buffers of 3 x 4096 bytes and more run as three interleaved chains joined by a table
+    # shift; the scalar path (one chain, no join) and short chained pieces are the reference.
+    data = np.random.default_rng(3).integers(0, 256, 5 * 12288 + 777, dtype=np.uint8).tobytes()
+    best = _native.max_simd_level()
+    for length in (12287, 12288, 12289, 24576 + 4095, len(data)):
+        for value in (0, 0xDEADBEEF):
+            _native.set_simd_level(best)
+            fast = _native.crc32c(data[:length], value)
+            _native.set_simd_level("none")
+            assert fast == _native.crc32c(data[:length], value), length
+            _native.set_simd_level(best)
+            chained = value
+            for i in range(0, length, 1000):  # pieces too short for the interleaved path
+                chained = _native.crc32c(data[i : min(i + 1000, length)], chained)
+            assert fast == chained, length
+    flipped = bytearray(data)
+    flipped[2 * 4096 + 5] ^= 0x10  # a bit in the third stream of the first round
+    assert _native.crc32c(flipped) != _native.crc32c(data)
+
+
 def test_crc32c_catches_every_single_bit_flip() -> None:
     data = bytearray(np.random.default_rng(2).integers(0, 256, 256, dtype=np.uint8).tobytes())
     good = _native.crc32c(data)

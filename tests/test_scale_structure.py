@@ -210,15 +210,22 @@ async def test_evicting_a_long_prompt_walks_the_lru_once(spec, monkeypatch):
 
 async def test_a_disk_read_decodes_straight_into_the_top_tier_slot(spec, tmp_path, monkeypatch):
     from musacache import codec
+    from musacache.tiers import disk
 
     outs: list[torch.Tensor | None] = []
     decode = codec.decode_chunk
+    read_into = disk.read_chunk_into
 
     def spy(*args, **kw):  # type: ignore[no-untyped-def]
         outs.append(kw.get("out"))
         return decode(*args, **kw)
 
+    def spy_file(fp, fd, size, out, **kw):  # type: ignore[no-untyped-def]
+        outs.append(out)  # the disk tier reads the file straight into this tensor
+        return read_into(fp, fd, size, out, **kw)
+
     monkeypatch.setattr(codec, "decode_chunk", spy)
+    monkeypatch.setattr(disk, "read_chunk_into", spy_file)
     cfg = mc.CacheConfig(spec, "scale", chunk_size=CH, tiers=(
         mc.HostTier(capacity_bytes=spec.nbytes(CH) * 4),
         mc.DiskTier(path=str(tmp_path), capacity_bytes=spec.nbytes(CH) * 64)))

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from ._move import Mover
     from ._spec import KVSpec
     from ._tasks import TaskOwner
+    from ._tee import Tee
     from .tiers.memory import Slot
 
 
@@ -70,24 +71,32 @@ _PERSIST_BATCH = 16
 # counted as "foreign", not deleted.
 _FOREIGN: tuple[type[BaseException], ...] = (_errors.FingerprintMismatchError,
                                              _errors.ForeignFormatError)
+# What a tier's read_into raises for an object it cannot read (other errors are faults).
+_UNREADABLE: tuple[type[BaseException], ...] = (*_FOREIGN, _errors.CorruptChunkError)
 
 log = logging.getLogger("musacache")
+_R = TypeVar("_R")
 
 
 class ColdPath:
     def __init__(self, engine: EngineServices) -> None:
         self.eng = engine
         self.errlog = RateLimitedLog(log)
+        # Top-tier slots a timed-out read may still write into: (tier, slot index, the
+        # storage tier read, the slot's view), released once the read's thread returns.
+        self._parked: list[tuple[MemTier, int, StoreTier, torch.Tensor]] = []
 
     # -- reads ----------------------------------------------------------------------------
 
-    async def read(self, t: StoreTier, e: Entry,
-                   out: torch.Tensor | None = None) -> torch.Tensor | None:
+    async def read(self, t: StoreTier, e: Entry, out: torch.Tensor | None = None,
+                   tee: Tee | None = None) -> torch.Tensor | None:
         """``e``'s KV from ``t`` (a host tensor, decoded into ``out`` when given: no fresh
         allocation, no second copy), or None: absent, a fault, a timeout, or an object that
         cannot be read here (corrupt, another model's, another format version). Each is
-        counted under its own name and is a miss, never an exception; ``out`` is then left
-        untouched."""
+        counted under its own name and is a miss, never an exception; ``out`` then holds
+        garbage (a tier that reads into it may have written part of the chunk), so it must
+        be a destination the caller discards on a miss. A ``tee`` is written block by block
+        from the read's thread when the tier reads into ``out`` (:mod:`musacache._tee`)."""
         from .codec import decode_chunk
 
         eng = self.eng
@@ -96,65 +105,107 @@ class ColdPath:
         if obj is None:
             if e.stored_size(t.idx) is None:
                 return None
-            try:
-                async with t.sem:
-                    with anyio.fail_after(t.store.timeout):
-                        obj = await t.store.read(meta)
-            except TimeoutError:
-                self._count(t, "timeouts", "faults", "misses")
-                self.errlog.warn(t.name, "timeout", f"read took over {t.store.timeout} s")
-                return None
-            except Exception as exc:  # TierError, or anything a plug-in tier lets escape
-                self._count(t, "faults", "misses")
-                self.errlog.warn(t.name, "read fault", repr(exc))
-                return None
+            if t.store.reads_into:
+                # Read, verify and decode in the tier's one worker-thread call, straight into
+                # the destination (a raw payload needs no buffer in between).
+                dst = out if out is not None else torch.empty(
+                    eng.spec.shape(e.num_tokens), dtype=eng.spec.dtype)
+                if tee is None:
+                    def read_into() -> Awaitable[int | None]:
+                        return t.store.read_into(meta, eng.fingerprint, dst)
+                else:
+                    def on_block(start: int, end: int) -> None:
+                        tee.put(dst, start, end)
+
+                    def read_into() -> Awaitable[int | None]:
+                        return t.store.read_into(meta, eng.fingerprint, dst, on_block=on_block)
+                size = await self._guarded(t, e, read_into, decodes=True)
+                if size is None:
+                    if tee is not None:
+                        # A timed-out read's thread may still complete it: the chunk may be
+                        # served by another tier now, and only the move may write it then.
+                        tee.close()
+                    return None
+                t.c["bytes_out"] += size
+                return dst
+            obj = await self._guarded(t, e, lambda: t.store.read(meta), decodes=False)
             if obj is None:
-                t.c["misses"] += 1
-                self.forget(t, e)
                 return None
         try:
             _, data = await eng.mover.in_thread(
                 lambda: decode_chunk(eng.fingerprint, obj, expect=meta, out=out))
-        except _FOREIGN as exc:
+        except MusaCacheError as exc:  # any failure to decode the bytes is a corrupt object
+            self._unreadable(t, e, exc)
+            return None
+        t.c["bytes_out"] += len(obj)
+        return data
+
+    async def _guarded(self, t: StoreTier, e: Entry, call: Callable[[], Awaitable[_R | None]],
+                       *, decodes: bool) -> _R | None:
+        """``await call()`` (a read of ``e`` from ``t``) under the tier's concurrency bound and
+        timeout; None, counted, for an absent object, a fault or a timeout, and (when the call
+        ``decodes``) an object that cannot be read here."""
+        try:
+            async with t.sem:
+                with anyio.fail_after(t.store.timeout):
+                    got = await call()
+        except TimeoutError:
+            self._count(t, "timeouts", "faults", "misses")
+            self.errlog.warn(t.name, "timeout", f"read took over {t.store.timeout} s")
+            return None
+        except Exception as exc:
+            if decodes and isinstance(exc, _UNREADABLE):  # the object, not the tier
+                self._unreadable(t, e, exc)
+            else:  # TierError, or anything a plug-in tier lets escape
+                self._count(t, "faults", "misses")
+                self.errlog.warn(t.name, "read fault", repr(exc))
+            return None
+        if got is None:
+            t.c["misses"] += 1
+            self.forget(t, e)
+        return got
+
+    def _unreadable(self, t: StoreTier, e: Entry, exc: BaseException) -> None:
+        """Count and log an object that cannot be read here; a corrupt one is deleted."""
+        if isinstance(exc, _FOREIGN):
             # Another model's, layout's or format version's object under our key: a miss, and
             # the message names both sides. It is not ours to delete.
             self._count(t, "foreign", "misses")
             self.errlog.warn(t.name, "foreign chunk", f"{e.key.hex()}: {exc}")
             self.forget(t, e)
-            return None
-        except MusaCacheError as exc:
-            self._count(t, "corrupt", "misses")
-            self.errlog.warn(t.name, "corrupt chunk", f"{e.key.hex()}: {exc}")
-            was_current = not e.dead
-            self.forget(t, e)
-            if was_current:  # a dead entry may be reading a newer entry's object: keep it
-                self.schedule_delete(t, e.key)
-            return None
-        t.c["bytes_out"] += len(obj)
-        return data
+            return
+        self._count(t, "corrupt", "misses")
+        self.errlog.warn(t.name, "corrupt chunk", f"{e.key.hex()}: {exc}")
+        was_current = not e.dead
+        self.forget(t, e)
+        if was_current:  # a dead entry may be reading a newer entry's object: keep it
+            self.schedule_delete(t, e.key)
 
-    async def promote_decoding(self, e: Entry,
+    async def promote_decoding(self, e: Entry, tee: Tee | None = None,
                                ) -> tuple[torch.Tensor | None, str, Tier | None]:
         """When ``e`` lives only in storage and the top tier is host memory: decode it
         straight into a top-tier slot (one decode, no fresh tensor, no second copy). Returns
         the data and the tier it came from, or None and the tier whose read missed (not to be
-        asked again; None if this did not apply)."""
+        asked again; None if this did not apply). ``tee`` (the caller's tensor for this
+        chunk) is written by the same read, block by block."""
         eng = self.eng
         top = eng.tiers[0]
         src = next((t for t in eng.tiers if t.holds(e)), None)
         if not isinstance(top, MemTier) or top.device.type != "cpu" \
                 or not isinstance(src, StoreTier) or e.dead:
             return None, "", None
+        self._release_parked()
         idx = top.pool.reserve()
         if idx is None and await eng.evict(top, 1):
             idx = top.pool.reserve()
         if idx is None:
             return None, "", None
         committed = False
+        view: torch.Tensor | None = None
         try:
             slot = await top.pool.materialize(idx)
             view = eng.block_view(slot, e.num_tokens)
-            if await self.read(src, e, out=view) is None:
+            if await self.read(src, e, out=view, tee=tee) is None:
                 return None, "", src
             src.c["hits"] += 1
             if not e.dead and not top.holds(e):
@@ -166,7 +217,24 @@ class ColdPath:
             return view.clone(), src.name, None
         finally:
             if not committed:
+                if view is not None and src.store.writing_into(view):
+                    # A timed-out (or cancelled) read's thread may still write into this slot:
+                    # it is not free until that thread returns (_release_parked).
+                    self._parked.append((top, idx, src, view))
+                else:
+                    top.pool.release(idx)
+
+    def _release_parked(self) -> None:
+        """Give back the slots whose abandoned reads have returned."""
+        if not self._parked:
+            return
+        keep = []
+        for top, idx, src, view in self._parked:
+            if src.store.writing_into(view):
+                keep.append((top, idx, src, view))
+            else:
                 top.pool.release(idx)
+        self._parked = keep
 
     @staticmethod
     def _count(t: StoreTier, *names: str) -> None:
@@ -183,18 +251,15 @@ class ColdPath:
 
     async def encode(self, t: StoreTier, items: Sequence[tuple[Entry, torch.Tensor]],
                      ) -> list[bytes]:
-        """Encode every item for ``t`` in one worker-thread hop (host data only)."""
-        from .codec import encode_chunk
+        """Encode every item for ``t`` in one worker-thread hop and one codec call, the chunks
+        spread over ``copy_threads`` (host data only)."""
+        from .codec import encode_chunks
 
         eng = self.eng
-        metas = [ChunkMeta(e.key, e.parent, e.num_tokens, e.raw_bytes) for e, _ in items]
-        datas = [d for _, d in items]
-
-        def run() -> list[bytes]:
-            return [encode_chunk(eng.fingerprint, m, d if d.is_contiguous() else d.contiguous(),
-                                 t.store.codec) for m, d in zip(metas, datas, strict=True)]
-
-        out: list[bytes] = await eng.mover.in_thread(run)
+        batch = [(ChunkMeta(e.key, e.parent, e.num_tokens, e.raw_bytes), d) for e, d in items]
+        out: list[bytes] = await eng.mover.in_thread(
+            lambda: encode_chunks(eng.fingerprint, batch, t.store.codec,
+                                  threads=eng.config.copy_threads))
         return out
 
     async def place(self, t: StoreTier, e: Entry, obj: bytes) -> bool:

@@ -30,7 +30,9 @@ from ._directory import Directory, Entry, Match
 from ._keys import Fingerprint, KeyChain
 from ._move import Mover, accelerator_of, gather_chunks
 from ._placement import victims
+from ._staging import STAGE_KEEP_BYTES, StagePool
 from ._tasks import TaskOwner
+from ._tee import Tee
 from ._tierstate import MemTier, StoreTier, Tier, counters
 from .tiers.memory import Slot
 from .transfer import Pages
@@ -147,6 +149,7 @@ class Flight:
         self.done = anyio.Event()
         self.tensor: torch.Tensor | None = None
         self.source = ""
+        self.tee: Tee | None = None  # the starting get's tensor for this chunk (_tee)
 
 
 class Engine:
@@ -169,6 +172,7 @@ class Engine:
         self.mover = mover
         self.tasks = tasks
         self.cold = ColdPath(self)
+        self.stage = StagePool(STAGE_KEEP_BYTES)  # host buffers of chunks put to storage
         self.wt_sem = anyio.Semaphore(max(2, config.copy_threads * 2))
         self.flights: dict[bytes, Flight] = {}
         self.put_flights: dict[bytes, anyio.Event] = {}
@@ -370,7 +374,7 @@ class Engine:
             batches[-1].append(it)
             size += it.entry.raw_bytes
         for b, batch in enumerate(batches or [[]]):
-            staged = [(it, torch.empty(self.spec.shape(it.end - it.start), dtype=self.spec.dtype))
+            staged = [(it, self.stage.take(self.spec.shape(it.end - it.start), self.spec.dtype))
                       for it in batch]
             await source.move(self.mover, (parts if b == 0 else [])
                               + [(it.start, it.end - it.start, h) for it, h in staged])
@@ -382,6 +386,7 @@ class Engine:
                     self._commit_new(it, held)
             if staged:
                 placed = await self._place_in_storage(staged, held)
+                self.stage.give([d for _, d in staged])  # encoded: nothing reads them now
                 if placed < len(staged):
                     return staged[placed][0].start
         return None
@@ -523,9 +528,10 @@ class Engine:
         t.c["misses"] += 1
         return None
 
-    async def sources(self, matches: Sequence[Match]) -> list[tuple[Match, torch.Tensor, str]]:
-        """The data of each match (the caller holds pins), up to the first that cannot be
-        read. Chunks below the top tier are fetched concurrently, promoting them."""
+    async def sources(self, matches: Sequence[Match], tees: Sequence[Tee | None] = (),
+                      ) -> list[tuple[Match, torch.Tensor, str]]:
+        """The data of each match (the caller holds pins) up to the first that cannot be read;
+        those below the top tier fetched concurrently (promoting them, writing ``tees[i]``)."""
         found: list[tuple[torch.Tensor | None, str]] = []
         slow: list[int] = []
         for i, m in enumerate(matches):
@@ -535,7 +541,7 @@ class Engine:
                 slow.append(i)
         if slow:
             async def fetch(i: int) -> None:
-                found[i] = await self.fetch(matches[i].entry)
+                found[i] = await self.fetch(matches[i].entry, tees[i] if tees else None)
 
             async with anyio.create_task_group() as tg:
                 for i in slow:
@@ -547,14 +553,15 @@ class Engine:
             out.append((m, src, name))
         return out
 
-    async def fetch(self, e: Entry) -> tuple[torch.Tensor | None, str]:
+    async def fetch(self, e: Entry, tee: Tee | None = None) -> tuple[torch.Tensor | None, str]:
         """Data of ``e`` from below the top tier, promoting it on the way (single-flight)."""
-        flight = self.promotion(e)
+        flight = self.promotion(e, tee)
         await flight.done.wait()
         return flight.tensor, flight.source
 
-    def promotion(self, e: Entry) -> Flight:
-        """Join or start the promotion of ``e`` into the top tier."""
+    def promotion(self, e: Entry, tee: Tee | None = None) -> Flight:
+        """Join or start the promotion of ``e`` into the top tier (a started one also writes
+        ``tee``)."""
         top = self.tiers[0]
         if isinstance(top, MemTier) and top.holds(e):
             f = Flight()
@@ -565,6 +572,7 @@ class Engine:
         if joined is not None:
             return joined
         f = Flight()
+        f.tee = tee
         self.flights[e.key] = f
         self.tasks.spawn(self._promote, e, f)
         return f
@@ -573,7 +581,7 @@ class Engine:
         self.pin(e)
         self.inflight["promotions"] += 1
         try:
-            got, source, tried = await self.cold.promote_decoding(e)
+            got, source, tried = await self.cold.promote_decoding(e, f.tee)
             if got is not None:
                 f.tensor, f.source = got, source
                 return

@@ -24,6 +24,7 @@ from ._keys import Fingerprint, KeyChain, as_tokens
 from ._move import Mover, accelerator_of, scatter_chunks
 from ._pages import PageSource, check_pages, page_keys
 from ._tasks import TaskOwner
+from ._tee import make_tees
 from ._tierstate import MemTier, StoreTier, Tier
 from .tiers.base import StorageTier, TierContext
 
@@ -47,6 +48,17 @@ class Hit:
         return self.num_tokens > 0
 
 
+def _dense_dest(dst: torch.Tensor, td: int) -> tuple[
+        Callable[[Match, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        Callable[[Match], torch.Tensor | None]]:
+    """``get``'s pairs for its move (``dst``'s part for each match, and the source's), and
+    ``dst``'s part for each match that is a whole chunk (a tee's destination)."""
+    return (lambda m, src: (_part(dst, td, m.start, m.num_tokens),
+                            _part(src, td, 0, m.num_tokens)),
+            lambda m: _part(dst, td, m.start, m.num_tokens)
+            if m.num_tokens == m.entry.num_tokens else None)
+
+
 def _part(t: torch.Tensor, dim: int, start: int, n: int) -> torch.Tensor:
     """``t.narrow(dim, start, n)``, or ``t`` itself when that is all of it (a torch view
     costs a microsecond: the small-op floor of a one-chunk get counts them)."""
@@ -55,18 +67,28 @@ def _part(t: torch.Tensor, dim: int, start: int, n: int) -> torch.Tensor:
 
 async def _read_into(eng: Engine, matches: list[Match],
                      pair: Callable[[Match, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                     dest: Callable[[Match], torch.Tensor | None] | None = None,
                      ) -> list[tuple[Match, torch.Tensor, str]]:
     """The read of ``get`` and ``get_pages``: pin ``matches``, take each from the hottest tier
     holding it (promoting from below), copy it where ``pair(match, source)`` says in one
-    move, and touch what was served. Returns the contiguous run served."""
+    move, and touch what was served. Returns the contiguous run served.
+
+    ``dest(match)`` is the caller's tensor for a whole chunk (its elements in the chunk's
+    order), or None: a chunk promoted from disk is written there by its read, block by block
+    (:mod:`musacache._tee`), and left out of the move."""
+    tees = make_tees(matches, dest)
     for m in matches:
         eng.pin(m.entry)
     try:
-        found = await eng.sources(matches)
-        await eng.mover.copy([pair(m, src) for m, src, _name in found])
+        found = await eng.sources(matches, tees)
+        await eng.mover.copy([pair(m, src) for i, (m, src, _name) in enumerate(found)
+                              if not (tees and (tee := tees[i]) is not None and tee.complete)])
         eng.touch([m.entry for m, _, _ in found])
         return found
     finally:
+        for tee in tees:
+            if tee is not None:
+                tee.close()  # an abandoned read writes nothing into the caller's tensor now
         for m in matches:
             eng.unpin(m.entry)
 
@@ -245,7 +267,8 @@ class Cache:
 
         With ``out`` (any strided tensor of ``spec.shape(len(tokens))``), the KV is written
         into it and ``hit.kv`` is a view of it. Without it, ``hit.kv`` is on
-        :attr:`device`. A miss is ``hit.num_tokens == 0``.
+        :attr:`device`. A miss is ``hit.num_tokens == 0``. ``out`` past ``hit.num_tokens``
+        is unspecified (a damaged chunk, which ends the hit, or a later one may be there).
         """
         if self._fast is not None and (got := self._fast.get(tokens, out)) is not None:
             return Hit(*got)
@@ -268,8 +291,7 @@ class Cache:
                 return Hit(0, empty, {})
             dst = out if out is not None else torch.empty(
                 self.spec.shape(total), dtype=self.spec.dtype, device=self._device)
-            found = await _read_into(eng, matches, lambda m, src: (
-                _part(dst, td, m.start, m.num_tokens), _part(src, td, 0, m.num_tokens)))
+            found = await _read_into(eng, matches, *_dense_dest(dst, td))
             by_tier: dict[str, int] = {}
             names = eng.tier_by_name
             for m, _src, name in found:
@@ -446,7 +468,8 @@ class Cache:
             wanted = [Match(start, cs, e) for start, _end, _parent, key in ks
                       if (e := eng.dir.get(key)) is not None]
             found = await _read_into(eng, wanted, lambda m, src: (
-                outs[m.start // cs], src.reshape(outs[m.start // cs].shape)))
+                outs[m.start // cs], src.reshape(outs[m.start // cs].shape)),
+                lambda m: outs[m.start // cs])
             hit = [False] * len(ks)
             for m, _src, _name in found:
                 hit[m.start // cs] = True

@@ -483,10 +483,14 @@ async def disk(tokens: int, repeats: int) -> dict[str, Any]:
     return {codec: await _disk(tokens, repeats, codec) for codec in ("raw", "lz4")}
 
 
+def _disk_spec() -> KVSpec:
+    return KVSpec(8, 8, 128, torch.bfloat16)
+
+
 async def _disk(tokens: int, repeats: int, codec: str) -> dict[str, Any]:
     from ..tiers.disk import DiskTier
 
-    spec = KVSpec(8, 8, 128, torch.bfloat16)
+    spec = _disk_spec()
     kv = torch.randn(spec.shape(tokens)).to(spec.dtype)
     toks = np.arange(tokens, dtype=np.int32)
     with tempfile.TemporaryDirectory() as path:
@@ -511,6 +515,8 @@ async def _disk(tokens: int, repeats: int, codec: str) -> dict[str, Any]:
                 if hit.num_tokens != tokens or hit.tiers.get("disk") != tokens:
                     raise RuntimeError(f"bench: disk get served {hit.tiers}, not {tokens} "
                                        "tokens from disk")
+            if not torch.equal(out.view(torch.uint8), kv.view(torch.uint8)):
+                raise RuntimeError("bench: the disk get returned other bytes than were put")
 
         def listing() -> list[str]:
             return [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs
@@ -531,9 +537,129 @@ async def _disk(tokens: int, repeats: int, codec: str) -> dict[str, Any]:
             t0 = time.perf_counter()
             await asyncio.to_thread(read_all)
             raw_s.append(time.perf_counter() - t0)
+        parts = await asyncio.to_thread(_disk_parts, files, spec, repeats)
+    put = await _disk_put(kv, repeats, codec)
     return {"tokens": tokens, "raw_bytes": spec.nbytes(tokens), "encoded_bytes": encoded,
             "get": _stats(get_s), "raw_read": _stats(raw_s),
-            "ratio": min(raw_s) / min(get_s)}
+            "ratio": min(raw_s) / min(get_s), "parts": parts, **put}
+
+
+def _read_chunk_files(folder: str) -> list[bytes]:
+    objs: list[bytes] = []
+    for d, _, fs in os.walk(folder):
+        for f in fs:
+            if f.endswith(".kvc"):
+                with open(os.path.join(d, f), "rb") as fh:
+                    objs.append(fh.read())
+    return objs
+
+
+def _disk_parts(files: list[str], spec: KVSpec, repeats: int) -> dict[str, dict[str, float]]:
+    """The pieces of a disk get, each over every chunk file on one thread (min and median of
+    ``repeats``): read the files into a buffer per chunk, as a promotion reads into its slot
+    (``read``); the block checksums (``verify``); decoding the read bytes into a chunk tensor
+    (``decode``, verify included); ``read_chunk_into``, what a promotion runs (``read+decode``);
+    and copying the promoted chunks into the caller's ``out``, as the get's move does
+    (``copy``)."""
+    from .. import _native
+    from ..codec import _block_layout, decode_chunk, read_chunk_into, read_header
+
+    fp = Fingerprint("bench-disk", spec, 256)
+    sizes = [os.path.getsize(f) for f in files]
+    bufs = [bytearray(n) for n in sizes]
+    dests = []
+    for f in files:
+        with open(f, "rb") as fh:
+            dests.append(torch.empty(spec.shape(read_header(fh.read(256)).num_tokens),
+                                     dtype=spec.dtype))
+    outs = [torch.empty_like(d) for d in dests]
+
+    def read() -> None:
+        for f, b in zip(files, bufs, strict=True):
+            with open(f, "rb", buffering=0) as fh:
+                fh.readinto(b)
+
+    def verify() -> None:
+        for b in bufs:
+            hdr = read_header(b)
+            view = memoryview(b)
+            _, offsets = _block_layout(hdr, view[256 : 256 + hdr.table_len])
+            for i in range(hdr.num_blocks):
+                _native.crc32c(view[offsets[i] : offsets[i + 1]])
+
+    def decode() -> None:
+        for b, d in zip(bufs, dests, strict=True):
+            decode_chunk(fp, b, out=d)
+
+    def read_decode() -> None:
+        for f, n, d in zip(files, sizes, dests, strict=True):
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                read_chunk_into(fp, fd, n, d)
+            finally:
+                os.close(fd)
+
+    def copy() -> None:
+        for o, d in zip(outs, dests, strict=True):
+            o.copy_(d)
+
+    read()
+    out: dict[str, dict[str, float]] = {}
+    for name, fn in (("read", read), ("verify", verify), ("decode", decode),
+                     ("read+decode", read_decode), ("copy", copy)):
+        fn()  # warm
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        out[name] = _stats(times)
+    return out
+
+
+async def _disk_put(kv: torch.Tensor, repeats: int, codec: str) -> dict[str, Any]:
+    """A disk-only put and its flush (encode, then write the files) vs writing the same
+    encoded bytes to new files."""
+    from ..tiers.disk import DiskTier
+
+    spec = _disk_spec()
+    tokens = kv.shape[spec.token_dim]
+    with tempfile.TemporaryDirectory() as path:
+        cfg = CacheConfig(spec, "bench-disk-put", chunk_size=256, tiers=(
+            DiskTier(path=os.path.join(path, "cache"), capacity_bytes=spec.nbytes(tokens) * 4,
+                     codec=codec),))
+        put_s = []
+        async with Cache(cfg) as c:
+            for i in range(repeats + 1):
+                toks = np.arange(tokens, dtype=np.int32) + i * tokens
+                t0 = time.perf_counter()
+                await c.put(toks, kv)
+                await c.flush()
+                if i:
+                    put_s.append(time.perf_counter() - t0)
+                if i < repeats:  # the last put's files are the raw write's bytes
+                    await c.delete(toks)
+                    await c.flush()
+        objs = await asyncio.to_thread(_read_chunk_files, os.path.join(path, "cache"))
+        plain = os.path.join(path, "plain")
+        os.mkdir(plain)
+
+        def write_all() -> None:
+            for i, obj in enumerate(objs):
+                name = os.path.join(plain, f"{i}.kvc")
+                with open(name, "wb") as fh:
+                    fh.write(obj)
+            for i in range(len(objs)):
+                os.unlink(os.path.join(plain, f"{i}.kvc"))
+
+        await asyncio.to_thread(write_all)
+        write_s = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            await asyncio.to_thread(write_all)
+            write_s.append(time.perf_counter() - t0)
+    return {"put": _stats(put_s), "raw_write": _stats(write_s),
+            "put_ratio": min(write_s) / min(put_s)}
 
 
 # -- report -------------------------------------------------------------------------------------
@@ -600,12 +726,19 @@ def report(res: dict[str, Any]) -> None:
               f"store {_fmt_stats({k: v * 1e3 for k, v in pg['store'].items()}, ' ms')}; "
               f"ratio {pg['ratio']:.2f}")
     for codec, dk in (res.get("disk") or {}).items():
+        ms = {name: {k: v * 1e3 for k, v in d.items()} for name, d in dk["parts"].items()}
         print(f"\nwarm disk get vs a raw read of the encoded bytes, codec {codec} "
               f"({dk['tokens']} tokens, {dk['encoded_bytes'] / 2**20:.0f} MiB encoded; "
               "goal >= 0.5)")
         print(f"  raw read {_fmt_stats({k: v * 1e3 for k, v in dk['raw_read'].items()}, ' ms')};"
               f" get {_fmt_stats({k: v * 1e3 for k, v in dk['get'].items()}, ' ms')}; ratio "
               f"{dk['ratio']:.2f}")
+        print("  the get's pieces, each over every chunk on one thread: "
+              + "; ".join(f"{name} {_fmt_stats(d, ' ms')}" for name, d in ms.items()))
+        put_ms = {k: v * 1e3 for k, v in dk["put"].items()}
+        write_ms = {k: v * 1e3 for k, v in dk["raw_write"].items()}
+        print(f"  disk-only put + flush {_fmt_stats(put_ms, ' ms')} vs writing the encoded "
+              f"bytes to new files {_fmt_stats(write_ms, ' ms')}; ratio {dk['put_ratio']:.2f}")
     cv = res.get("curve")
     if cv:
         print("\ncurves over the directory size (tiny spec, 16-token chunks, 64-chunk prompts)")

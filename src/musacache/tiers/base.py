@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import abc
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
+
+import torch
 
 from .._chunkmeta import ChunkMeta
 from .._keys import Fingerprint
@@ -76,6 +79,8 @@ class StorageTier(abc.ABC):
     * ``read`` returns the object's bytes, ``None`` when the key is absent, and raises
       :class:`~musacache.TierError` on a fault. The engine bounds it with ``timeout`` seconds and
       turns faults and timeouts into counted misses.
+    * ``read_into`` is optional (set ``reads_into``): a tier that can read a chunk straight
+      into a tensor (a local file) saves the engine a buffer and a copy per chunk.
     * ``start`` returns the chunks that already exist (after a restart, or written by other
       nodes), so the engine can rebuild its directory. ``refresh`` is asked again on a miss.
     * Keep each cache's objects under its ``ctx.storage_name`` (fingerprint and tenant), and
@@ -103,6 +108,9 @@ class StorageTier(abc.ABC):
     max_concurrency: int = 8
     #: Whether ``refresh`` can discover chunks written by others (worth asking on a miss).
     shared: bool = False
+    #: The tier implements :meth:`read_into` (the engine then reads chunks straight into
+    #: their destination instead of calling :meth:`read` and decoding the bytes).
+    reads_into: bool = False
 
     @abc.abstractmethod
     async def start(self, ctx: TierContext) -> list[ChunkMeta]:
@@ -123,6 +131,26 @@ class StorageTier(abc.ABC):
     @abc.abstractmethod
     async def delete(self, key: bytes) -> None:
         """Remove the object under ``key`` (absent keys are not an error)."""
+
+    async def read_into(self, meta: ChunkMeta, fingerprint: Fingerprint,
+                        out: torch.Tensor, *,
+                        on_block: Callable[[int, int], None] | None = None) -> int | None:
+        """Optional (set :attr:`reads_into`): read, verify and decode the chunk under
+        ``meta.key`` into ``out`` (a contiguous CPU tensor of its shape), as
+        :func:`~musacache.codec.read_chunk_into` does from a file. When ``on_block`` is
+        given, call ``on_block(start, end)`` as soon as bytes ``[start, end)`` of ``out`` are
+        verified and final (the engine copies them on to the caller's tensor while they are
+        in cache; a tier that never calls it only costs that copy later). Returns the
+        object's size, or ``None`` if there is none. Raises :class:`~musacache.TierError`
+        on a fault and the codec's errors for an object that cannot be read here; ``out``
+        then holds garbage, and after a timeout it may be written until
+        :meth:`writing_into` is False.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not read into a tensor")
+
+    def writing_into(self, out: torch.Tensor) -> bool:
+        """Whether an abandoned :meth:`read_into` may still write into ``out``."""
+        return False
 
     async def refresh(self, parent: bytes | None = None) -> list[ChunkMeta]:
         """Chunks stored now (under ``parent`` only, if given). Shared tiers override this."""

@@ -27,6 +27,11 @@ the rename and of its folder after it, for deployments that want the chunks to s
 Reads touch the file's mtime, which is what ``last_used`` reports after a restart (access times
 are unreliable under ``noatime``/``relatime``).
 
+**Reads land in their destination.** The engine reads a chunk with :meth:`DiskStore.read_into`:
+one worker-thread call opens the file, reads, verifies and decodes it into the tensor it is
+given (a reserved top-tier slot), with :func:`~musacache.codec.read_chunk_into`. A raw chunk's
+payload goes from the page cache into the slot with ``preadv`` and no buffer in between.
+
 **Writes and deletes of one key are ordered.** They take effect one at a time, in the order the
 engine called them (:class:`~musacache.tiers._ordering.KeyOrder`), so a delete never races a
 rename of the same key. A write always replaces the file: a key re-put after a delete may carry
@@ -50,12 +55,14 @@ import re
 import secrets
 import stat
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import anyio
 import anyio.to_thread
+import torch
 
 from .._errors import (
     ConfigError,
@@ -65,7 +72,7 @@ from .._errors import (
 )
 from .._keys import KEY_BYTES, Fingerprint
 from .._validate import boolean, parse_size, positive_float, positive_int
-from ..codec import CODECS, HEADER_SIZE, read_header
+from ..codec import CODECS, HEADER_SIZE, read_chunk_into, read_header
 from ._ordering import KeyOrder
 from .base import ChunkMeta, StorageTier, TierContext
 
@@ -74,6 +81,7 @@ __all__ = ["DiskStore", "DiskTier"]
 _SUFFIX = ".kvc"
 _NAME_RE = re.compile(r"^([0-9a-f]{64})\.([0-9a-f]{64})\.([1-9][0-9]{0,9})\.kvc$")
 _HEX2_RE = re.compile(r"^[0-9a-f]{2}$")
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -125,12 +133,14 @@ def file_name(key: bytes, parent: bytes, num_tokens: int) -> str:
 
 
 class _ThreadRead:
-    """The state of one read handed to a worker thread, shared under ``DiskStore._tlock``."""
+    """The state of one read handed to a worker thread, shared under ``DiskStore._tlock``;
+    ``out`` is the tensor it reads into (None when it returns bytes)."""
 
-    __slots__ = ("abandoned", "cancelled", "done", "started")
+    __slots__ = ("abandoned", "cancelled", "done", "out", "started")
 
-    def __init__(self) -> None:
+    def __init__(self, out: torch.Tensor | None = None) -> None:
         self.started = self.done = self.abandoned = self.cancelled = False
+        self.out = out
 
 
 class _NotAFile:
@@ -146,6 +156,7 @@ class DiskStore(StorageTier):
 
     shared = False
     kind = "disk"
+    reads_into = True
 
     def __init__(self, config: DiskTier) -> None:
         self.config = config
@@ -168,6 +179,9 @@ class DiskStore(StorageTier):
         # guards this count and every _ThreadRead (worker threads update them).
         self._stuck = 0
         self._tlock = threading.Lock()
+        # Abandoned reads into a caller's tensor: the tensor is not the caller's to reuse
+        # until the thread returns (writing_into).
+        self._writers: list[_ThreadRead] = []
         self._c: dict[str, Any] = dict.fromkeys(
             ("reads", "read_misses", "read_faults", "read_timeouts", "reads_refused", "writes",
              "write_failures", "deletes", "bytes_in", "bytes_out", "removed_temp",
@@ -359,6 +373,44 @@ class DiskStore(StorageTier):
                 os.close(dfd)
 
     async def read(self, meta: ChunkMeta) -> bytes | None:
+        obj = await self._read_call(meta, self._read_regular)
+        if obj is not None:
+            self._c["bytes_out"] += len(obj)
+        return obj
+
+    async def read_into(self, meta: ChunkMeta, fingerprint: Fingerprint,
+                        out: torch.Tensor, *,
+                        on_block: Callable[[int, int], None] | None = None) -> int | None:
+        """Read, verify and decode the chunk straight into ``out`` in one worker-thread call
+        (:func:`~musacache.codec.read_chunk_into`: a raw chunk's payload lands in ``out``
+        with no buffer in between; ``on_block`` is called in that thread as each verified
+        range of ``out`` is final). Returns the object's size, or None when it is absent.
+
+        Raises :class:`TierError` on a fault or a timeout, and the codec's errors
+        (:class:`CorruptChunkError`, :class:`FingerprintMismatchError`,
+        :class:`ForeignFormatError`) for an object that cannot be read here. After a failure
+        ``out`` holds garbage; after a timeout a thread may still write into it until
+        :meth:`writing_into` says otherwise.
+        """
+        def read(path: Path) -> int | OSError | _NotAFile | None:
+            return self._read_regular_into(path, fingerprint, meta, out, on_block)
+
+        call = _ThreadRead(out)
+        size = await self._read_call(meta, read, call)
+        if size is not None:
+            self._c["bytes_out"] += size
+        return size
+
+    def writing_into(self, out: torch.Tensor) -> bool:
+        """Whether an abandoned read (one that timed out) may still write into ``out``."""
+        with self._tlock:
+            self._writers = [c for c in self._writers if not c.done]
+            return any(c.out is out for c in self._writers)
+
+    async def _read_call(self, meta: ChunkMeta, read: Callable[[Path], Any],
+                         call: _ThreadRead | None = None) -> Any:
+        """Run ``read(path)`` in a worker thread, bounded by the timeout, counting misses and
+        faults; quarantines a file whose read hung."""
         path = self._path(meta.key, meta.parent, meta.num_tokens)
         if meta.key in self._quarantined:
             self._c["read_misses"] += 1
@@ -370,11 +422,11 @@ class DiskStore(StorageTier):
             self._c["reads_refused"] += 1
             raise TierError(f"disk tier {self.name!r}: {self._stuck} reads are stuck in "
                             f"{self.config.path}; not reading {path.name}")
-        call = _ThreadRead()
+        call = call or _ThreadRead()
         try:
             with anyio.fail_after(self.timeout):
                 # abandon_on_cancel: a hung disk (NFS) must not hold the caller past timeout.
-                obj = await anyio.to_thread.run_sync(self._read_file, path, call,
+                obj = await anyio.to_thread.run_sync(self._read_file, path, read, call,
                                                      limiter=self._limiter,
                                                      abandon_on_cancel=True)
         except TimeoutError as e:
@@ -414,7 +466,6 @@ class DiskStore(StorageTier):
             self._names.pop(meta.key, None)
             return None
         self._c["reads"] += 1
-        self._c["bytes_out"] += len(obj)
         return obj
 
     def _abandon(self, call: _ThreadRead, hung_key: bytes | None) -> None:
@@ -429,20 +480,23 @@ class DiskStore(StorageTier):
                 return
             call.abandoned = True
             self._stuck += 1
+            if call.out is not None:
+                self._writers.append(call)
         if hung_key is not None:
             self._quarantined.add(hung_key)
             self._names.pop(hung_key, None)
             self._c["quarantined"] += 1
 
-    def _read_file(self, path: Path, call: _ThreadRead) -> bytes | OSError | _NotAFile | None:
-        """The file's bytes; None if absent; _NOT_A_FILE if the name held something else (now
-        removed); an OSError (returned, so the caller can count it) for any other fault."""
+    def _read_file(self, path: Path, read: Callable[[Path], Any], call: _ThreadRead) -> Any:
+        """``read(path)``: the file's bytes (or size); None if absent; _NOT_A_FILE if the name
+        held something else (now removed); an OSError (returned, so the caller can count it)
+        for any other fault."""
         with self._tlock:
             if call.cancelled:
                 return None
             call.started = True
         try:
-            return self._read_regular(path)
+            return read(path)
         finally:
             with self._tlock:
                 call.done = True
@@ -451,6 +505,27 @@ class DiskStore(StorageTier):
 
     @staticmethod
     def _read_regular(path: Path) -> bytes | OSError | _NotAFile | None:
+        def whole(fd: int, _size: int) -> bytes:
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                return f.read()
+
+        return DiskStore._with_file(path, whole)
+
+    @staticmethod
+    def _read_regular_into(path: Path, fp: Fingerprint, meta: ChunkMeta, out: torch.Tensor,
+                           on_block: Callable[[int, int], None] | None = None,
+                           ) -> int | OSError | _NotAFile | None:
+        def into(fd: int, size: int) -> int:
+            read_chunk_into(fp, fd, size, out, expect=meta, on_block=on_block)
+            return size
+
+        return DiskStore._with_file(path, into)
+
+    @staticmethod
+    def _with_file(path: Path, use: Callable[[int, int], _T]) -> _T | OSError | _NotAFile | None:
+        """``use(fd, size)`` on the regular file at ``path``; None if absent, _NOT_A_FILE if
+        the name holds something else, the OSError of any other fault. The codec's errors
+        (a corrupt or foreign object) propagate."""
         try:
             # O_NONBLOCK: opening a FIFO for reading otherwise waits for a writer, forever.
             # O_NOFOLLOW: we only ever write regular files, so a symlink is not ours.
@@ -462,10 +537,12 @@ class DiskStore(StorageTier):
                 return e
             fd = -1  # a symlink
         try:
-            if fd < 0 or not stat.S_ISREG(os.fstat(fd).st_mode):
+            if fd < 0:
                 return _NOT_A_FILE
-            with os.fdopen(fd, "rb", closefd=False) as f:
-                obj = f.read()
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return _NOT_A_FILE
+            got = use(fd, st.st_size)
         except OSError as e:
             return e
         finally:
@@ -474,7 +551,7 @@ class DiskStore(StorageTier):
         # Recency for the LRU order rebuilt after a restart; losing it is harmless.
         with contextlib.suppress(OSError):
             os.utime(path)
-        return obj
+        return got
 
     @staticmethod
     def _remove_not_file(path: Path) -> OSError | bool:

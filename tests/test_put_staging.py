@@ -1,0 +1,58 @@
+"""Chunks a put sends straight to storage are staged in host buffers that later puts reuse
+(``musacache._staging``): no fresh multi-MiB tensor, and its page faults, per chunk."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import musacache as mc
+from helpers import prefix_kv, small_spec
+from musacache._staging import StagePool
+
+CH = 16
+
+
+def _disk_only(spec: mc.KVSpec, path: Path) -> mc.CacheConfig:
+    return mc.CacheConfig(spec, "stage", chunk_size=CH, tiers=(
+        mc.DiskTier(path=str(path), capacity_bytes="64MiB"),))
+
+
+async def test_a_second_put_to_storage_reuses_the_first_puts_staging(tmp_path: Path) -> None:
+    spec = small_spec()
+    async with mc.Cache(_disk_only(spec, tmp_path)) as c:
+        eng = c._engine
+        encoded: list[int] = []
+        encode = eng.cold.encode
+
+        async def spy(t, items):  # type: ignore[no-untyped-def]
+            encoded.extend(d.data_ptr() for _, d in items)
+            return await encode(t, items)
+
+        eng.cold.encode = spy  # type: ignore[method-assign]
+        rng = np.random.default_rng(0)
+        a, b = ([int(x) for x in rng.integers(0, 50_000, 4 * CH)] for _ in range(2))
+        kv_a, kv_b = prefix_kv(spec, a), prefix_kv(spec, b) + 1
+        assert await c.put(a, kv_a) == 4 * CH
+        kept = {t.data_ptr() for t in eng.stage._idle}  # alive: no other tensor can get these
+        assert len(kept) == 4
+        encoded.clear()
+        assert await c.put(b, kv_b) == 4 * CH
+        assert set(encoded) == kept
+        await c.flush()
+        ha, hb = await c.get(a), await c.get(b)
+        assert torch.equal(ha.kv, kv_a) and torch.equal(hb.kv, kv_b)
+
+
+def test_the_pool_keeps_at_most_its_bound_and_hands_out_the_right_shape() -> None:
+    pool = StagePool(keep_bytes=3 * 64 * 4)
+    ts = [pool.take((4, 16), torch.float32) for _ in range(4)]
+    pool.give(ts)
+    assert len(pool._idle) == 3  # the fourth would pass the bound
+    t = pool.take((2, 8), torch.float32)
+    assert t.shape == (2, 8) and t.is_contiguous()
+    assert t.data_ptr() == ts[2].data_ptr()  # the newest idle buffer first
+    other = pool.take((4, 16), torch.int64)
+    assert other.dtype == torch.int64 and other.data_ptr() not in {x.data_ptr() for x in ts}
