@@ -179,6 +179,7 @@ def directory_bytes(eng: Any) -> tuple[int, int]:
 
     size = sys.getsizeof
     total = size(eng.dir.entries) + size(eng.dir.children)
+    total += sum(size(d) for d in getattr(eng.dir.entries, "_shards", ()))
     tokens = 0
     seen: set[int] = set()
     for e in eng.dir.entries.values():
