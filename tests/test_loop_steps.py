@@ -206,3 +206,71 @@ def test_oldest_first_matches_a_stable_sort():
     metas = [m if i % 3 else type(m)(m.key, m.parent, m.num_tokens, m.raw_bytes,
                                       m.stored_bytes, 7.0) for i, m in enumerate(metas)]
     assert oldest_first(metas) == sorted(metas, key=lambda m: m.last_used)
+
+
+async def test_no_table_of_the_directory_grows_with_all_of_it():
+    """The key table is 256 dicts: growing one copies 1/256 of the directory. Before, one dict
+    of every entry (its growth at 700,000 entries copied them all in one step, 80 ms)."""
+    n = 8 * 1024
+    async with mc.Cache(_cfg(n + 64)) as c:
+        kv = torch.zeros(TINY.shape(64 * CH), dtype=TINY.dtype)
+        for p in np.random.default_rng(2).integers(0, 128000, (n // 64, 64 * CH)):
+            await c.put(p.astype(np.int32), kv)
+        entries = c._engine.dir.entries
+        assert len(entries) == n
+        shards = entries._shards
+        assert sum(map(len, shards)) == n and len(set(entries)) == n
+        assert max(map(len, shards)) < 4 * n // 256, max(map(len, shards))
+        # Every dict method the directory and its readers use agrees with a plain dict.
+        plain = dict(entries)
+        key = next(iter(plain))
+        assert key in entries and entries[key] is plain[key] is entries.get(key)
+        assert entries.get(b"\x00" * 16) is None and b"" not in entries
+        assert list(entries.values()) == list(plain.values())
+        assert dict(entries.items()) == plain
+        k, e = entries.popitem()
+        assert plain[k] is e and k not in entries and len(entries) == n - 1
+        entries[k] = e
+        del entries[key]
+        assert len(entries) == n - 1 and key not in entries
+        entries[key] = plain[key]
+        entries[key] = plain[key]  # a replacement does not count twice
+        assert len(entries) == n
+
+
+def test_a_storage_tiers_recency_order_is_an_ordered_dicts(monkeypatch):
+    """``KeyLRU`` keeps exactly an ``OrderedDict``'s order under random use, in generations
+    of a bounded size (so no table of the whole tier is ever copied when it grows)."""
+    from collections import OrderedDict
+
+    from musacache import _lru
+
+    monkeypatch.setattr(_lru, "_GEN", 8)
+    rng = random.Random(5)
+    lru, model = _lru.KeyLRU(), OrderedDict()
+    keys = [bytes([rng.randrange(4)]) + rng.randbytes(15) for _ in range(300)]
+    for step in range(20_000):
+        k = rng.choice(keys)
+        op = rng.randrange(5)
+        if op == 0 or k not in model:
+            e = Entry(k, b"p" * 16, CH, 64, None)
+            lru[k] = e
+            model[k] = e
+        elif op == 1:
+            lru.move_to_end(k)
+            model.move_to_end(k)
+        elif op == 2:
+            lru.move_to_end(k, last=False)
+            model.move_to_end(k, last=False)
+        else:
+            assert lru.pop(k) is model.pop(k)
+        assert (k in lru) == (k in model) and len(lru) == len(model)
+        if step % 97 == 0:
+            assert list(lru.items()) == list(model.items())
+            gens = list(lru._gens.values())
+            # Only the oldest takes keys beyond the bound (those moved to the oldest end).
+            assert all(len(g) <= 8 for g in gens[1:])
+    assert list(lru.items()) == list(model.items())
+    assert lru.pop(b"\x00" * 16) is None
+    # A generation emptied by moves is dropped (only the newest may be empty).
+    assert all(gen for g, gen in lru._gens.items() if g != lru._newest)
