@@ -186,6 +186,11 @@ async def test_gc_freeze_every_zero_never_freezes(monkeypatch):
     async with mc.Cache(_cfg(64, gc_freeze_every=0)) as c:
         toks = list(range(8 * CH))
         await c.put(toks, torch.zeros(TINY.shape(len(toks)), dtype=TINY.dtype))
+    listed = mc.CacheConfig(TINY, "bench-scale", chunk_size=CH, gc_freeze_every=0,
+                            tiers=(mc.HostTier(capacity_bytes=TINY.nbytes(CH) * 64),
+                                   _Listing(_listing(4 * BATCH, 64))))
+    async with mc.Cache(listed) as c:
+        assert len(c._engine.dir) == 4 * BATCH
     assert calls == []
     async with mc.Cache(_cfg(64, gc_freeze_every=3)) as c:
         toks = list(range(8 * CH))

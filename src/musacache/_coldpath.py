@@ -376,6 +376,7 @@ class ColdPath:
         stalls the loop."""
         if len(metas) > batch:
             metas = await self.eng.mover.in_thread(lambda: oldest_first(metas))
+            self.eng.dir.freeze_listing()
         for i in range(0, len(metas), batch):
             self.learn(st, metas[i : i + batch], ordered=True)
             await anyio.lowlevel.checkpoint()
