@@ -137,6 +137,34 @@ class Siblings(Generic[Entry]):
         self._n -= 1
         return True
 
+    def drain(self, n: int) -> list[Entry]:
+        """Take up to ``n`` children out of the index (any order). Dismantling a big index
+        this way, a batch at a time, frees its children with their batches: dropping an index
+        of 200,000 children at once touches every one of them in one step (a loop stall of
+        10 to 20 ms)."""
+        out: list[Entry] = []
+        runs, maxes = self._runs, self._maxes
+        while runs and len(out) < n:
+            run = runs[-1]
+            k = n - len(out)
+            out += run[-k:]
+            del run[-k:]
+            if run:
+                maxes[-1] = run[-1].tokens  # type: ignore[assignment]
+            else:
+                runs.pop()
+                maxes.pop()
+        tokenless = self._tokenless
+        while tokenless and len(out) < n:
+            length = next(iter(tokenless))
+            by_key = tokenless[length]
+            while by_key and len(out) < n:
+                out.append(by_key.popitem()[1])
+            if not by_key:
+                del tokenless[length]
+        self._n -= len(out)
+        return out
+
     # -- matching --------------------------------------------------------------------------
 
     def longest(self, want: bytes) -> tuple[Entry | None, int]:

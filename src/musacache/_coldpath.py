@@ -18,6 +18,7 @@ import anyio.lowlevel
 import torch
 
 from . import _errors
+from ._chunkmeta import oldest_first
 from ._directory import Entry
 from ._errors import MusaCacheError
 from ._log import RateLimitedLog
@@ -439,10 +440,8 @@ class ColdPath:
         in between, and sorted in a worker thread. A listing of a million objects never
         stalls the loop."""
         if len(metas) > batch:
-            # The key is a Python function, so the sorting thread gives the GIL back to the
-            # loop every switch interval.
-            metas = await self.eng.mover.in_thread(
-                lambda: sorted(metas, key=lambda m: m.last_used))
+            metas = await self.eng.mover.in_thread(lambda: oldest_first(metas))
+            self.eng.dir.freeze_listing()
         for i in range(0, len(metas), batch):
             self.learn(st, metas[i : i + batch], ordered=True)
             await anyio.lowlevel.checkpoint()

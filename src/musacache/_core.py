@@ -159,7 +159,7 @@ class Engine:
         self.spec = config.spec
         self.fingerprint = fingerprint
         self.chain = chain
-        self.dir = Directory(chain)
+        self.dir = Directory(chain, config.gc_freeze_every)
         self.tiers = tiers
         self.mem = [t for t in tiers if isinstance(t, MemTier)]
         self.tier_by_name = {t.name: t for t in tiers}

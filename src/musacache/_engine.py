@@ -170,7 +170,8 @@ class Cache:
             for st in eng.stores:
                 metas = await st.store.start(ctx)
                 started.append(st.store)
-                await eng.cold.learn_all(st, list(metas), BATCH)
+                await eng.cold.learn_all(st, metas if isinstance(metas, list) else list(metas),
+                                         BATCH)  # not copied: a copy touches every object
             for mt in eng.mem:
                 if mt.prealloc_bytes:
                     await mt.pool.prealloc(mt.prealloc_bytes)

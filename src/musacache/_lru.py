@@ -9,13 +9,14 @@ all indexed by slot. That is 16 bytes per slot, against about 120 per chunk for 
 from __future__ import annotations
 
 from array import array
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ._directory import Entry
 
-__all__ = ["SlotLRU"]
+__all__ = ["KeyLRU", "SlotLRU"]
 
 _NIL = -1
 
@@ -107,3 +108,89 @@ class SlotLRU:
         else:
             self._next[t] = i
         self._tail = i
+
+
+# Keys per generation of a storage tier's recency order: growing one copies at most this many.
+_GEN = 4096
+
+
+class KeyLRU:
+    """A storage tier's recency order, by key, oldest first (what an ``OrderedDict`` of the
+    tier's chunks did, without one table of all of them).
+
+    An ``OrderedDict`` grows by copying its whole table in one step: at 700,000 stored chunks
+    (a restart learning a large listing, or a tier growing) that is a stall of the loop of
+    about 0.1 s. Here the keys are kept in generations of at most ``_GEN``, oldest first, and
+    which generation holds a key is kept in 256 dicts by the key's first byte: no table ever
+    holds more than a small share of the tier. Order is exact: a key moved to the newest end
+    goes to the newest generation, one moved to the oldest end to the front of the oldest.
+    """
+
+    __slots__ = ("_gens", "_n", "_newest", "_where")
+
+    def __init__(self) -> None:
+        # generation number -> its keys in order; a dict keeps the generations oldest first
+        self._gens: dict[int, OrderedDict[bytes, Entry]] = {0: OrderedDict()}
+        self._newest = 0
+        self._where: list[dict[bytes, int]] = [{} for _ in range(256)]
+        self._n = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __bool__(self) -> bool:
+        return self._n > 0
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._where[key[0]]
+
+    def __setitem__(self, key: bytes, e: Entry) -> None:
+        """Record ``e`` under ``key``: the newest if new, in place if already there."""
+        where = self._where[key[0]]
+        g = where.get(key)
+        if g is not None:
+            self._gens[g][key] = e
+            return
+        self._append(key, e, where)
+        self._n += 1
+
+    def move_to_end(self, key: bytes, last: bool = True) -> None:
+        where = self._where[key[0]]
+        g = where[key]
+        e = self._take(key, g)
+        if last:
+            self._append(key, e, where)
+        else:
+            oldest = next(iter(self._gens))
+            gen = self._gens[oldest]
+            gen[key] = e
+            gen.move_to_end(key, last=False)
+            where[key] = oldest
+
+    def pop(self, key: bytes, default: Entry | None = None) -> Entry | None:
+        where = self._where[key[0]]
+        g = where.pop(key, None)
+        if g is None:
+            return default
+        self._n -= 1
+        return self._take(key, g)
+
+    def items(self) -> Iterator[tuple[bytes, Entry]]:
+        """``(key, entry)`` from the oldest (the order must not change while iterating)."""
+        for gen in list(self._gens.values()):
+            yield from gen.items()
+
+    def _take(self, key: bytes, g: int) -> Entry:
+        gen = self._gens[g]
+        e = gen.pop(key)
+        if not gen and g != self._newest:
+            del self._gens[g]
+        return e
+
+    def _append(self, key: bytes, e: Entry, where: dict[bytes, int]) -> None:
+        gen = self._gens[self._newest]
+        if len(gen) >= _GEN:
+            self._newest += 1
+            gen = self._gens[self._newest] = OrderedDict()
+        gen[key] = e
+        where[key] = self._newest

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 import anyio.lowlevel
 import numpy as np
 
-from ._directory import Directory
+from ._children import Siblings
+from ._directory import Entry
 from ._placement import delete_roots, subtree_batches
 
 if TYPE_CHECKING:
@@ -47,12 +48,30 @@ async def delete(eng: Engine, toks: np.ndarray, batch: int) -> int:
 
 async def clear(eng: Engine, batch: int) -> None:
     """Forget every chunk. The directory is swapped for an empty one at once (nothing can be
-    found from then on); the old entries are freed ``batch`` at a time."""
-    entries = eng.dir.entries
-    eng.dir = Directory(eng.chain)
-    while entries:
-        part = [entries.popitem()[1] for _ in range(min(batch, len(entries)))]
-        for e in part:
-            e.kids = None  # no chain is freed in one step when its root goes
-        eng.remove(part)
+    found from then on); the old one is dismantled ``batch`` entries at a time. An index of
+    many children is taken apart in batches too, never dropped whole: dropping one of
+    200,000 children touches every one of them in one step."""
+    old = eng.dir
+    eng.dir = old.emptied()
+    entries, orphans = old.entries, old.children
+    big: list[Siblings[Entry]] = []  # indexes of more than ``batch`` children, kept to drain
+
+    def keep(kids: Entry | Siblings[Entry] | None) -> None:
+        if isinstance(kids, Siblings) and len(kids) > batch:
+            big.append(kids)
+
+    while entries or orphans or big:
+        if big:
+            big[-1].drain(batch)  # what it returns is dropped: freed a batch at a time
+            if not big[-1]:
+                big.pop()
+        elif orphans:
+            keep(orphans.popitem()[1])
+        else:
+            part = [entries.popitem()[1] for _ in range(min(batch, len(entries)))]
+            for e in part:
+                kids, e.kids = e.kids, None
+                keep(kids)
+                del kids
+            eng.remove(part)
         await anyio.lowlevel.cancel_shielded_checkpoint()

@@ -18,7 +18,7 @@ from . import devices
 from ._config import DeviceTier, HostTier
 from ._directory import Entry
 from ._errors import ConfigError
-from ._lru import SlotLRU
+from ._lru import KeyLRU, SlotLRU
 from .tiers.base import ChunkMeta, StorageTier
 from .tiers.memory import MemoryPool, Slot
 
@@ -114,7 +114,7 @@ class StoreTier:
         self.name = store.name
         self.capacity: int | None = store.capacity_bytes
         self.used = 0
-        self.lru: OrderedDict[bytes, Entry] = OrderedDict()
+        self.lru = KeyLRU()
         # Objects waiting to be written, readable meanwhile; by (key, generation).
         self.pending: OrderedDict[tuple[bytes, int], tuple[bytes, float]] = OrderedDict()
         self.pending_bytes = 0

@@ -180,6 +180,7 @@ def directory_bytes(eng: Any) -> tuple[int, int]:
 
     size = sys.getsizeof
     total = size(eng.dir.entries) + size(eng.dir.children)
+    total += sum(size(d) for d in getattr(eng.dir.entries, "_shards", ()))
     tokens = 0
     seen: set[int] = set()
     for e in eng.dir.entries.values():
@@ -351,13 +352,20 @@ async def stalls(entries: int, siblings_n: int, listing_n: int) -> dict[str, Any
         async with _Gaps() as g:
             await c.put(b, kv)  # evicts all of a
         out[f"evicting put ({big} chunks)"] = g
-    async with _tiny_cache(entries + 64) as c:
+    grow = entries // 4  # a full collection fires when long-lived objects grew by 25%
+    async with _tiny_cache(entries + grow + 128) as c:
         kv64 = torch.zeros(TINY.shape(64 * CH), dtype=TINY.dtype)
         for p in _prompts(rng, max(1, entries // 64), 64):
             await c.put(p, kv64)
+        more = _prompts(rng, max(1, grow // 64), 64)  # drawn before the loop is watched
+        async with _Gaps() as g:
+            for p in more:
+                await c.put(p, kv64)
+        out[f"puts growing {entries} chunks by 25%"] = g
+        n = len(c._engine.dir)
         async with _Gaps() as g:
             await c.clear()
-        out[f"clear ({entries} chunks)"] = g
+        out[f"clear ({n} chunks)"] = g
     metas = _listing(listing_n, 64)
     cache = Cache(CacheConfig(TINY, "bench-scale", chunk_size=CH,
                               tiers=(HostTier(capacity_bytes=TINY.nbytes(CH) * 64),
@@ -835,7 +843,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="sibling counts for the lookup miss (first is the baseline)")
     p.add_argument("--evict-chunks", default="32,256,1024")
     p.add_argument("--stall-entries", type=int, default=1_000_000,
-                   help="chunks cleared while the loop is watched")
+                   help="chunks in the cache, grown by 25%% then cleared while the loop is watched")
     p.add_argument("--listing", type=int, default=1_000_000,
                    help="objects in the listing a restart learns")
     p.add_argument("--paged-tokens", type=int, default=4096)
