@@ -451,7 +451,7 @@ class Directory:
         # The hot loop of every lookup: hashing is inlined and attribute lookups hoisted,
         # because a 128k-token prompt walks 512 chunks here.
         out: list[Match] = []
-        entries = self.entries
+        shards = self.entries._shards  # KeyTable's shards, indexed here: one call less a chunk
         view = memoryview(tokens).cast("B")  # type: ignore[arg-type]
         empty = _EMPTY_HASH
         step = self.chain.chunk_size
@@ -463,7 +463,7 @@ class Directory:
             h.update(parent)
             h.update(view[start * 4 : end * 4])
             key = h.digest()
-            e = entries.get(key)
+            e = shards[key[0]].get(key)
             if e is not None and e._gen >= 0:  # not dead
                 if e.tokens is None:  # the key proves these are its tokens
                     self._learn_tokens(e, view[start * 4 : end * 4].tobytes())

@@ -130,7 +130,7 @@ class FastPath:
         entry, slot)``, or None when the general path must decide. With ``top`` >= 0 every
         match must be resident in memory tier ``top`` (``slot``: its slot there; else -1)."""
         d = self.eng.dir  # asked each time: clear() swaps in a new directory
-        entries = d.entries
+        shards = d.entries._shards  # KeyTable's shards, indexed here to save a call per chunk
         cs = self.cs
         parent = self.seed
         found: list[tuple[int, int, Entry, int]] = []
@@ -143,7 +143,7 @@ class FastPath:
                 h = self.seed_hash.copy()
             h.update(buf[start * 4 : end * 4])
             key = h.digest()
-            e = entries.get(key)
+            e = shards[key[0]].get(key)
             last = False
             if e is None:
                 if self.eng.shared:
