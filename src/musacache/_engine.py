@@ -65,6 +65,13 @@ def _part(t: torch.Tensor, dim: int, start: int, n: int) -> torch.Tensor:
     return t if start == 0 and t.shape[dim] == n else t.narrow(dim, start, n)
 
 
+def _first_skip(slots: torch.Tensor, skip_prefix: int) -> int:
+    """Tokens before the first -1 slot at or after ``skip_prefix``."""
+    tail = slots[skip_prefix:]
+    holes = (tail == -1).nonzero()
+    return skip_prefix + int(holes[0, 0]) if holes.numel() else len(slots)
+
+
 async def _read_into(eng: Engine, matches: list[Match],
                      pair: Callable[[Match, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
                      dest: Callable[[Match], torch.Tensor | None] | None = None,
@@ -356,7 +363,7 @@ class Cache:
         try:
             toks, slots, paged = await self._paged_args(tokens, kv_caches, slot_mapping, layout,
                                                         skip_prefix, ready, ready_timeout)
-            valid = self._first_skip(slots, skip_prefix)
+            valid = _first_skip(slots, skip_prefix)
             head_data: torch.Tensor | None = None
             if skip_prefix % self.config.chunk_size:
                 # The skipped prefix ends inside a chunk. The pages must not be read there, but
@@ -571,13 +578,6 @@ class Cache:
         if not on_device:
             await devices.wait_ready(ready, ready_timeout)
         return toks, slots, paged
-
-    @staticmethod
-    def _first_skip(slots: torch.Tensor, skip_prefix: int) -> int:
-        """Tokens before the first -1 slot at or after ``skip_prefix``."""
-        tail = slots[skip_prefix:]
-        holes = (tail == -1).nonzero()
-        return skip_prefix + int(holes[0, 0]) if holes.numel() else len(slots)
 
     def _check_kv(self, kv: torch.Tensor, toks: np.ndarray, what: str,
                   exact: bool = False) -> None:
