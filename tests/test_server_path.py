@@ -17,6 +17,7 @@ import torch
 import musacache as mc
 from helpers import prefix_kv, small_spec
 from musacache import ipc
+from musacache._directory import KeyTable
 from musacache.ipc import _table
 from musacache.server import Server, ServerConfig
 from test_server_hardening import RawPeer
@@ -29,8 +30,13 @@ def _config(tmp_path, spec: mc.KVSpec, **kw: Any) -> ServerConfig:
                         tiers=(mc.HostTier(spec.nbytes(CH) * 64),), **kw)
 
 
-class _NoWalk(dict):  # type: ignore[type-arg]
-    """A directory whose entries may be looked up but not walked."""
+class _NoWalk(KeyTable):
+    """A directory whose entries may be looked up but not walked (it shares the real
+    table's shards, so lookups and inserts land in the real directory)."""
+
+    def __init__(self, real: KeyTable) -> None:
+        super().__init__()
+        self._shards, self._n, self._cursor = real._shards, real._n, real._cursor
 
     def values(self):  # type: ignore[no-untyped-def]
         raise AssertionError("a request walked every directory entry")
@@ -53,7 +59,8 @@ async def test_server_requests_never_walk_the_directory(tmp_path):
         async with mc.connect(cfg.socket_path, spec=spec, namespace="srv", chunk_size=CH) as c:
             await c.put(list(range(CH)), prefix_kv(spec, list(range(CH))))  # opens the cache
             eng = srv.cache._engine
-            eng.dir.entries = _NoWalk(eng.dir.entries)
+            real = eng.dir.entries
+            eng.dir.entries = _NoWalk(real)
             try:
                 toks = list(range(100, 100 + 3 * CH))
                 assert await c.put(toks, prefix_kv(spec, toks)) == 3 * CH
@@ -63,7 +70,8 @@ async def test_server_requests_never_walk_the_directory(tmp_path):
                 assert torch.equal(hit.kv, prefix_kv(spec, toks))
                 assert (await c.stats())["pins"] == 0
             finally:
-                eng.dir.entries = dict(eng.dir.entries)
+                real._n = eng.dir.entries._n  # the puts above counted in the wrapper
+                eng.dir.entries = real
         srv.stop()
         await serving
 
