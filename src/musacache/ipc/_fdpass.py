@@ -255,6 +255,9 @@ class Connection:
         self._decoder = FrameDecoder(max_frame_size=max_frame_size, max_fds=max_fds,
                                      expect=expect, ops=ops)
         self._send_lock = anyio.Lock()
+        # The rest of a frame that send_nowait could only send in part: every other frame
+        # waits for it (see send_nowait).
+        self._tail: asyncio.Task[None] | None = None
         self._read_waiter: asyncio.Future[None] | None = None
         self._reader_loop: asyncio.AbstractEventLoop | None = None
         self._on_frame: Callable[[Frame | FrameError], None] | None = None
@@ -289,6 +292,13 @@ class Connection:
         connection is closed if part of the frame went out)."""
         if self._closed:
             raise CacheUnavailableError("the connection is closed")
+        if self._tail is not None:
+            with anyio.fail_after(timeout):
+                while self._tail is not None:
+                    # (asyncio.wait: a cancelled sender leaves the tail task to finish)
+                    await asyncio.wait((self._tail,))
+            if self._closed:
+                raise CacheUnavailableError("the connection is closed")
         if self._send_lock.locked():
             with anyio.fail_after(timeout):
                 await self._send_locked(frame, fds)
@@ -315,6 +325,43 @@ class Connection:
                     await send_with_fds(self._sock, memoryview(frame)[sent:])
                     sent_all = True
         finally:
+            if not sent_all:
+                self._close_now()
+
+    def send_nowait(self, frame: bytes) -> bool:
+        """Send one encoded frame (no fds) from a callback, without awaiting: True when it
+        is out, or its start is out and a task of the loop sends the rest before any other
+        frame; False when nothing was sent (the socket is full or another send is under
+        way): send it with :meth:`send_frame` instead."""
+        if self._closed:
+            raise CacheUnavailableError("the connection is closed")
+        if self._tail is not None or self._send_lock.locked():
+            return False
+        try:
+            sent = _send_now(self._sock, frame, ())
+        except BaseException:
+            self._close_now()
+            raise
+        if sent == len(frame):
+            return True
+        if sent == 0:
+            return False
+        # Part of the frame is out: until the task below has sent the rest (holding the
+        # send lock once it runs), every send_frame waits for it and send_nowait refuses.
+        self._tail = asyncio.get_running_loop().create_task(
+            self._send_tail(memoryview(frame)[sent:]))
+        return True
+
+    async def _send_tail(self, rest: memoryview) -> None:
+        sent_all = False
+        try:
+            async with self._send_lock:
+                await send_with_fds(self._sock, rest)
+                sent_all = True
+        except (CacheUnavailableError, OSError):
+            pass  # the peer is gone: the connection is closed below
+        finally:
+            self._tail = None
             if not sent_all:
                 self._close_now()
 
@@ -505,6 +552,8 @@ class Connection:
             return
         self._closed = True
         self._stop_reading()
+        if self._tail is not None:
+            self._tail.cancel()  # its socket is going away: it would wait for room forever
         if self._on_end is not None:
             on_end, self._on_end, self._on_frame = self._on_end, None, None
             on_end(CacheUnavailableError("the connection was closed"))
