@@ -640,6 +640,13 @@ class Server:
         refusals: collections.deque[tuple[int | None, MusaCacheError]] = collections.deque()
         wake = asyncio.Event()
         ended = False
+        budget = _NOW_PER_TURN
+
+        def take_turn() -> None:
+            nonlocal budget
+            budget = _NOW_PER_TURN
+            if not refusals:  # (else the loop below resumes once they are answered)
+                conn.resume_reading()
 
         def refuse(rid: int | None, error: MusaCacheError) -> None:
             refusals.append((rid, error))
@@ -647,6 +654,7 @@ class Server:
             wake.set()
 
         def on_frame(frame: ipc.Frame | ipc.FrameError) -> None:
+            nonlocal budget
             if isinstance(frame, ipc.FrameError):
                 self.counters["bad_frames"] += 1
                 log.info("bad frame from pid %d: %s", peer.pid, frame)
@@ -664,6 +672,12 @@ class Server:
                 return
             if frame.op in _NOW_OPS and not frame.fds and _serve_now(self, conn, peer, frame,
                                                                        ops):
+                budget -= 1
+                if budget == 0:
+                    # A peer that keeps its socket full would hold the loop for as long as it
+                    # likes: other peers and tasks get a turn every _NOW_PER_TURN requests.
+                    conn.pause_reading()
+                    loop.call_soon(take_turn)
                 return
             peer.in_flight += 1
             peer.held_fds += len(frame.fds)
@@ -921,6 +935,9 @@ class Server:
 #: Ops that :func:`_serve_now` may answer in the connection's reader callback.
 _NOW_OPS: Final = frozenset({"lookup", "get"})
 _MAX_TOKEN_BYTES: Final = msgs.MAX_TOKENS * 4
+#: Requests one connection may have answered from its reader callback before the loop
+#: runs anything else (a few ms of the loop at most).
+_NOW_PER_TURN: Final = 64
 _I4: Final = np.dtype("<i4")
 
 

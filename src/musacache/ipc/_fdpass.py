@@ -149,7 +149,7 @@ def _send_now(sock: socket.socket, data: bytes, fds: Sequence[int]) -> int:
         raise ProtocolError(f"cannot attach {len(fds)} fds to one message "
                             f"(the kernel allows {MAX_FDS_PER_FRAME})")
     try:
-        return sock.sendmsg([data], _ancillary(fds))
+        return sock.sendmsg([data], _ancillary(fds)) if fds else sock.send(data)
     except BlockingIOError:
         return 0
     except OSError as exc:
@@ -167,7 +167,7 @@ def _recv_now(sock: socket.socket) -> tuple[bytes, list[int]]:
         raise
     except OSError as exc:
         raise CacheUnavailableError(f"receiving from the peer failed: {exc}") from exc
-    fds = _fds_from_ancillary(ancdata)
+    fds = _fds_from_ancillary(ancdata) if ancdata else []
     if flags & socket.MSG_CTRUNC:
         for fd in fds:
             os.close(fd)

@@ -414,14 +414,17 @@ class FrameDecoder:
             raise self._failure
         buf, pos = self._buf, self._pos
         available = len(buf) - pos
-        if available == 0:
-            return None
-        seen = min(available, len(MAGIC))
-        if buf[pos:pos + seen] != MAGIC[:seen]:
-            raise self._fail("bad frame magic: the peer does not speak the musacache protocol")
         if available < HEADER_SIZE:
+            if available == 0:
+                return None
+            seen = min(available, len(MAGIC))
+            if buf[pos:pos + seen] != MAGIC[:seen]:
+                raise self._fail("bad frame magic: the peer does not speak the musacache "
+                                 "protocol")
             return None
-        _, version, nfds, length = _HEADER.unpack_from(buf, pos)
+        magic, version, nfds, length = _HEADER.unpack_from(buf, pos)
+        if magic != MAGIC:
+            raise self._fail("bad frame magic: the peer does not speak the musacache protocol")
         if version != PROTOCOL_VERSION:
             raise self._fail(f"the peer speaks protocol version {version}, this side speaks "
                              f"{PROTOCOL_VERSION}")
