@@ -331,17 +331,24 @@ async def test_a_flood_of_lookups_is_answered_in_turns(tmp_path, monkeypatch):
     """Requests answered from the reader callback take no task, so the in-flight limit does
     not pace them: a peer that keeps its socket full of lookups would hold the loop. The
     server pauses its reading every few dozen such answers and lets the loop run; every
-    request is still answered, in order, and another connection is served meanwhile."""
+    request is still answered, in order, and another connection is served meanwhile. The
+    replies to the frames of one read go out together (fewer sends than replies)."""
     spec = small_spec()
     cfg = _config(tmp_path, spec)
     pauses: list[int] = []
-    real_pause = ipc.Connection.pause_reading
+    sends: list[int] = []
+    real_pause, real_send = ipc.Connection.pause_reading, ipc.Connection.send_nowait
 
     def counting_pause(self):  # type: ignore[no-untyped-def]
         pauses.append(1)
         real_pause(self)
 
+    def counting_send(self, frame):  # type: ignore[no-untyped-def]
+        sends.append(len(frame))
+        return real_send(self, frame)
+
     monkeypatch.setattr(ipc.Connection, "pause_reading", counting_pause)
+    monkeypatch.setattr(ipc.Connection, "send_nowait", counting_send)
     async with Server(cfg) as srv:
         serving = asyncio.create_task(srv.serve_forever())
         async with mc.connect(cfg.socket_path, spec=spec, namespace="srv", chunk_size=CH) as c:
@@ -359,6 +366,7 @@ async def test_a_flood_of_lookups_is_answered_in_turns(tmp_path, monkeypatch):
                 peer.sock.close()
                 return replies
 
+            sends.clear()
             flooding = asyncio.create_task(asyncio.to_thread(flood))
             while not flooding.done():
                 assert await c.lookup(toks) == CH  # the other connection is served
@@ -366,5 +374,6 @@ async def test_a_flood_of_lookups_is_answered_in_turns(tmp_path, monkeypatch):
             assert [r.id for r in replies] == list(range(100, 1100))
             assert all(r.ok and r.result == CH for r in replies)
             assert pauses  # the flood was answered in turns
+            assert len(sends) < len(replies) // 4  # and its replies sent a read at a time
         srv.stop()
         await serving

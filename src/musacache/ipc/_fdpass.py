@@ -279,6 +279,12 @@ class Connection:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not yet handed out as frames (0: the frame just delivered was
+        the last one of the bytes read so far)."""
+        return self._decoder.buffered
+
     def peer_credentials(self) -> PeerCredentials:
         return peer_credentials(self._sock)
 
