@@ -187,7 +187,8 @@ def encode_request(request_id: int, op: str, args: Mapping[str, Any] | None = No
     if type(op) is not str or not 0 < len(op) <= _MAX_OP_LENGTH:
         raise ProtocolError(f"an op is a non-empty string of at most {_MAX_OP_LENGTH} "
                             f"characters, got {op!r:.200}")
-    body = {"id": request_id, "op": op, "args": dict(args) if args is not None else {}}
+    body = {"id": request_id, "op": op,
+            "args": {} if args is None else args if type(args) is dict else dict(args)}
     return encode_frame(body, nfds=nfds, max_frame_size=max_frame_size)
 
 
