@@ -10,6 +10,7 @@ import tempfile
 import time
 
 import anyio
+import anyio.lowlevel
 import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -732,3 +733,48 @@ def test_small_bodies_are_refused_past_the_nesting_limit() -> None:
     decoder = FrameDecoder(expect="request")
     decoder.feed(encode_frame({"id": 1, "op": "lookup", "args": {"tokens": b"\x91" * 64}}))
     assert isinstance(decoder.next_frame(), Request)
+
+
+async def test_send_soon_sends_a_turns_frames_in_one_send_and_in_order(pair, monkeypatch) -> None:
+    """Small requests made in one turn of the loop go out together at its end (one syscall
+    for many requests); behind a frame still being sent, they wait for it, still whole."""
+    a, b = pair
+    conn = Connection(a, max_frame_size=1 << 24)
+    sends: list[int] = []
+    real = Connection.send_nowait
+
+    def counting(self, frame):  # type: ignore[no-untyped-def]
+        sends.append(len(frame))
+        return real(self, frame)
+
+    monkeypatch.setattr(Connection, "send_nowait", counting)
+    frames = [encode_request(i, "lookup", {"tokens": bytes(64)}) for i in range(10)]
+    for f in frames:
+        conn.send_soon(f)
+    assert sends == []  # nothing before the end of the turn
+    await anyio.lowlevel.checkpoint()
+    await anyio.lowlevel.checkpoint()
+    assert sends == [sum(map(len, frames))]
+    b.settimeout(10)
+    got = b""
+    while len(got) < sends[0]:
+        got += b.recv(1 << 16)
+    assert got == b"".join(frames)
+
+    # Behind a frame the socket took only in part: the held frames follow it, whole.
+    big = encode_reply(99, b"x" * (4 << 20), max_frame_size=1 << 24)
+    assert conn.send_nowait(big) and conn._tail is not None
+    for f in frames:
+        conn.send_soon(f)
+    received: list[int] = []
+
+    def read_all() -> None:
+        decoder = FrameDecoder(max_frame_size=1 << 24)
+        while len(received) < 11:
+            decoder.feed(b.recv(1 << 20))
+            while (frame := decoder.next_frame()) is not None:
+                received.append(frame.id)
+
+    await anyio.to_thread.run_sync(read_all)
+    assert received == [99, *range(10)]
+    await conn.aclose()

@@ -73,6 +73,8 @@ _MAX_BUFFERS = 64
 #: A get without a shared ``out`` of at most this many bytes goes through a reused staging
 #: buffer and one copy; a larger one gets fresh shared memory (a copy would cost more).
 _SMALL_GET = 1 << 20
+# Requests up to this size are sent a loop turn at a time (Connection.send_soon).
+_HOLD_BYTES = 64 * 1024
 
 
 class _Staging:
@@ -299,10 +301,7 @@ class Client:
         self._fail_pending(why)
 
     def _fail_pending(self, why: str) -> None:
-        pending, self._pending = self._pending, {}
-        for fut in pending.values():
-            if not fut.done():
-                fut.set_exception(CacheUnavailableError(why))
+        self._fail_with(None, why)
 
     # Replies are routed from the connection's reader callback: no reading task to wake
     # between the socket and the caller's future.
@@ -350,7 +349,11 @@ class Client:
         if self._timer is None or self._timer_loop is not loop:
             self._timer, self._timer_loop = loop.call_at(due, self._expire), loop
         try:
-            await conn.send_request(rid, op, args, fds, timeout=self.timeout)
+            frame = ipc.encode_request(rid, op, args, nfds=len(fds))
+            if fds or len(frame) > _HOLD_BYTES:
+                await conn.send_frame(frame, fds, timeout=self.timeout)
+            else:  # with this turn's other requests in one syscall (the timer bounds it)
+                conn.send_soon(frame)
             reply = await fut
         except TimeoutError:
             # A server that does not answer in time is treated as gone: reconnect next call.
