@@ -10,6 +10,7 @@ import tempfile
 import time
 
 import anyio
+import anyio.lowlevel
 import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -674,3 +675,106 @@ def test_amplifying_bodies_are_refused_before_unpacking() -> None:
     with pytest.raises(FrameError, match="refused") as info:
         dec.next_frame()
     assert not info.value.fatal and info.value.request_id is None
+
+
+async def test_send_nowait_finishes_a_partly_sent_frame_before_any_other(pair) -> None:
+    """A reply sent from the reader callback (send_nowait) that the socket takes only in
+    part: a task sends the rest, and every other frame waits for it, so the peer reads whole
+    frames in order."""
+    a, b = pair
+    conn = Connection(a, max_frame_size=1 << 24)
+    big = encode_reply(1, b"x" * (4 << 20), max_frame_size=1 << 24)  # past the socket buffer
+    small = encode_reply(2, "after")
+    got: list[Reply] = []
+
+    def read_all() -> None:
+        decoder = FrameDecoder(max_frame_size=1 << 24, expect="reply")
+        b.settimeout(10)
+        while len(got) < 3:
+            decoder.feed(b.recv(1 << 20))
+            while (frame := decoder.next_frame()) is not None:
+                assert isinstance(frame, Reply)
+                got.append(frame)
+
+    assert conn.send_nowait(big)  # its start is out, a task sends the rest
+    assert conn._tail is not None
+    assert not conn.send_nowait(small)  # refused while the rest is pending: nothing sent
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(anyio.to_thread.run_sync, read_all)
+        await conn.send_frame(small)
+        assert conn._tail is None
+        assert conn.send_nowait(encode_reply(3, "now"))
+    assert [r.id for r in got] == [1, 2, 3]
+    assert got[0].result == b"x" * (4 << 20) and got[1].result == "after"
+    await conn.aclose()
+
+
+def test_small_bodies_are_refused_past_the_nesting_limit() -> None:
+    """Small bodies skip the nesting walk only when they hold too few container bytes to
+    nest past MAX_DEPTH: a small body nested one level too deep is still refused."""
+    from musacache.ipc._protocol import MAX_DEPTH
+
+    def nested(levels: int) -> dict[str, object]:
+        value: object = 1
+        for _ in range(levels - 2):  # the body map and args make two levels
+            value = [value]
+        return {"id": 1, "op": "lookup", "args": {"x": value}}
+
+    for levels, ok in ((MAX_DEPTH, True), (MAX_DEPTH + 1, False)):
+        decoder = FrameDecoder(expect="request")
+        decoder.feed(encode_frame(nested(levels)))
+        if ok:
+            assert isinstance(decoder.next_frame(), Request)
+        else:
+            with pytest.raises(FrameError, match="nested deeper") as info:
+                decoder.next_frame()
+            assert not info.value.fatal
+    # Bytes that look like container leads inside a bin payload: walked, and accepted.
+    decoder = FrameDecoder(expect="request")
+    decoder.feed(encode_frame({"id": 1, "op": "lookup", "args": {"tokens": b"\x91" * 64}}))
+    assert isinstance(decoder.next_frame(), Request)
+
+
+async def test_send_soon_sends_a_turns_frames_in_one_send_and_in_order(pair, monkeypatch) -> None:
+    """Small requests made in one turn of the loop go out together at its end (one syscall
+    for many requests); behind a frame still being sent, they wait for it, still whole."""
+    a, b = pair
+    conn = Connection(a, max_frame_size=1 << 24)
+    sends: list[int] = []
+    real = Connection.send_nowait
+
+    def counting(self, frame):  # type: ignore[no-untyped-def]
+        sends.append(len(frame))
+        return real(self, frame)
+
+    monkeypatch.setattr(Connection, "send_nowait", counting)
+    frames = [encode_request(i, "lookup", {"tokens": bytes(64)}) for i in range(10)]
+    for f in frames:
+        conn.send_soon(f)
+    assert sends == []  # nothing before the end of the turn
+    await anyio.lowlevel.checkpoint()
+    await anyio.lowlevel.checkpoint()
+    assert sends == [sum(map(len, frames))]
+    b.settimeout(10)
+    got = b""
+    while len(got) < sends[0]:
+        got += b.recv(1 << 16)
+    assert got == b"".join(frames)
+
+    # Behind a frame the socket took only in part: the held frames follow it, whole.
+    big = encode_reply(99, b"x" * (4 << 20), max_frame_size=1 << 24)
+    assert conn.send_nowait(big) and conn._tail is not None
+    for f in frames:
+        conn.send_soon(f)
+    received: list[int] = []
+
+    def read_all() -> None:
+        decoder = FrameDecoder(max_frame_size=1 << 24)
+        while len(received) < 11:
+            decoder.feed(b.recv(1 << 20))
+            while (frame := decoder.next_frame()) is not None:
+                received.append(frame.id)
+
+    await anyio.to_thread.run_sync(read_all)
+    assert received == [99, *range(10)]
+    await conn.aclose()

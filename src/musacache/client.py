@@ -33,6 +33,7 @@ from ._errors import (
     MusaCacheError,
     ShapeError,
 )
+from ._fastpath import token_bytes
 from ._keys import as_tokens
 from ._spec import KVSpec
 from .ipc._memory import shared_segment
@@ -72,6 +73,8 @@ _MAX_BUFFERS = 64
 #: A get without a shared ``out`` of at most this many bytes goes through a reused staging
 #: buffer and one copy; a larger one gets fresh shared memory (a copy would cost more).
 _SMALL_GET = 1 << 20
+# Requests up to this size are sent a loop turn at a time (Connection.send_soon).
+_HOLD_BYTES = 64 * 1024
 
 
 class _Staging:
@@ -121,10 +124,12 @@ class _Buffers:
         self._next = itertools.count(1)
 
     def bind(self, t: torch.Tensor, name: str, args: dict[str, Any],
+             segment: object | None = None,
              ) -> tuple[ipc.TensorHandle | None, int | None, bool, list[int]]:
         """Fill ``args`` for ``t``: (the handle whose fds go with the request, the buffer id,
         whether it is new, the ids released by this request). Pass all but the handle to
-        :meth:`done` when the request ends."""
+        :meth:`done` when the request ends. ``segment``: ``shared_segment(t)`` when the
+        caller has it already."""
         while self._dead:
             gone = self._dead.pop()
             self._watched.pop(gone, None)
@@ -134,7 +139,10 @@ class _Buffers:
         released, self._release = self._release, []
         if released:
             args["release"] = released
-        segment = shared_segment(t) if self.limit else None
+        if segment is None and self.limit:
+            segment = shared_segment(t)
+        elif not self.limit:
+            segment = None
         if segment is None:
             handle = ipc.share(t)
             args[name] = handle.to_wire()
@@ -220,6 +228,7 @@ class Client:
         self._connect_lock = anyio.Lock()
         self._staging = _Staging()
         self._buffers: _Buffers | None = None
+        self._shapes: dict[int, tuple[int, ...]] = {}
         self._state = "new"
         self._connected_once = False
         self.reconnects = 0
@@ -292,10 +301,7 @@ class Client:
         self._fail_pending(why)
 
     def _fail_pending(self, why: str) -> None:
-        pending, self._pending = self._pending, {}
-        for fut in pending.values():
-            if not fut.done():
-                fut.set_exception(CacheUnavailableError(why))
+        self._fail_with(None, why)
 
     # Replies are routed from the connection's reader callback: no reading task to wake
     # between the socket and the caller's future.
@@ -343,7 +349,11 @@ class Client:
         if self._timer is None or self._timer_loop is not loop:
             self._timer, self._timer_loop = loop.call_at(due, self._expire), loop
         try:
-            await conn.send_request(rid, op, args, fds, timeout=self.timeout)
+            frame = ipc.encode_request(rid, op, args, nfds=len(fds))
+            if fds or len(frame) > _HOLD_BYTES:
+                await conn.send_frame(frame, fds, timeout=self.timeout)
+            else:  # with this turn's other requests in one syscall (the timer bounds it)
+                conn.send_soon(frame)
             reply = await fut
         except TimeoutError:
             # A server that does not answer in time is treated as gone: reconnect next call.
@@ -423,27 +433,26 @@ class Client:
             await _copy(staged, dense)
             dense = staged
         try:
-            return int(await self._dense("put", toks, "kv", dense))
+            return int(await self._dense("put", toks.tobytes(), "kv", dense))
         finally:
             if raw is not None:
                 self._staging.give(raw)
 
     async def get(self, tokens: TokensLike, out: torch.Tensor | None = None) -> Hit:
         self._check_open()
-        toks = as_tokens(tokens)
-        n = len(toks)
+        raw_tokens = token_bytes(tokens)
+        n = len(raw_tokens) >> 2
+        segment = None
         if out is not None:
-            have = self.spec.check_dense(out, what="out")
-            if have != n:
-                raise ShapeError(f"out holds {have} tokens, tokens has {n}: out must have shape "
-                                 f"{self.spec.shape(n)}")
+            _check_out(self.spec, self._shapes, out, n)
+            segment = shared_segment(out)
         td = self.spec.token_dim
         if n == 0:
             empty = out if out is not None else torch.empty(self.spec.shape(0),
                                                             dtype=self.spec.dtype)
             return Hit(0, empty.narrow(td, 0, 0), {})
         raw: torch.Tensor | None = None
-        if out is not None and _sealed(out):
+        if out is not None and (segment is not None or ipc.is_sealed(out)):
             target = out
         elif self.spec.nbytes(n) <= _SMALL_GET:
             # A reused staging buffer (kept mapped by the server), then one small copy.
@@ -452,7 +461,8 @@ class Client:
         else:
             target = ipc.empty_shared(self.spec.shape(n), self.spec.dtype)
         try:
-            res = await self._dense("get", toks, "out", target)
+            res = await self._dense("get", raw_tokens, "out", target,
+                                    segment if target is out else None)
             got = int(res["num_tokens"])
             if raw is not None:
                 dst = out if out is not None else torch.empty(self.spec.shape(n),
@@ -468,7 +478,8 @@ class Client:
         return Hit(got, target if got == n else target.narrow(td, 0, got),
                    dict(res.get("tiers") or {}))
 
-    async def _dense(self, op: str, toks: Any, name: str, t: torch.Tensor) -> Any:
+    async def _dense(self, op: str, tokens: bytes, name: str, t: torch.Tensor,
+                     segment: object | None = None) -> Any:
         """One put or get of ``t`` (shared memory): by buffer id once the server keeps it."""
         self._check_open()
         conn = self._conn
@@ -478,8 +489,8 @@ class Client:
         if bufs is None or bufs.conn is not conn:
             limit = min(_MAX_BUFFERS, int(self.server_info.get("max_buffers") or 0))
             bufs = self._buffers = _Buffers(conn, limit)
-        args: dict[str, Any] = {"tokens": toks.tobytes()}
-        handle, bid, new, released = bufs.bind(t, name, args)
+        args: dict[str, Any] = {"tokens": tokens}
+        handle, bid, new, released = bufs.bind(t, name, args, segment)
         failed = True
         try:
             result = await self._request(conn, op, args, handle.fds if handle else ())
@@ -697,13 +708,33 @@ def _page_keys(keys: Any) -> list[bytes]:
     return out
 
 
+def _check_out(spec: KVSpec, shapes: dict[int, tuple[int, ...]], out: torch.Tensor,
+               n: int) -> None:
+    """Refuse an ``out`` that cannot hold ``n`` tokens of ``spec``. One of exactly the
+    spec's shape and dtype passes on plain attributes (the general check cost as much as the
+    rest of a small get's client side); any other goes through ``check_dense``, which names
+    what is wrong. ``shapes``: the caller's cache of ``spec.shape(n)``."""
+    shape = shapes.get(n)
+    if shape is None:
+        shape = spec.shape(n)
+        if len(shapes) < 64:  # the token counts a worker uses: a bounded few
+            shapes[n] = shape
+    if type(out) is torch.Tensor and out.dtype is spec.dtype and out.layout is torch.strided \
+            and not out.is_meta and out.shape == shape:
+        return
+    have = spec.check_dense(out, what="out")
+    if have != n:
+        raise ShapeError(f"out holds {have} tokens, tokens has {n}: out must have shape "
+                         f"{spec.shape(n)}")
+
+
 def _sealed(t: torch.Tensor) -> bool:
     # empty_shared memory is sealed by construction: known without asking the kernel.
     return shared_segment(t) is not None or ipc.is_sealed(t)
 
 
 def _tok_bytes(tokens: TokensLike) -> bytes:
-    return as_tokens(tokens).tobytes()
+    return token_bytes(tokens)
 
 
 async def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
