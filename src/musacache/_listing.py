@@ -40,13 +40,16 @@ class ChunkListing:
 
     def __init__(self, keys: np.ndarray, parents: np.ndarray, num_tokens: np.ndarray,
                  raw_bytes: np.ndarray, stored_bytes: np.ndarray, last_used: np.ndarray) -> None:
+        keys, parents, num_tokens, raw_bytes, stored_bytes, last_used = (
+            np.asarray(a) for a in (keys, parents, num_tokens, raw_bytes, stored_bytes,
+                                    last_used))
         n = len(num_tokens)
         for name, arr in (("keys", keys), ("parents", parents)):
             if arr.dtype != np.uint8 or arr.shape != (n, KEY_BYTES):
                 raise InvalidInputError(f"ChunkListing.{name} must be a uint8 array of shape "
                                         f"({n}, {KEY_BYTES}), got {arr.dtype} {arr.shape}")
-        for name, arr in (("raw_bytes", raw_bytes), ("stored_bytes", stored_bytes),
-                          ("last_used", last_used)):
+        for name, arr in (("num_tokens", num_tokens), ("raw_bytes", raw_bytes),
+                          ("stored_bytes", stored_bytes), ("last_used", last_used)):
             if arr.shape != (n,):
                 raise InvalidInputError(f"ChunkListing.{name} must have shape ({n},), got "
                                         f"{arr.shape}")
