@@ -79,8 +79,9 @@ def _learned(c: mc.Cache) -> tuple[set[tuple[bytes, bytes, int, int, int | None]
     return entries, [key for key, _ in st.lru.items()]
 
 
-async def test_a_compact_listing_learns_the_same_directory_as_a_list_of_chunk_metas():
-    metas = _shuffled_metas(10 * BATCH + 5)
+@pytest.mark.parametrize("n", [BATCH // 2, 10 * BATCH + 5])
+async def test_a_compact_listing_learns_the_same_directory_as_a_list_of_chunk_metas(n):
+    metas = _shuffled_metas(n)
     listing = ChunkListing.from_metas(metas)
     got = []
     for tier in (_Listing(listing), _Listing(listing, as_list=True)):

@@ -448,6 +448,8 @@ class ColdPath:
         if len(compact) > batch:
             compact = await self.eng.mover.in_thread(compact.oldest_first)
             self.eng.dir.freeze_listing()
+        else:
+            compact = compact.oldest_first()  # a batch or less: no thread hop for it
         for i in range(0, len(compact), batch):
             self._learn_rows(st, compact.rows(i, i + batch))
             await anyio.lowlevel.checkpoint()
