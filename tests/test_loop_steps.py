@@ -17,10 +17,10 @@ import torch
 
 import musacache as mc
 from musacache import _gcfreeze
-from musacache._chunkmeta import oldest_first
 from musacache._core import BATCH
 from musacache._directory import Entry
 from musacache._errors import ConfigError
+from musacache._listing import ChunkListing
 from musacache.bench.scale import _Listing, _listing
 
 CH = 16
@@ -205,12 +205,13 @@ def test_gc_freeze_every_is_validated(bad):
 
 
 def test_oldest_first_matches_a_stable_sort():
-    metas = _listing(3000, 64)
+    metas = list(_listing(3000, 64))
     rng = random.Random(3)
     rng.shuffle(metas)
     metas = [m if i % 3 else type(m)(m.key, m.parent, m.num_tokens, m.raw_bytes,
                                       m.stored_bytes, 7.0) for i, m in enumerate(metas)]
-    assert oldest_first(metas) == sorted(metas, key=lambda m: m.last_used)
+    got = ChunkListing.from_metas(metas).oldest_first()
+    assert list(got) == sorted(metas, key=lambda m: m.last_used)
 
 
 async def test_no_table_of_the_directory_grows_with_all_of_it():

@@ -146,13 +146,13 @@ async def test_learning_a_large_listing_lets_the_loop_run(spec, monkeypatch):
     cfg = mc.CacheConfig(spec, "scale", chunk_size=CH, tiers=(_Listing(metas),))
     ticks = [0]
     seen: list[int] = []  # the loop's tick count at each call learning part of the listing
-    learn = ColdPath.learn
+    learn = ColdPath._learn_rows  # a restart learns the listing's rows a batch per call
 
     def spy(self, st, part, *args, **kw):  # type: ignore[no-untyped-def]
         seen.append(ticks[0])
         return learn(self, st, part, *args, **kw)
 
-    monkeypatch.setattr(ColdPath, "learn", spy)
+    monkeypatch.setattr(ColdPath, "_learn_rows", spy)
     running = True
 
     async def tick() -> None:

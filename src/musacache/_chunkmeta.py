@@ -7,12 +7,9 @@ where a storage-tier author finds it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
-__all__ = ["ChunkMeta", "oldest_first"]
+__all__ = ["ChunkMeta"]
 
 
 @dataclass(frozen=True)
@@ -32,13 +29,3 @@ class ChunkMeta:
     stored_bytes: int = 0
     last_used: float = 0.0
 
-
-def oldest_first(metas: Sequence[ChunkMeta]) -> list[ChunkMeta]:
-    """``metas`` by ``last_used``, oldest first (stable), for a worker thread.
-
-    Python's ``sorted`` holds the GIL through its whole merge (about 0.2 s for a million
-    listed objects, a stall of the event loop even from another thread); numpy's sort gives
-    the GIL up, and the Python loops around it give it back every switch interval."""
-    used = np.fromiter((m.last_used for m in metas), dtype=np.float64, count=len(metas))
-    order = np.argsort(used, kind="stable")
-    return [metas[i] for i in order]

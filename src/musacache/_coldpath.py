@@ -18,9 +18,9 @@ import anyio.lowlevel
 import torch
 
 from . import _errors
-from ._chunkmeta import oldest_first
 from ._directory import Entry
 from ._errors import MusaCacheError
+from ._listing import ChunkListing
 from ._log import RateLimitedLog
 from ._placement import persist_order, victims
 from ._tierstate import MemTier, StoreTier, Tier
@@ -435,15 +435,23 @@ class ColdPath:
                     cur = new[0].key if len(new) == 1 else None
         return learned
 
-    async def learn_all(self, st: StoreTier, metas: list[ChunkMeta], batch: int) -> None:
+    async def learn_all(self, st: StoreTier, listing: ChunkListing | Sequence[ChunkMeta],
+                        batch: int) -> None:
         """Learn a whole listing (a restart): ``batch`` chunks at a time, with the loop free
-        in between, and sorted in a worker thread. A listing of a million objects never
-        stalls the loop."""
-        if len(metas) > batch:
-            metas = await self.eng.mover.in_thread(lambda: oldest_first(metas))
+        in between. A list of ``ChunkMeta`` is made compact, and the listing sorted, in a
+        worker thread: no step on the loop touches more than ``batch`` rows of it."""
+        if isinstance(listing, ChunkListing):
+            compact = listing
+        else:
+            metas = listing
+            compact = await self.eng.mover.in_thread(lambda: ChunkListing.from_metas(metas))
+        if len(compact) > batch:
+            compact = await self.eng.mover.in_thread(compact.oldest_first)
             self.eng.dir.freeze_listing()
-        for i in range(0, len(metas), batch):
-            self.learn(st, metas[i : i + batch], ordered=True)
+        else:
+            compact = compact.oldest_first()  # a batch or less: no thread hop for it
+        for i in range(0, len(compact), batch):
+            self._learn_rows(st, compact.rows(i, i + batch))
             await anyio.lowlevel.checkpoint()
 
     def learn(self, st: StoreTier, metas: Iterable[ChunkMeta],
@@ -451,22 +459,27 @@ class ColdPath:
         """Record chunks a storage tier reports (in a listing taken at ``listed_at``; oldest
         first if ``ordered``); returns the entries that were new to it. A chunk deleted since
         is not learned."""
+        rows = ((m.key, m.parent, m.num_tokens, m.raw_bytes, m.stored_bytes)
+                for m in (metas if ordered else sorted(metas, key=lambda m: m.last_used))
+                if listed_at is None or not st.tombstoned(m.key, listed_at))
+        return self._learn_rows(st, rows)
+
+    def _learn_rows(self, st: StoreTier,
+                    rows: Iterable[tuple[bytes, bytes, int, int, int]]) -> list[Entry]:
+        """Learn ``(key, parent, num_tokens, raw_bytes, stored_bytes)`` rows, in order."""
         eng = self.eng
         new: list[Entry] = []
-        for m in metas if ordered else sorted(metas, key=lambda m: m.last_used):
-            if listed_at is not None and st.tombstoned(m.key, listed_at):
-                continue  # deleted here (or being deleted): the listing is older than that
-            if m.raw_bytes != eng.spec.nbytes(m.num_tokens) or not (
-                    0 < m.num_tokens <= eng.config.chunk_size):
+        for key, parent, num_tokens, raw_bytes, stored_bytes in rows:
+            if raw_bytes != eng.spec.nbytes(num_tokens) or not (
+                    0 < num_tokens <= eng.config.chunk_size):
                 continue  # not a chunk of this spec: never serve it
-            e = eng.dir.get(m.key)
+            e = eng.dir.get(key)
             if e is None:
-                e = Entry(m.key, m.parent, m.num_tokens, m.raw_bytes, None)
+                e = Entry(key, parent, num_tokens, raw_bytes, None)
                 eng.dir.add(e)
             if not st.holds(e):
-                e.set_stored(st.idx, m.stored_bytes)
-                st.used += m.stored_bytes
-                st.lru[m.key] = e
+                e.set_stored(st.idx, stored_bytes)
+                st.used += stored_bytes
+                st.lru[key] = e
                 new.append(e)
         return new
-

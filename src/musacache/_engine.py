@@ -175,10 +175,10 @@ class Cache:
             eng = Engine(cfg, self.fingerprint, self._chain, tiers, mover, self._tasks)
             ctx = TierContext(self.fingerprint, tenant=self.config.tenant)
             for st in eng.stores:
-                metas = await st.store.start(ctx)
+                listing = await st.store.start(ctx)
                 started.append(st.store)
-                await eng.cold.learn_all(st, metas if isinstance(metas, list) else list(metas),
-                                         BATCH)  # not copied: a copy touches every object
+                await eng.cold.learn_all(st, listing, BATCH)
+                del listing
             for mt in eng.mem:
                 if mt.prealloc_bytes:
                     await mt.pool.prealloc(mt.prealloc_bytes)

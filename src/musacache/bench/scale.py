@@ -36,7 +36,7 @@ from .._config import CacheConfig, HostTier
 from .._engine import Cache
 from .._keys import Fingerprint, KeyChain
 from .._spec import KVSpec
-from ..tiers.base import ChunkMeta, StorageTier, TierContext
+from ..tiers.base import ChunkListing, ChunkMeta, ListingBuilder, StorageTier, TierContext
 from . import _scale_server
 
 CH = 16                                          # tokens per chunk for the control-plane runs
@@ -283,15 +283,20 @@ async def eviction(chunk_counts: list[int], repeats: int) -> list[dict[str, Any]
 # -- event-loop gaps from directory work ------------------------------------------------
 
 class _Listing(StorageTier):
-    """A storage tier that reports a listing at start and holds nothing else."""
+    """A storage tier that reports a listing at start and holds nothing else: the compact
+    form, or (``as_list``) a list of ``ChunkMeta`` made from it in ``start``, as a tier
+    written before ``ChunkListing`` returns."""
 
     name = "listing"
 
-    def __init__(self, metas: list[ChunkMeta]) -> None:
-        self.metas = metas
+    def __init__(self, listing: ChunkListing, as_list: bool = False) -> None:
+        self.listing = listing
+        self.as_list = as_list
 
-    async def start(self, ctx: TierContext) -> list[ChunkMeta]:
-        return self.metas
+    async def start(self, ctx: TierContext) -> ChunkListing | list[ChunkMeta]:
+        if self.as_list:
+            return await asyncio.to_thread(lambda: list(self.listing))
+        return self.listing
 
     async def write(self, meta: ChunkMeta, obj: bytes) -> None:
         return None
@@ -306,19 +311,19 @@ class _Listing(StorageTier):
         return None
 
 
-def _listing(n: int, per_prompt: int) -> list[ChunkMeta]:
+def _listing(n: int, per_prompt: int) -> ChunkListing:
     chain = KeyChain(Fingerprint("bench-scale", TINY, CH))
     toks = np.random.default_rng(4).integers(0, VOCAB, (n, CH)).astype("<i4")
     size = TINY.nbytes(CH)
-    metas = []
+    b = ListingBuilder()
     parent = chain.seed
     for i in range(n):
         if i % per_prompt == 0:
             parent = chain.seed
         key = KeyChain.child(parent, toks[i].tobytes())
-        metas.append(ChunkMeta(key, parent, CH, size, size // 2, float(i)))
+        b.add(key, parent, CH, size, size // 2, float(i))
         parent = key
-    return metas
+    return b.build()
 
 
 async def stalls(entries: int, siblings_n: int, listing_n: int) -> dict[str, Any]:
@@ -366,16 +371,17 @@ async def stalls(entries: int, siblings_n: int, listing_n: int) -> dict[str, Any
         async with _Gaps() as g:
             await c.clear()
         out[f"clear ({n} chunks)"] = g
-    metas = _listing(listing_n, 64)
-    cache = Cache(CacheConfig(TINY, "bench-scale", chunk_size=CH,
-                              tiers=(HostTier(capacity_bytes=TINY.nbytes(CH) * 64),
-                                     _Listing(metas))))
-    async with _Gaps() as g:
-        await cache.open()
-    out[f"restart from a {listing_n}-object listing"] = g
-    if len(cache._engine.dir) != listing_n:
-        raise RuntimeError("bench: the listing was not learned whole")
-    await cache.aclose()
+    listing = _listing(listing_n, 64)
+    for as_list, form in ((False, "compact"), (True, "a list of ChunkMeta")):
+        cache = Cache(CacheConfig(TINY, "bench-scale", chunk_size=CH,
+                                  tiers=(HostTier(capacity_bytes=TINY.nbytes(CH) * 64),
+                                         _Listing(listing, as_list))))
+        async with _Gaps() as g:
+            await cache.open()
+        out[f"restart from a {listing_n}-object listing ({form})"] = g
+        if len(cache._engine.dir) != listing_n:
+            raise RuntimeError("bench: the listing was not learned whole")
+        await cache.aclose()
     return {k: {"gap_ms": g.max * 1e3, "gc_ms": g.gc_max * 1e3} for k, g in out.items()}
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import abc
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -26,9 +26,11 @@ import torch
 
 from .._chunkmeta import ChunkMeta
 from .._keys import Fingerprint
+from .._listing import ChunkListing, ListingBuilder
 from .._spec import KVSpec
 
-__all__ = ["ChunkMeta", "StorageTier", "TierConfig", "TierContext"]
+__all__ = ["ChunkListing", "ChunkMeta", "ListingBuilder", "StorageTier", "TierConfig",
+           "TierContext"]
 
 
 @dataclass(frozen=True)
@@ -113,8 +115,13 @@ class StorageTier(abc.ABC):
     reads_into: bool = False
 
     @abc.abstractmethod
-    async def start(self, ctx: TierContext) -> list[ChunkMeta]:
-        """Open connections or folders; return the chunks already stored for ``ctx``."""
+    async def start(self, ctx: TierContext) -> ChunkListing | Sequence[ChunkMeta]:
+        """Open connections or folders; return the chunks already stored for ``ctx``.
+
+        A :class:`ChunkListing` (built in a worker thread, e.g. with :class:`ListingBuilder`)
+        is learned without an event-loop stall however long it is. A list of ``ChunkMeta`` is
+        still accepted; it is converted in a worker thread, but its objects were made (and
+        are dropped) by the tier, which for a million of them stalls the loop."""
 
     @abc.abstractmethod
     async def aclose(self) -> None:

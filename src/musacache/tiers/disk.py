@@ -74,7 +74,7 @@ from .._keys import KEY_BYTES, Fingerprint
 from .._validate import boolean, parse_size, positive_float, positive_int
 from ..codec import CODECS, HEADER_SIZE, read_chunk_into, read_header
 from ._ordering import KeyOrder
-from .base import ChunkMeta, StorageTier, TierContext
+from .base import ChunkListing, ChunkMeta, ListingBuilder, StorageTier, TierContext
 
 __all__ = ["DiskStore", "DiskTier"]
 
@@ -196,7 +196,7 @@ class DiskStore(StorageTier):
             raise TierError(f"disk tier {self.name!r} is not started")
         return self._root
 
-    async def start(self, ctx: TierContext) -> list[ChunkMeta]:
+    async def start(self, ctx: TierContext) -> ChunkListing:
         self._fp = ctx.fingerprint
         root = Path(self.config.path) / ctx.storage_name
         try:
@@ -207,12 +207,13 @@ class DiskStore(StorageTier):
         try:
             subdirs = await anyio.to_thread.run_sync(self._list_subdirs, root,
                                                      limiter=self._limiter)
-            metas: list[ChunkMeta] = []
+            parts: list[ChunkListing] = []
 
             async def scan(sub: Path) -> None:
-                found, counts = await anyio.to_thread.run_sync(self._scan_dir, sub,
-                                                               limiter=self._limiter)
-                metas.extend(found)
+                found, names, counts = await anyio.to_thread.run_sync(
+                    self._scan_dir, sub, limiter=self._limiter)
+                parts.append(found)
+                self._names.update(names)  # one fan-out folder: 1/256 of the files
                 for k, v in counts.items():
                     if k == "last_error":
                         self._c[k] = v
@@ -222,13 +223,12 @@ class DiskStore(StorageTier):
             async with anyio.create_task_group() as tg:
                 for sub in subdirs:
                     tg.start_soon(scan, sub)
+            return await anyio.to_thread.run_sync(ChunkListing.concat, parts,
+                                                  limiter=self._limiter)
         except BaseException:
             self._release_lock()
             self._root = None
             raise
-        for m in metas:
-            self._names[m.key] = file_name(m.key, m.parent, m.num_tokens)
-        return metas
 
     def _open_root(self, root: Path) -> None:
         root.mkdir(parents=True, exist_ok=True)
@@ -260,10 +260,12 @@ class DiskStore(StorageTier):
         with os.scandir(root) as it:
             return [Path(e.path) for e in it if _HEX2_RE.match(e.name) and e.is_dir()]
 
-    def _scan_dir(self, sub: Path) -> tuple[list[ChunkMeta], dict[str, Any]]:
-        """Check every file of one fan-out folder (in a worker thread). Counters are returned,
-        not bumped here, so that concurrent scans never race on them."""
-        metas: list[ChunkMeta] = []
+    def _scan_dir(self, sub: Path) -> tuple[ChunkListing, dict[bytes, str], dict[str, Any]]:
+        """Check every file of one fan-out folder (in a worker thread): the chunks found, in
+        compact form, and their file names. Counters are returned, not bumped here, so that
+        concurrent scans never race on them."""
+        found = ListingBuilder()
+        names: dict[bytes, str] = {}
         counts: dict[str, Any] = {}
         with os.scandir(sub) as it:
             entries = list(it)
@@ -282,8 +284,10 @@ class DiskStore(StorageTier):
             if meta is None:
                 self._remove(entry.path, "removed_corrupt", counts)
             else:
-                metas.append(meta)
-        return metas, counts
+                found.add(meta.key, meta.parent, meta.num_tokens, meta.raw_bytes,
+                          meta.stored_bytes, meta.last_used)
+                names[meta.key] = file_name(meta.key, meta.parent, meta.num_tokens)
+        return found.build(), names, counts
 
     def _check_file(self, path: str, key: bytes, parent: bytes, tokens: int,
                     fan_out: str, counts: dict[str, Any]) -> ChunkMeta | None:

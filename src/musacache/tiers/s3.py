@@ -63,7 +63,7 @@ from .._validate import (
 )
 from ..codec import CODECS
 from ._ordering import KeyOrder
-from .base import ChunkMeta, StorageTier, TierContext
+from .base import ChunkListing, ChunkMeta, ListingBuilder, StorageTier, TierContext
 
 __all__ = ["S3Store", "S3Tier"]
 
@@ -247,7 +247,7 @@ class S3Store(StorageTier):
 
     # -- lifecycle ----------------------------------------------------------------------------
 
-    async def start(self, ctx: TierContext) -> list[ChunkMeta]:
+    async def start(self, ctx: TierContext) -> ChunkListing:
         from aiobotocore.config import AioConfig
         from aiobotocore.session import get_session
 
@@ -284,7 +284,7 @@ class S3Store(StorageTier):
         try:
             if cfg.create_bucket:
                 await self._create_bucket()
-            return await self._list(None, at_start=True)
+            return await self._list_all()
         except BaseException:
             await self.aclose()
             raise
@@ -342,7 +342,7 @@ class S3Store(StorageTier):
         """
         return await self._list(parent)
 
-    async def _list(self, parent: bytes | None, *, at_start: bool = False) -> list[ChunkMeta]:
+    async def _list(self, parent: bytes | None) -> list[ChunkMeta]:
         prefix = f"{self._base}/" if parent is None else f"{self._base}/{parent.hex()}/"
         interval = self.config.refresh_interval
         cached = self._listings.get(prefix)
@@ -359,14 +359,7 @@ class S3Store(StorageTier):
                     if meta is not None:
                         metas.append(meta)
         except Exception as e:
-            self._c["list_faults"] += 1
-            kind, retryable = _classify(e)
-            code, _ = _error_code(e)
-            self._fault("list", kind, f"listing {prefix} failed: {e!r}")
-            if at_start and retryable and code not in _CONFIG_CODES:
-                return []  # unreachable for now: start empty, refresh finds chunks later
-            raise TierError(f"s3 tier {self.name!r}: listing s3://{self.config.bucket}/"
-                            f"{prefix} failed ({kind}): {e}") from e
+            raise self._list_error(e, prefix) from e
         self._c["lists"] += 1
         for m in metas:
             self._known[m.key] = (self.object_name(m.key, m.parent, m.num_tokens),
@@ -376,6 +369,38 @@ class S3Store(StorageTier):
             while len(self._listings) > _MAX_LISTINGS:
                 self._listings.popitem(last=False)
         return list(metas)
+
+    async def _list_all(self) -> ChunkListing:
+        """Everything under this fingerprint (``start``), in compact form: each page's
+        objects go into flat buffers as it arrives, so no step of the loop holds more than a
+        page of them, however big the bucket (issue 12). Not kept for reuse."""
+        prefix = f"{self._base}/"
+        found = ListingBuilder()
+        try:
+            async for page in self._pages(prefix):
+                for obj in page.get("Contents", ()):
+                    m = self._parse(obj)
+                    if m is not None:
+                        found.add(m.key, m.parent, m.num_tokens, m.raw_bytes, m.stored_bytes,
+                                  m.last_used)
+                        self._known[m.key] = (self.object_name(m.key, m.parent, m.num_tokens),
+                                              m.stored_bytes)
+        except Exception as e:
+            err = self._list_error(e, prefix)
+            _, retryable = _classify(e)
+            if retryable and _error_code(e)[0] not in _CONFIG_CODES:
+                return ChunkListing.empty()  # unreachable for now: start empty, refresh later
+            raise err from e
+        self._c["lists"] += 1
+        return await anyio.to_thread.run_sync(found.build)
+
+    def _list_error(self, e: Exception, prefix: str) -> TierError:
+        """Count a failed listing; the error that says so."""
+        self._c["list_faults"] += 1
+        kind, _ = _classify(e)
+        self._fault("list", kind, f"listing {prefix} failed: {e!r}")
+        return TierError(f"s3 tier {self.name!r}: listing s3://{self.config.bucket}/"
+                         f"{prefix} failed ({kind}): {e}")
 
     async def _pages(self, prefix: str) -> AsyncIterator[dict[str, Any]]:
         paginator = self.client.get_paginator("list_objects_v2")

@@ -1,0 +1,167 @@
+"""ChunkListing: a storage tier's listing in compact form (issue 12).
+
+A restart learns every object a storage tier holds. As a list of ``ChunkMeta`` a listing of a
+million objects is a million young objects: each collection of the young generation walks them
+all until they are old, sorting them holds the GIL through Python's merge, and dropping the
+list frees them in one step. Each is an event-loop stall. Here a listing is a handful of numpy
+arrays instead, built and sorted in a worker thread, and read on the loop a batch of rows at a
+time (``rows``).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from ._chunkmeta import ChunkMeta
+from ._errors import InvalidInputError
+from ._keys import KEY_BYTES
+
+__all__ = ["ChunkListing", "ListingBuilder"]
+
+
+class ChunkListing:
+    """A storage tier's listing in compact form: one row per chunk, in numpy arrays.
+
+    ``keys`` and ``parents`` are ``(n, KEY_BYTES)`` uint8 arrays; the other fields are 1-d
+    arrays of length ``n``, with the meaning of the ``ChunkMeta`` fields of the same names.
+    A listing of a million chunks is then a handful of objects, not a million: Python's
+    garbage collector never walks it, and building, sorting or dropping it is no loop stall
+    (a million ``ChunkMeta`` in a list is all three). ``start`` may return one; a tier builds
+    it in a worker thread, most easily with :class:`ListingBuilder`.
+    """
+
+    __slots__ = ("keys", "last_used", "num_tokens", "parents", "raw_bytes", "stored_bytes")
+    #: The constructor's order.
+    FIELDS = ("keys", "parents", "num_tokens", "raw_bytes", "stored_bytes", "last_used")
+
+    def __init__(self, keys: np.ndarray, parents: np.ndarray, num_tokens: np.ndarray,
+                 raw_bytes: np.ndarray, stored_bytes: np.ndarray, last_used: np.ndarray) -> None:
+        keys, parents, num_tokens, raw_bytes, stored_bytes, last_used = (
+            np.asarray(a) for a in (keys, parents, num_tokens, raw_bytes, stored_bytes,
+                                    last_used))
+        n = len(num_tokens)
+        for name, arr in (("keys", keys), ("parents", parents)):
+            if arr.dtype != np.uint8 or arr.shape != (n, KEY_BYTES):
+                raise InvalidInputError(f"ChunkListing.{name} must be a uint8 array of shape "
+                                        f"({n}, {KEY_BYTES}), got {arr.dtype} {arr.shape}")
+        for name, arr in (("num_tokens", num_tokens), ("raw_bytes", raw_bytes),
+                          ("stored_bytes", stored_bytes), ("last_used", last_used)):
+            if arr.shape != (n,):
+                raise InvalidInputError(f"ChunkListing.{name} must have shape ({n},), got "
+                                        f"{arr.shape}")
+        self.keys = keys
+        self.parents = parents
+        self.num_tokens = num_tokens.astype(np.int64, copy=False)
+        self.raw_bytes = raw_bytes.astype(np.int64, copy=False)
+        self.stored_bytes = stored_bytes.astype(np.int64, copy=False)
+        self.last_used = last_used.astype(np.float64, copy=False)
+
+    def __len__(self) -> int:
+        return len(self.num_tokens)
+
+    def __repr__(self) -> str:
+        return f"ChunkListing({len(self)} chunks)"
+
+    def __eq__(self, other: object) -> bool:
+        """Row for row equal to another listing, or to a sequence of ``ChunkMeta`` (what
+        ``start`` returned before: code that compares its result keeps working)."""
+        if isinstance(other, ChunkListing):
+            return len(self) == len(other) and all(
+                np.array_equal(getattr(self, f), getattr(other, f)) for f in self.FIELDS)
+        if isinstance(other, Sequence) and not isinstance(other, (str, bytes)):
+            return len(self) == len(other) and list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # mutable arrays inside
+
+    @classmethod
+    def empty(cls) -> ChunkListing:
+        return ListingBuilder().build()
+
+    @classmethod
+    def from_metas(cls, metas: Iterable[ChunkMeta]) -> ChunkListing:
+        """The compact form of a list of ``ChunkMeta`` (in a worker thread for a long one)."""
+        b = ListingBuilder()
+        for m in metas:
+            b.add(m.key, m.parent, m.num_tokens, m.raw_bytes, m.stored_bytes, m.last_used)
+        return b.build()
+
+    @classmethod
+    def concat(cls, parts: Sequence[ChunkListing]) -> ChunkListing:
+        if not parts:
+            return cls.empty()
+        if len(parts) == 1:
+            return parts[0]
+        return cls(*(np.concatenate([getattr(p, f) for p in parts])
+                     for f in cls.FIELDS))
+
+    def take(self, order: np.ndarray) -> ChunkListing:
+        return ChunkListing(*(getattr(self, f)[order] for f in self.FIELDS))
+
+    def oldest_first(self) -> ChunkListing:
+        """By ``last_used``, oldest first (stable); numpy's sort, for a worker thread."""
+        return self.take(np.argsort(self.last_used, kind="stable"))
+
+    def rows(self, start: int, stop: int) -> Iterator[tuple[bytes, bytes, int, int, int]]:
+        """``(key, parent, num_tokens, raw_bytes, stored_bytes)`` of rows ``start:stop``:
+        a few small objects per row, made as they are consumed."""
+        keys = self.keys[start:stop].tobytes()
+        parents = self.parents[start:stop].tobytes()
+        cols = zip(self.num_tokens[start:stop].tolist(), self.raw_bytes[start:stop].tolist(),
+                   self.stored_bytes[start:stop].tolist(), strict=True)
+        for j, (tokens, raw, stored) in enumerate(cols):
+            at = j * KEY_BYTES
+            yield keys[at : at + KEY_BYTES], parents[at : at + KEY_BYTES], tokens, raw, stored
+
+    def meta(self, i: int) -> ChunkMeta:
+        return ChunkMeta(self.keys[i].tobytes(), self.parents[i].tobytes(),
+                         int(self.num_tokens[i]), int(self.raw_bytes[i]),
+                         int(self.stored_bytes[i]), float(self.last_used[i]))
+
+    def __iter__(self) -> Iterator[ChunkMeta]:
+        step = 4096  # rows made into Python values at a time
+        for start in range(0, len(self), step):
+            used = self.last_used[start : start + step].tolist()
+            for (key, parent, tokens, raw, stored), t in zip(self.rows(start, start + step),
+                                                             used, strict=True):
+                yield ChunkMeta(key, parent, tokens, raw, stored, t)
+
+
+class ListingBuilder:
+    """Rows appended one at a time into flat buffers (no object per row), then
+    :meth:`build` into a :class:`ChunkListing`. Not thread-safe: one per worker thread."""
+
+    def __init__(self) -> None:
+        self._keys = bytearray()
+        self._parents = bytearray()
+        self._tokens = array("q")
+        self._raw = array("q")
+        self._stored = array("q")
+        self._used = array("d")
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def add(self, key: bytes, parent: bytes, num_tokens: int, raw_bytes: int,
+            stored_bytes: int = 0, last_used: float = 0.0) -> None:
+        if len(key) != KEY_BYTES or len(parent) != KEY_BYTES:
+            raise InvalidInputError(f"chunk keys are {KEY_BYTES} bytes, got {len(key)} and "
+                                    f"{len(parent)}")
+        self._keys += key
+        self._parents += parent
+        self._tokens.append(num_tokens)
+        self._raw.append(raw_bytes)
+        self._stored.append(stored_bytes)
+        self._used.append(last_used)
+
+    def build(self) -> ChunkListing:
+        def col(buf: array[Any]) -> np.ndarray:
+            return np.frombuffer(buf, dtype=np.int64 if buf.typecode == "q" else np.float64).copy()
+        return ChunkListing(np.frombuffer(bytes(self._keys), np.uint8).reshape(-1, KEY_BYTES),
+                            np.frombuffer(bytes(self._parents), np.uint8).reshape(-1, KEY_BYTES),
+                            col(self._tokens), col(self._raw), col(self._stored),
+                            col(self._used))
