@@ -378,3 +378,19 @@ def test_as_tokens_agrees_across_forms(form: str) -> None:
     if bad is not None:
         with pytest.raises(mc.TokensError, match="int32"):
             as_tokens(make(bad))
+
+
+def test_new_hit_is_the_same_hit_as_the_constructor_makes():
+    """The direct path builds its Hit without the frozen dataclass's __init__: it must be the
+    same value, still frozen, and still false on a miss."""
+    import dataclasses
+
+    from musacache._engine import Hit, _new_hit
+
+    kv = torch.arange(4.0)
+    made, fast = Hit(3, kv, {"host": 3}), _new_hit(3, kv, {"host": 3})
+    assert fast == made and type(fast) is Hit and repr(fast) == repr(made)
+    assert [f.name for f in dataclasses.fields(fast)] == ["num_tokens", "kv", "tiers"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.num_tokens = 5  # type: ignore[misc]
+    assert not _new_hit(0, kv[:0], {}) and bool(fast)

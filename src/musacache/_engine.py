@@ -48,6 +48,18 @@ class Hit:
         return self.num_tokens > 0
 
 
+def _new_hit(num_tokens: int, kv: torch.Tensor, tiers: dict[str, int],
+             _new: Any = object.__new__) -> Hit:
+    """``Hit(num_tokens, kv, tiers)`` without the frozen dataclass's ``__init__``: its three
+    ``object.__setattr__`` calls are 0.6 µs of a one-chunk get's 8 (the direct path's)."""
+    hit = _new(Hit)
+    d = hit.__dict__
+    d["num_tokens"] = num_tokens
+    d["kv"] = kv
+    d["tiers"] = tiers
+    return hit
+
+
 def _dense_dest(dst: torch.Tensor, td: int) -> tuple[
         Callable[[Match, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
         Callable[[Match], torch.Tensor | None]]:
@@ -279,7 +291,7 @@ class Cache:
         is unspecified (a damaged chunk, which ends the hit, or a later one may be there).
         """
         if self._fast is not None and (got := self._fast.get(tokens, out)) is not None:
-            return Hit(*got)
+            return _new_hit(*got)
         eng = self._check_open()
         toks = as_tokens(tokens)
         if out is not None:

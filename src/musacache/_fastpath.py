@@ -77,6 +77,7 @@ _bump_version = torch._C._increment_version
 _inference_mode = torch.is_inference_mode_enabled
 _Tensor = torch.Tensor
 _strided = torch.strided
+_empty_strided = torch.empty_strided
 
 
 def token_bytes(tokens: Any) -> bytes:
@@ -108,7 +109,7 @@ class FastPath:
         # The general path copies a request below inline_copy_bytes on the loop as well.
         self.max_bytes = min(eng.mover.inline_bytes, _MAX_CHUNKS * self.cs * self.bpt + 1)
         self.shapes: dict[int, tuple[int, ...]] = {}
-        self.templates: dict[int, torch.Tensor] = {}
+        self.templates: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         top = eng.tiers[0]
         # get is served here only from a host top tier into host memory, asked once the way
         # the data path asks whether a move touches a device; lookup is served for any tiers.
@@ -218,10 +219,11 @@ class FastPath:
             return None
         served = found[-1][0] + found[-1][1] if found else 0
         if out is None:
-            # empty_like of a zero-stride template: a µs cheaper than torch.empty(shape).
-            tmpl = self.templates.get(served)
-            dst = torch.empty_like(tmpl if tmpl is not None else self._template(served))
-            width = served  # (empty_like of a tensor that overlaps itself is contiguous)
+            # empty_strided with the contiguous strides worked out once per width: 0.5 µs
+            # cheaper than empty_like of a template, 0.7 than torch.empty(shape).
+            shape, stride = self.templates.get(served) or self._template(served)
+            dst = _empty_strided(shape, stride, dtype=self.dtype)
+            width = served
         else:
             dst = out
             width = n
@@ -250,10 +252,14 @@ class FastPath:
         kv = dst if served == width else dst.narrow(self.td, 0, served)
         return served, kv, {top.name: served}
 
-    def _template(self, n: int) -> torch.Tensor:
-        """A tensor of ``spec.shape(n)`` over one element: ``empty_like`` of it is a new
-        contiguous tensor of that shape. Kept for the first widths asked (a bounded set)."""
-        t = torch.empty(1, dtype=self.dtype).expand(self._shape(n))
+    def _template(self, n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``spec.shape(n)`` and its contiguous strides. Kept for the first widths asked (a
+        bounded set)."""
+        shape = tuple(self._shape(n))
+        stride = [1] * len(shape)
+        for d in range(len(shape) - 2, -1, -1):
+            stride[d] = stride[d + 1] * shape[d + 1]
+        t = (shape, tuple(stride))
         if len(self.templates) < _MAX_TEMPLATES:
             self.templates[n] = t
         return t
