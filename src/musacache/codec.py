@@ -776,18 +776,24 @@ def _decode_blocks(view: memoryview, hdr: ChunkHeader, offsets: list[int],
         if len(stored) == raw_block:
             target[start : start + raw_block] = np.frombuffer(stored, dtype=np.uint8)
             return
-        try:
-            plain = lz4.block.decompress(stored, uncompressed_size=raw_block)
-        except lz4.block.LZ4BlockError as e:
-            raise CorruptChunkError(f"chunk block {i} does not decompress: {e}") from e
-        if len(plain) != raw_block:
-            raise CorruptChunkError(f"chunk block {i} decompressed to {len(plain)} bytes, "
-                                    f"expected {raw_block}")
-        target[start : start + raw_block] = np.frombuffer(plain, dtype=np.uint8)
+        target[start : start + raw_block] = _lz4_block(i, stored, raw_block)
 
     if verify_first:
         _run_blocks(check_block, hdr.num_blocks, threads)
     _run_blocks(decode_block, hdr.num_blocks, threads)
+
+
+def _lz4_block(i: int, stored: Any, raw_block: int) -> np.ndarray:
+    """Block ``i``'s lz4 body decompressed, as bytes of exactly ``raw_block``; anything else
+    is a :class:`CorruptChunkError`."""
+    try:
+        plain = lz4.block.decompress(stored, uncompressed_size=raw_block)
+    except lz4.block.LZ4BlockError as e:
+        raise CorruptChunkError(f"chunk block {i} does not decompress: {e}") from e
+    if len(plain) != raw_block:
+        raise CorruptChunkError(f"chunk block {i} decompressed to {len(plain)} bytes, "
+                                f"expected {raw_block}")
+    return np.frombuffer(plain, dtype=np.uint8)
 
 
 def _decode_tagged_block(i: int, stored: memoryview, dst: np.ndarray) -> None:
@@ -799,14 +805,7 @@ def _decode_tagged_block(i: int, stored: memoryview, dst: np.ndarray) -> None:
     elif tag == _TAG_NIBBLE and len(body) < raw_block:
         _native().nib_decode(body, dst)
     elif tag == _TAG_LZ4 and len(body) < raw_block:
-        try:
-            plain = lz4.block.decompress(body, uncompressed_size=raw_block)
-        except lz4.block.LZ4BlockError as e:
-            raise CorruptChunkError(f"chunk block {i} does not decompress: {e}") from e
-        if len(plain) != raw_block:
-            raise CorruptChunkError(f"chunk block {i} decompressed to {len(plain)} bytes, "
-                                    f"expected {raw_block}")
-        dst[:] = np.frombuffer(plain, dtype=np.uint8)
+        dst[:] = _lz4_block(i, body, raw_block)
     else:
         raise CorruptChunkError(f"chunk block {i} has method {tag} with {len(body)} bytes "
                                 f"for {raw_block} raw bytes")
