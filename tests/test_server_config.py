@@ -74,3 +74,16 @@ def test_a_storage_tier_instance_backs_one_cache_only(tmp_path):
     with pytest.raises(mc.ConfigError, match="one cache only"):
         ServerConfig("/run/musacache/c.sock", tiers=tiers, max_caches=2)
     assert ServerConfig("/run/musacache/c.sock", tiers=tiers, max_caches=1).max_caches == 1
+
+
+# (max_caches is left out: 0 in the constructor means "the default", and the file's
+# max_caches = 0 is refused by the test above.)
+@pytest.mark.parametrize("name", ["max_connections", "max_requests_per_peer",
+                                  "max_fds_per_peer", "max_buffers_per_peer",
+                                  "max_stage_bytes", "max_frame_size"])
+@pytest.mark.parametrize("bad", [0, -1, True, 2.0, "8"])
+def test_every_per_peer_and_server_limit_must_be_a_positive_int(name, bad):
+    """Each limit (max_buffers_per_peer among them: it bounds the client buffers a
+    connection keeps mapped) refuses a bad value with a ConfigError that names it."""
+    with pytest.raises(mc.ConfigError, match=f"{name} must be a positive int"):
+        ServerConfig("/run/musacache/c.sock", tiers=(mc.HostTier(1 << 20),), **{name: bad})
