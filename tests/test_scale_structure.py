@@ -261,3 +261,76 @@ def test_bench_scale_runs_small_and_prints_every_goal(capsys, tmp_path):
                  "warm disk get", "codec raw", "codec lz4", "curves over the directory size",
                  "memory at"):
         assert line in out, line
+
+
+async def test_an_eviction_with_nowhere_to_demote_pins_and_detaches_nothing(spec, monkeypatch):
+    """With no tier below, an evicted chunk leaves in the step it was chosen in: its slot goes
+    straight back to the pool. No pin, unpin, or detach-then-free per evicted chunk (that
+    bookkeeping made an evicting put cost up to 1.6x a put with room)."""
+    from musacache._core import Engine
+    from musacache._directory import Entry
+
+    pins: list[Entry] = []
+    detached: list[Entry] = []
+    pin, detach_slot = Engine.pin, Entry.detach_slot
+
+    def counting_pin(self, e):  # type: ignore[no-untyped-def]
+        pins.append(e)
+        return pin(self, e)
+
+    def counting_detach(self, idx, index):  # type: ignore[no-untyped-def]
+        detached.append(self)
+        return detach_slot(self, idx, index)
+
+    n = 4 * BATCH
+    async with mc.Cache(_cfg(spec, n)) as c:
+        a = list(range(n * CH))
+        b = list(range(10**6, 10**6 + n * CH))
+        await c.put(a, prefix_kv(spec, a))
+        evicted = set(c._engine.dir.entries.keys())
+        monkeypatch.setattr(Engine, "pin", counting_pin)
+        monkeypatch.setattr(Entry, "detach_slot", counting_detach)
+        assert await c.put(b, prefix_kv(spec, b)) == n * CH
+        assert (await c.stats())["tiers"]["host"]["evictions"] == n
+        assert len(pins) == n  # the put's own chunks, each once
+        assert not [e for e in pins if e.key in evicted]
+        assert detached == []
+        pool = c._mem[0].pool
+        assert pool.slots_in_use == n and len(c._engine.dir) == n
+        hit = await c.get(b)
+        assert hit.num_tokens == n * CH and torch.equal(hit.kv, prefix_kv(spec, b))
+
+
+async def test_a_reader_who_pins_a_chunk_during_its_demotion_keeps_its_slot(spec, tmp_path,
+                                                                            monkeypatch):
+    """A demotion awaits its copy; a reader may pin a victim meanwhile. The victim leaves the
+    top tier, but its slot is freed only by the reader's unpin, never under the reader."""
+    from musacache._core import Engine
+
+    cfg = mc.CacheConfig(spec, "scale", chunk_size=CH, tiers=(
+        mc.HostTier(capacity_bytes=spec.nbytes(CH) * 4),
+        mc.DiskTier(path=str(tmp_path), capacity_bytes=spec.nbytes(CH) * 64)))
+    relocate = Engine.relocate
+    readers = []
+
+    async def reader_arrives(self, items, *a, **kw):  # type: ignore[no-untyped-def]
+        where = await relocate(self, items, *a, **kw)
+        e, data = items[0]
+        self.pin(e)  # as a get that matched it while the copy ran
+        readers.append((e, data, data.clone()))
+        return where
+
+    async with mc.Cache(cfg) as c:
+        a = list(range(4 * CH))
+        await c.put(a, prefix_kv(spec, a))
+        eng, mt = c._engine, c._mem[0]
+        monkeypatch.setattr(Engine, "relocate", reader_arrives)
+        assert await eng.evict(mt, 2) == 2
+        (e, data, before), = readers
+        assert not mt.holds(e) and mt.pool.slots_in_use == 3  # its slot kept for the reader
+        assert torch.equal(data, before)
+        eng.unpin(e)
+        assert mt.pool.slots_in_use == 2
+        await c.flush()
+        hit = await c.get(a)
+        assert hit.num_tokens == 4 * CH and torch.equal(hit.kv, prefix_kv(spec, a))

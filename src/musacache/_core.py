@@ -432,23 +432,33 @@ class Engine:
         """Evict up to ``count`` chunks from ``t``, demoting each to the next tier that takes
         it. Returns how many left ``t``."""
         chosen = victims(t, self.dir, count)
+        if not chosen:
+            return 0
+        if t.idx + 1 >= len(self.tiers):
+            # Nowhere to demote to (as relocate would count it): no await, so no pins and no
+            # views; the victims leave in the same step they were chosen in.
+            t.c["drops"] += len(chosen)
+            self._evicted(t, chosen)
+            return len(chosen)
         for e in chosen:
             self.pin(e)
         try:
-            if t.idx + 1 < len(self.tiers):
-                await self.relocate([(e, self.view(t, e)) for e in chosen], t.idx + 1,
-                                    counter="demotions")
-            else:  # nowhere to demote to (as relocate would count it), and no views to make
-                t.c["drops"] += len(chosen)
+            await self.relocate([(e, self.view(t, e)) for e in chosen], t.idx + 1,
+                                counter="demotions")
         finally:
             for e in chosen:
-                if t.holds(e):
-                    t.detach(e)
-                    t.c["evictions"] += 1
-                self.unpin(e)
-                if not e.resident and not e.dead:
-                    self.dir.remove(e)
+                self.unpin(e)  # before the slot is dropped: no detach and re-take for ours
+            self._evicted(t, chosen)
         return len(chosen)
+
+    def _evicted(self, t: MemTier, chosen: list[Entry]) -> None:
+        """Take ``chosen`` out of ``t`` (a reader still holding one keeps its slot until
+        its last unpin), and out of the directory if no tier holds them any more."""
+        t.c["evictions"] += t.evict(chosen)
+        remove = self.dir.remove
+        for e in chosen:
+            if not e.resident and not e.dead:
+                remove(e)
 
     async def relocate(self, items: Sequence[tuple[Entry, torch.Tensor]], dest_from: int,
                        dest_to: int | None = None, *, counter: str) -> list[Tier | None]:

@@ -132,7 +132,11 @@ class Entry:
         self._mem = _with(self._mem, idx, index)
 
     def pop_slot(self, idx: int) -> int | None:
-        index = _find(self._mem, idx)
+        m = self._mem
+        if m.__class__ is int and m & _TIER_MASK == idx:  # the one slot it has (eviction)
+            self._mem = None
+            return m >> _TIER_BITS
+        index = _find(m, idx)
         if index is not None:
             self._mem = _without(self._mem, idx)
         return index
@@ -200,7 +204,7 @@ class Entry:
 
     @property
     def resident(self) -> bool:
-        return self.in_memory or self._stored is not None
+        return self._stored is not None or (self._mem is not None and self.in_memory)
 
     def __repr__(self) -> str:
         return (f"Entry({self.key.hex()[:8]}, n={self.num_tokens}, blocks={self.blocks}, "
@@ -364,12 +368,24 @@ class Directory:
             self._set_kids(e.parent, sib)
 
     def remove(self, e: Entry) -> None:
-        if self.entries.get(e.key) is e:
+        # Every evicted chunk comes here: the key table's shards are indexed in place, and
+        # the common unlink (the parent's only child, the parent present) is done inline.
+        key = e.key
+        table = self.entries
+        shard = table._shards[key[0]]
+        if shard.get(key) is not e:
+            return
+        parent = e.parent
+        p = table._shards[parent[0]].get(parent)
+        if p is not None and p.kids is e:
+            p.kids = None
+        else:
             self._unlink(e)
-            del self.entries[e.key]
-            if e.kids is not None:  # they stay findable by their parent key
-                self.children[e.key] = e.kids
-                e.kids = None
+        del shard[key]
+        table._n -= 1
+        if e.kids is not None:  # they stay findable by their parent key
+            self.children[key] = e.kids
+            e.kids = None
 
     def take_kids(self, key: bytes) -> Entry | Siblings[Entry] | None:
         """Detach the children of ``key`` from the directory, in one step whatever their

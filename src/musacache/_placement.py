@@ -33,27 +33,47 @@ def victims(t: Tier, directory: Directory, count: int) -> list[Entry]:
     out: list[Entry] = []
     chosen: set[bytes] = set()
     passed: dict[bytes, Entry] = {}  # skipped because a child was still held here
+    store = t if isinstance(t, StoreTier) else None
+    # This walk runs for every chunk a full cache takes in: Directory._kids and a memory
+    # tier's holds() are inlined, and a leaf (the common case) costs no call.
+    tag = t.idx if isinstance(t, MemTier) else None
+    shards = directory.entries._shards
+    orphans = directory.children
 
-    def held_child(key: bytes) -> bool:
-        return any(t.holds(c) and c.key not in chosen for c in directory.child_entries(key))
+    def kids_of(key: bytes) -> Entry | Siblings[Entry] | None:
+        p = shards[key[0]].get(key)
+        return p.kids if p is not None else orphans.get(key)
+
+    def held(have: Entry | Siblings[Entry]) -> bool:
+        """Whether one of these children is still held here (and not chosen)."""
+        if isinstance(have, Siblings):
+            return any(t.holds(c) and c.key not in chosen for c in have)
+        if tag is not None:
+            return have.slot_index(tag) is not None and have.key not in chosen
+        return t.holds(have) and have.key not in chosen
 
     for key, e in t.lru.items():
         if len(out) >= count:
             break
-        if key in chosen or e.pins or (isinstance(t, StoreTier)
-                                       and t.pending_obj(e) is not None):
+        if e.pins or key in chosen or (store is not None and store.pending_obj(e) is not None):
             continue  # pinned by a reader, or its write to this tier is still queued
-        if held_child(key):
+        p = shards[key[0]].get(key)
+        have = p.kids if p is not None else orphans.get(key)
+        if have is not None and held(have):
             passed[key] = e  # a suffix is worthless without its prefix
             continue
         out.append(e)
         chosen.add(key)
-        parent = passed.get(e.parent)
-        while parent is not None and len(out) < count and not held_child(parent.key):
-            del passed[parent.key]
-            out.append(parent)
-            chosen.add(parent.key)
-            parent = passed.get(parent.parent)
+        if passed:
+            parent = passed.get(e.parent)
+            while parent is not None and len(out) < count:
+                have = kids_of(parent.key)
+                if have is not None and held(have):
+                    break
+                del passed[parent.key]
+                out.append(parent)
+                chosen.add(parent.key)
+                parent = passed.get(parent.parent)
     for e in passed.values():
         t.touch(e)
     return out

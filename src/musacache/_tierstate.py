@@ -90,6 +90,23 @@ class MemTier:
             self.lru.remove(index, e)
             e.detach_slot(self.idx, index)
 
+    def evict(self, entries: list[Entry]) -> int:
+        """:meth:`detach` for each of ``entries``, and the slot of one that no reader holds
+        freed at once (no detach and re-take). Returns how many were held here."""
+        idx, lru, pool = self.idx, self.lru, self.pool
+        n = 0
+        for e in entries:
+            index = e.pop_slot(idx)
+            if index is None:
+                continue
+            n += 1
+            lru.remove(index, e)
+            if e.pins:
+                e.detach_slot(idx, index)  # freed by the last reader's unpin
+            else:
+                pool.release(index)
+        return n
+
     def stats(self) -> dict[str, Any]:
         return {"kind": "device" if self.device.type != "cpu" or self.name == "device" else "host",
                 "device": str(self.device), "pinned": self.pool.pinned, **self.c,
