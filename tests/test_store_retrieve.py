@@ -244,3 +244,34 @@ async def test_store_after_a_hit_that_ends_inside_a_chunk_extends_it():
         assert await c.store(t[:30], pages2, slots2, layout="vllm", skip_prefix=n) == 30
         assert await c.lookup(t) == 30
         assert torch.equal((await c.get(t[:30])).kv, dense[:, :, :30])
+
+
+async def test_a_store_gathers_from_the_callers_slot_mapping_without_copying_it(monkeypatch):
+    """A store's new chunks follow one another in the prompt, so the one gather over all of
+    them reads the caller's own slot_mapping (a slice of it), not a concatenated copy; the
+    bytes stored are still the pages' (the stored KV reads back exact)."""
+    from musacache import _core
+
+    spec = small_spec()
+    rng = random.Random(5)
+    pages = make_pages(spec, "vllm", 32)
+    slots = random_slots(5 * CH + 3, 32, rng)
+    dense = torch.randn(spec.shape(len(slots))).to(spec.dtype)
+    write_dense(spec, "vllm", pages, slots, dense)
+    seen: list[torch.Tensor] = []
+    gather = _core.gather_chunks
+
+    def spy(p, s, dsts, **kw):  # type: ignore[no-untyped-def]
+        seen.append(s)
+        return gather(p, s, dsts, **kw)
+
+    monkeypatch.setattr(_core, "gather_chunks", spy)
+    cfg = mc.CacheConfig(spec, "sr", chunk_size=CH, tiers=(mc.HostTier(spec.nbytes(CH) * 16),))
+    async with mc.Cache(cfg) as c:
+        toks = list(range(len(slots)))
+        assert await c.store(toks, pages, slots) == len(slots)
+        (used,) = seen
+        assert used.untyped_storage().data_ptr() == slots.untyped_storage().data_ptr()
+        assert torch.equal(used, slots)
+        hit = await c.get(toks)
+        assert torch.equal(hit.kv, dense)

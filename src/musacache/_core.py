@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any, Protocol
 
 import anyio
@@ -85,20 +86,20 @@ class PagedSource:
         td = self.td
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         dsts: list[torch.Tensor] = []
-        runs: list[torch.Tensor] = []
+        runs: list[tuple[int, int]] = []  # [start, end) of self.slots per chunk in dsts
         for s, n, dst in parts:
             if self.head is not None and s == self.head[0] and s < self.skip:
                 k = self.skip - s
                 copies.append((dst.narrow(td, 0, k), self.head[1].narrow(td, 0, k)))
                 if n > k:
                     dsts.append(dst.narrow(td, k, n - k))
-                    runs.append(self.slots[self.skip : s + n])
+                    runs.append((self.skip, s + n))
             else:
                 dsts.append(dst)
-                runs.append(self.slots[s : s + n])
-        slots = runs[0] if len(runs) == 1 else torch.cat(runs) if runs else self.slots[:0]
-        pages = [torch.empty(0, device=self.pages.device)]
-        device = accelerator_of([*pages, *dsts, *(t for p in copies for t in p)])
+                runs.append((s, s + n))
+        slots = _joined(self.slots, runs)
+        device = (self.pages.device if self.pages.device.type != "cpu"
+                  else accelerator_of([*dsts, *(t for p in copies for t in p)]))
         nbytes = sum(d.numel() * d.element_size() for d in dsts)
 
         def work(stream: Any) -> None:
@@ -108,6 +109,26 @@ class PagedSource:
                 gather_chunks(self.pages, slots, dsts, stream=stream)
 
         await mover.run(work, device=device, nbytes=max(nbytes, mover.inline_bytes))
+
+
+def _evicted(t: MemTier, directory: Directory, chosen: list[Entry]) -> int:
+    """Take ``chosen`` out of ``t`` (a reader still holding one keeps its slot until its
+    last unpin), and out of the directory if no tier holds them any more."""
+    t.c["evictions"] += t.evict(chosen)
+    for e in chosen:
+        if not e.resident and not e.dead:
+            directory.remove(e)
+    return len(chosen)
+
+
+def _joined(slots: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
+    """``slots[a:b]`` of every run, end to end: a slice of ``slots`` (no copy) when each run
+    starts where the one before ended (a request's new chunks, in prompt order)."""
+    if not runs:
+        return slots[:0]
+    if all(b == a for (_, b), (a, _) in pairwise(runs)):
+        return slots[runs[0][0] : runs[-1][1]]
+    return torch.cat([slots[a:b] for a, b in runs])
 
 
 class _LazyKeys:
@@ -432,14 +453,11 @@ class Engine:
         """Evict up to ``count`` chunks from ``t``, demoting each to the next tier that takes
         it. Returns how many left ``t``."""
         chosen = victims(t, self.dir, count)
-        if not chosen:
-            return 0
         if t.idx + 1 >= len(self.tiers):
             # Nowhere to demote to (as relocate would count it): no await, so no pins and no
             # views; the victims leave in the same step they were chosen in.
             t.c["drops"] += len(chosen)
-            self._evicted(t, chosen)
-            return len(chosen)
+            return _evicted(t, self.dir, chosen)
         for e in chosen:
             self.pin(e)
         try:
@@ -448,17 +466,8 @@ class Engine:
         finally:
             for e in chosen:
                 self.unpin(e)  # before the slot is dropped: no detach and re-take for ours
-            self._evicted(t, chosen)
+            _evicted(t, self.dir, chosen)
         return len(chosen)
-
-    def _evicted(self, t: MemTier, chosen: list[Entry]) -> None:
-        """Take ``chosen`` out of ``t`` (a reader still holding one keeps its slot until
-        its last unpin), and out of the directory if no tier holds them any more."""
-        t.c["evictions"] += t.evict(chosen)
-        remove = self.dir.remove
-        for e in chosen:
-            if not e.resident and not e.dead:
-                remove(e)
 
     async def relocate(self, items: Sequence[tuple[Entry, torch.Tensor]], dest_from: int,
                        dest_to: int | None = None, *, counter: str) -> list[Tier | None]:
