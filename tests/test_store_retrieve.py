@@ -259,13 +259,13 @@ async def test_a_store_gathers_from_the_callers_slot_mapping_without_copying_it(
     dense = torch.randn(spec.shape(len(slots))).to(spec.dtype)
     write_dense(spec, "vllm", pages, slots, dense)
     seen: list[torch.Tensor] = []
-    gather = _core.gather_chunks
+    gather = _core._gather_checked
 
-    def spy(p, s, dsts, **kw):  # type: ignore[no-untyped-def]
+    def spy(p, s, dsts, counts, **kw):  # type: ignore[no-untyped-def]
         seen.append(s)
-        return gather(p, s, dsts, **kw)
+        return gather(p, s, dsts, counts, **kw)
 
-    monkeypatch.setattr(_core, "gather_chunks", spy)
+    monkeypatch.setattr(_core, "_gather_checked", spy)
     cfg = mc.CacheConfig(spec, "sr", chunk_size=CH, tiers=(mc.HostTier(spec.nbytes(CH) * 16),))
     async with mc.Cache(cfg) as c:
         toks = list(range(len(slots)))

@@ -29,14 +29,14 @@ from ._coldpath import ColdPath
 from ._config import CacheConfig
 from ._directory import Directory, Entry, Match
 from ._keys import Fingerprint, KeyChain
-from ._move import Mover, accelerator_of, gather_chunks
+from ._move import Mover, accelerator_of
 from ._placement import victims
 from ._staging import STAGE_KEEP_BYTES, StagePool
 from ._tasks import TaskOwner
 from ._tee import Tee
 from ._tierstate import MemTier, StoreTier, Tier, counters
 from .tiers.memory import Slot
-from .transfer import Pages
+from .transfer import Pages, _gather_checked
 
 __all__ = ["ChunkSource", "DenseSource", "Engine", "PagedSource"]
 
@@ -87,6 +87,7 @@ class PagedSource:
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         dsts: list[torch.Tensor] = []
         runs: list[tuple[int, int]] = []  # [start, end) of self.slots per chunk in dsts
+        counts: list[int] = []
         for s, n, dst in parts:
             if self.head is not None and s == self.head[0] and s < self.skip:
                 k = self.skip - s
@@ -94,9 +95,11 @@ class PagedSource:
                 if n > k:
                     dsts.append(dst.narrow(td, k, n - k))
                     runs.append((self.skip, s + n))
+                    counts.append(n - k)
             else:
                 dsts.append(dst)
                 runs.append((s, s + n))
+                counts.append(n)
         slots = _joined(self.slots, runs)
         device = (self.pages.device if self.pages.device.type != "cpu"
                   else accelerator_of([*dsts, *(t for p in copies for t in p)]))
@@ -105,8 +108,8 @@ class PagedSource:
         def work(stream: Any) -> None:
             for d, src in copies:
                 d.copy_(src, non_blocking=stream is not None)
-            if dsts:
-                gather_chunks(self.pages, slots, dsts, stream=stream)
+            if dsts:  # slots were checked by Cache.store, dsts are our own slots
+                _gather_checked(self.pages, slots, dsts, counts, stream=stream)
 
         await mover.run(work, device=device, nbytes=max(nbytes, mover.inline_bytes))
 
