@@ -347,7 +347,7 @@ class Engine:
             self.put_flights[key] = fl
             n = end - start
             it = _New(start, end, Entry(key, parent, n, self.spec.nbytes(n),
-                                        toks[start:end].copy()), fl)
+                                        toks[start:end]), fl)
             if top is not None:
                 idx = top.pool.reserve()
                 if idx is not None:
