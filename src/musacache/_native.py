@@ -45,6 +45,7 @@ __all__ = [
     "nib_decode",
     "nib_encode",
     "nib_size",
+    "raw_read",
     "runs_copy",
     "scatter_rows",
     "set_num_threads",
@@ -735,15 +736,40 @@ def tagged_decode(payload: object, table: object, *, num_blocks: int, block_size
     status = lib.mc_tagged_decode(fd, file_offset, pay_ptr, pay_len, tab_ptr, num_blocks,
                                   block_size, raw_len, itemsize, scr_ptr, scr_len, out_ptr,
                                   ffi.NULL if copy is None else copy._runs, bad, err)
+    _check_decode_status(status, int(bad[0]), int(err[0]), "tagged_decode")
+
+
+def raw_read(fd: int, file_offset: int, table: object, *, num_blocks: int, block_size: int,
+             out: object, copy: ChunkCopy | None = None) -> None:
+    """Read a raw chunk object's payload (``codec.py``'s codec id 3) from ``fd`` at
+    ``file_offset`` straight into ``out``, a block at a time, checking each block's CRC-32C
+    right after its read and copying the verified block on into ``copy``. Raises what
+    :func:`tagged_decode` raises; ``out`` then holds part of the chunk, ``copy`` only
+    verified blocks."""
+    tab_ptr, tab_len, _ = _buffer(table, writable=False, what="table")
+    out_ptr, raw_len, _ = _buffer(out, writable=True, what="out")
+    if tab_len != 8 * num_blocks:
+        raise InvalidInputError(f"table holds {tab_len} bytes, {num_blocks} blocks need "
+                                f"{8 * num_blocks}")
+    if copy is not None and copy.nbytes != raw_len:
+        raise InvalidInputError(f"the copy takes {copy.nbytes} bytes, the chunk is {raw_len}")
+    bad = ffi.new("int64_t *")
+    err = ffi.new("int *")
+    status = lib.mc_raw_read(fd, file_offset, tab_ptr, num_blocks, block_size, raw_len,
+                             out_ptr, ffi.NULL if copy is None else copy._runs, bad, err)
+    _check_decode_status(status, int(bad[0]), int(err[0]), "raw_read")
+
+
+def _check_decode_status(status: int, bad: int, err: int, what: str) -> None:
     if status == lib.MC_ERR_CHECKSUM:
-        raise CorruptChunkError(f"chunk payload checksum mismatch in block {bad[0]}")
+        raise CorruptChunkError(f"chunk payload checksum mismatch in block {bad}")
     if status == lib.MC_ERR_CORRUPT:
-        if bad[0] < 0:
+        if bad < 0:
             raise CorruptChunkError("chunk block lengths do not add up to the payload length")
-        raise CorruptChunkError(f"chunk block {bad[0]} is not a valid coding of its raw bytes")
+        raise CorruptChunkError(f"chunk block {bad} is not a valid coding of its raw bytes")
     if status == lib.MC_ERR_TRUNCATED:
-        raise CorruptChunkError(f"chunk file ends inside block {bad[0]}, before its header "
+        raise CorruptChunkError(f"chunk file ends inside block {bad}, before its header "
                                 f"says (truncated)")
     if status == lib.MC_ERR_IO:
-        raise OSError(err[0], f"reading chunk block {bad[0]}: {os.strerror(err[0])}")
-    _check_status(status, "tagged_decode")
+        raise OSError(err, f"reading chunk block {bad}: {os.strerror(err)}")
+    _check_status(status, what)

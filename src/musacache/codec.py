@@ -700,6 +700,12 @@ def read_chunk_into(fp: Fingerprint, fd: int, size: int, out: torch.Tensor, *,
     if hdr.codec_id == _ID_TAGGED:
         _read_tagged_into(fd, hdr, table, offsets[0], out, on_block, on_range)
         return hdr.meta(stored_bytes=size)
+    if hdr.codec_id == _ID_RAW and (on_block is None or on_range is not on_block):
+        # No Python callable to report to: one native call reads, checks and copies on.
+        _native().raw_read(fd, offsets[0], table, num_blocks=hdr.num_blocks,
+                           block_size=hdr.block_size, out=_as_bytes(out),
+                           copy=_copy_of(on_block))
+        return hdr.meta(stored_bytes=size)
     dst = memoryview(_as_bytes(out).data)
     crc = _block_crc(hdr)
 

@@ -1530,3 +1530,39 @@ done:
     free(offs);
     return status;
 }
+
+int mc_raw_read(int fd, int64_t file_offset, const uint8_t *table, int64_t num_blocks,
+                int64_t block_size, int64_t raw_len, uint8_t *dst, const mc_runs *copy,
+                int64_t *bad_block, int *err) {
+    if (bad_block == NULL || err == NULL) return MC_ERR_ARGUMENT;
+    *bad_block = -1;
+    *err = 0;
+    if (fd < 0 || file_offset < 0 || num_blocks < 0 || block_size <= 0 || raw_len < 0)
+        return MC_ERR_ARGUMENT;
+    if (num_blocks != raw_len / block_size + (raw_len % block_size != 0)) return MC_ERR_ARGUMENT;
+    if (raw_len > 0 && (dst == NULL || table == NULL)) return MC_ERR_ARGUMENT;
+    if (copy != NULL && check_runs(copy, raw_len) != MC_OK) return MC_ERR_ARGUMENT;
+    /* The slot is written by the kernel's copy, so it is in cache for the checksum and the
+     * copy on; only the copy into the runs can stream. */
+    copy_fn put = raw_len >= MC_DECODE_STREAM_BYTES ? pick_copy(INT64_MAX) : copy_cached;
+    int copying = copy != NULL;
+    int status = MC_OK;
+    for (int64_t i = 0; i < num_blocks; i++) {
+        int64_t start = i * block_size;
+        int64_t len = raw_len - start < block_size ? raw_len - start : block_size;
+        if ((int64_t)load_le32(table + 8 * i) != len) {
+            status = MC_ERR_CORRUPT;
+        } else {
+            status = pread_full(fd, dst + start, len, file_offset + start, err);
+            if (status == MC_OK && crc32c_of(dst + start, (size_t)len) != load_le32(table + 8 * i + 4))
+                status = MC_ERR_CHECKSUM;
+        }
+        if (status != MC_OK) {
+            *bad_block = i;
+            break;
+        }
+        if (copying) copying = runs_put(copy, dst + start, start, len, put);
+    }
+    store_fence(put);
+    return status;
+}

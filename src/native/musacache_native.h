@@ -175,6 +175,15 @@ int mc_tagged_decode(int fd, int64_t file_offset, uint8_t *payload, int64_t payl
                      int64_t raw_len, int64_t itemsize, uint8_t *scratch, int64_t scratch_len,
                      uint8_t *dst, const mc_runs *copy, int64_t *bad_block, int *err);
 
+/* A raw chunk object's payload (codec id 3: every block stored as it is, table as stored) from
+ * the file at file_offset straight into dst[0:raw_len], a block at a time: each block's
+ * CRC-32C is checked right after its read, and the verified block is then copied on into
+ * copy's runs. Errors as mc_tagged_decode's (MC_ERR_CORRUPT: a block's stored length is not
+ * its raw length); dst then holds part of the chunk, the runs only verified blocks. */
+int mc_raw_read(int fd, int64_t file_offset, const uint8_t *table, int64_t num_blocks,
+                int64_t block_size, int64_t raw_len, uint8_t *dst, const mc_runs *copy,
+                int64_t *bad_block, int *err);
+
 /* Verified bytes [offset, offset + n) of a chunk, src, copied into copy's runs (the raw
  * codec's blocks, read straight into the slot); stops, as mc_tagged_decode does, once the tee
  * is closed. MC_ERR_ARGUMENT when the range lies outside the runs. */
