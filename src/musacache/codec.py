@@ -49,6 +49,13 @@ an attacker (who could also rewrite the header), so a fast CRC is the right one.
 passes its checksum is still checked for being a valid coding of its raw length before it is
 used.
 
+**Decoding** is native (:mod:`musacache._native`): a tagged payload is checked, decoded (our
+own bounds-checked LZ4 block decoder for method ``1``, into a reused buffer) and unshuffled
+into the destination a 32 KiB strip at a time in one call, each strip copied on into a
+caller's second destination (a :class:`~musacache._native.ChunkCopy`) while it is in cache.
+From memory every block is checked before the destination is written; from a file each block
+is read and checked just before the strips that need it.
+
 ``encode_chunk``/``decode_chunk`` (and ``encode_chunks`` for a batch, ``read_chunk_into`` from
 an open file) are synchronous and CPU-bound (lz4, zlib.crc32, ``preadv`` and the native calls
 release the GIL): the engine calls them in worker threads.
