@@ -4,6 +4,7 @@ closable copy into the caller's tensor (ChunkCopy)."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 from pathlib import Path
@@ -285,3 +286,20 @@ def test_a_raw_chunk_is_read_checked_and_copied_on_in_one_native_call(tmp_path: 
             # The blocks before the bad one were copied on, nothing from it or after it.
             assert torch.equal(got[: bad * 4096], want[: bad * 4096])
             assert bool((got[bad * 4096 :] == 0x5A).all()) and not tee.complete
+
+
+def test_a_failed_block_read_is_an_oserror_with_its_errno(tmp_path: Path) -> None:
+    spec = KVSpec(2, 2, 16, torch.bfloat16)
+    _fp, _meta, _data, obj = _chunk(spec, 64, block_size=1024)
+    hdr = codec.read_header(obj)
+    table = obj[codec.HEADER_SIZE : codec.HEADER_SIZE + hdr.table_len]
+    dirfd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)  # pread fails: EISDIR
+    try:
+        with pytest.raises(OSError) as info:
+            _native.tagged_decode(bytearray(hdr.payload_len), table, num_blocks=hdr.num_blocks,
+                                  block_size=hdr.block_size, raw_len=hdr.raw_len,
+                                  itemsize=hdr.itemsize, scratch=bytearray(hdr.raw_len),
+                                  out=bytearray(hdr.raw_len), fd=dirfd, file_offset=0)
+        assert info.value.errno == errno.EISDIR
+    finally:
+        os.close(dirfd)
