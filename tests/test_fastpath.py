@@ -201,10 +201,10 @@ async def test_direct_path_agrees_with_general_path(tmp_path: Any, which: str, s
 
 @pytest.mark.parametrize("which", ["host", "host+mem", "host+disk"])
 async def test_one_chunk_gets_agree_with_the_general_path(tmp_path: Any, which: str) -> None:
-    """The straight path for a prompt of one chunk (``FastPath._one``: one hash, one probe,
-    one memmove) against the general path: prompts of at most one chunk among longer ones,
-    asked with and without ``out``; the same answers and state after every step, and most of
-    those gets taken straight through."""
+    """The straight path for a prompt of one chunk (``FastPath._whole``: one hash, one probe;
+    and ``_one``'s memmove for a get) against the general path: prompts of at most one chunk
+    among longer ones, looked up and asked with and without ``out``; the same answers and
+    state after every step, and a good share of those gets taken straight through."""
     spec, make = _configs(tmp_path)[which]
     rng = random.Random(f"one-{which}")
     straight = {"served": 0, "asked": 0}
@@ -229,8 +229,8 @@ async def test_one_chunk_gets_agree_with_the_general_path(tmp_path: Any, which: 
         stored: list[list[int]] = []
         for step in range(80):
             seq = [rng.randrange(2) for _ in range(rng.randrange(1, CHUNK + 1))]
-            op = rng.choices(["put", "put-long", "get", "get-out"], [2, 1, 4, 3])[0]
-            if op.startswith("get") and stored and rng.random() < 0.7:
+            op = rng.choices(["put", "put-long", "get", "get-out", "lookup"], [2, 1, 4, 3, 2])[0]
+            if op in ("get", "get-out", "lookup") and stored and rng.random() < 0.7:
                 seq = rng.choice(stored)  # most gets ask for a prompt put before
             elif op == "put":
                 stored.append(seq)
@@ -239,6 +239,9 @@ async def test_one_chunk_gets_agree_with_the_general_path(tmp_path: Any, which: 
                 seq = seq + [rng.randrange(2) for _ in range(CHUNK + 1)]
             if op.startswith("put"):
                 ra, rb = await _both(a, b, "put", seq, prefix_kv(spec, seq))
+                assert ra == rb, where
+            elif op == "lookup":
+                ra, rb = await _both(a, b, "lookup", _tokens_as(seq, rng))
                 assert ra == rb, where
             else:
                 toks = _tokens_as(seq, rng)

@@ -118,8 +118,9 @@ async def _read_into(eng: Engine, matches: list[Match],
 class Cache:
     """The embedded KV cache. Use as ``async with Cache(config) as cache:``.
 
-    All methods are coroutines and safe to call concurrently from many tasks of one event loop.
-    Misses are values, failures are :class:`~musacache.MusaCacheError`.
+    Every method is awaited (``get`` and ``lookup`` return a coroutine, or an answer already
+    completed: see :meth:`get`) and safe to call concurrently from many tasks of one event
+    loop. Misses are values, failures are :class:`~musacache.MusaCacheError`.
     """
 
     def __init__(self, config: CacheConfig) -> None:
