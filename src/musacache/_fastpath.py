@@ -127,10 +127,12 @@ class FastPath:
             shape = self.shapes[n] = self.eng.spec.shape(n)
         return shape
 
-    def _walk(self, buf: bytes, n: int, top: int) -> list[tuple[int, int, Entry, int]] | None:
+    def _walk(self, buf: bytes, n: int, top: int, key0: bytes | None = None,
+              ) -> list[tuple[int, int, Entry, int]] | None:
         """What ``Directory.match`` finds for ``buf`` (``n`` tokens), as ``(start, tokens,
         entry, slot)``, or None when the general path must decide. With ``top`` >= 0 every
-        match must be resident in memory tier ``top`` (``slot``: its slot there; else -1)."""
+        match must be resident in memory tier ``top`` (``slot``: its slot there; else -1).
+        ``key0``: the first chunk's key, when ``_whole`` has already hashed it."""
         d = self.eng.dir  # asked each time: clear() swaps in a new directory
         shards = d.entries._shards  # KeyTable's shards, indexed here to save a call per chunk
         cs = self.cs
@@ -141,10 +143,14 @@ class FastPath:
             if start:
                 h = _EMPTY_HASH.copy()
                 h.update(parent)
-            else:
+                h.update(buf[start * 4 : end * 4])
+                key = h.digest()
+            elif key0 is None:
                 h = self.seed_hash.copy()
-            h.update(buf[start * 4 : end * 4])
-            key = h.digest()
+                h.update(buf[: end * 4])
+                key = h.digest()
+            else:
+                key = key0
             e = shards[key[0]].get(key)
             last = False
             if e is None:
@@ -176,18 +182,18 @@ class FastPath:
             parent = key
         return found
 
-    def _whole(self, buf: bytes, n: int) -> Entry | None:
-        """The entry of the one chunk ``buf`` (``n`` tokens, at most a chunk) when the
-        matcher would serve it as it is: cached, live, its tokens known. None for anything
-        else (``_walk`` then decides). One hash and one probe: the small op of issue 12,
-        without the general loop's lists, tuples and calls."""
+    def _whole(self, buf: bytes, n: int) -> tuple[bytes, Entry | None]:
+        """The key of the one chunk ``buf`` (``n`` tokens, at most a chunk), and its entry
+        when the matcher would serve it as it is: cached, live, its tokens known (else None,
+        and ``_walk`` decides, from that key). One hash and one probe: the small op of
+        issue 12, without the general loop's lists, tuples and calls."""
         h = self.seed_hash.copy()
         h.update(buf)
         key = h.digest()
         e = self.eng.dir.entries._shards[key[0]].get(key)
         if e is None or e.num_tokens != n or e._gen < 0 or e.tokens is None:
-            return None
-        return e
+            return key, None
+        return key, e
 
     def lookup(self, tokens: Any) -> int | None:
         # (token_bytes, inlined: a call is a tenth of a microsecond of a small lookup)
@@ -196,13 +202,15 @@ class FastPath:
         else:
             buf = as_tokens(tokens).tobytes()
         n = len(buf) >> 2
+        key0 = None
         if 0 < n <= self.cs:
-            if self._whole(buf, n) is not None:
+            key0, e = self._whole(buf, n)
+            if e is not None:
                 self.ops["lookups"] += 1
                 return n
         elif n > _MAX_CHUNKS * self.cs:
             return None
-        found = self._walk(buf, n, -1)
+        found = self._walk(buf, n, -1, key0)
         if found is None:
             return None
         self.ops["lookups"] += 1
@@ -240,11 +248,12 @@ class FastPath:
                 if not _inference_mode():
                     return None
                 bump = False
+        key0 = None
         if n <= self.cs and dense:
-            one = self._one(buf, n, out, bump, top)
-            if one is not None:
+            key0, e = self._whole(buf, n)
+            if e is not None and (one := self._one(e, n, out, bump, top)) is not None:
                 return one
-        found = self._walk(buf, n, top.idx)
+        found = self._walk(buf, n, top.idx, key0)
         if found is None:
             return None
         served = found[-1][0] + found[-1][1] if found else 0
@@ -282,17 +291,13 @@ class FastPath:
         kv = dst if served == width else dst.narrow(self.td, 0, served)
         return served, kv, {top.name: served}
 
-    def _one(self, buf: bytes, n: int, out: torch.Tensor | None, bump: bool, top: MemTier,
+    def _one(self, e: Entry, n: int, out: torch.Tensor | None, bump: bool, top: MemTier,
              ) -> tuple[int, torch.Tensor, dict[str, int]] | None:
-        """``get`` of a prompt of one chunk that the top tier holds whole, into a C-contiguous
-        ``out`` (or a new tensor), straight through (``_whole``, one ``memmove``, the same
-        counters and touches as below; the general loop's lists, tuples and calls cost
-        1.5 µs more than the work itself here). None for anything else (a miss, a match
-        into a longer chunk, an entry ``_walk`` would refuse, a chunk not in the top tier),
-        which ``_walk`` then decides."""
-        e = self._whole(buf, n)
-        if e is None:
-            return None
+        """``get`` of a prompt of one chunk, ``e`` (from ``_whole``), into a C-contiguous
+        ``out`` (or a new tensor) when the top tier holds it: one ``memmove``, the same
+        counters and touches as the general loop below (whose lists, tuples and calls cost
+        1.5 µs more than this work). None when the top tier does not hold it alone (the
+        general loop decides)."""
         code = e._mem
         if type(code) is not int or code & _TIER_MASK != top.idx:
             return None
