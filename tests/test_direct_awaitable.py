@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import inspect
 import random
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
@@ -317,3 +318,12 @@ def test_direct_answers_agree_with_the_general_path(
             assert sa["tiers"]["host"]["hits"] == sb["tiers"]["host"]["hits"]
 
     asyncio.run(main())
+
+
+def test_frameworks_see_get_and_lookup_as_coroutine_functions_where_python_can_say_so() -> None:
+    """A framework deciding between ``await f()`` and running ``f`` in a thread asks
+    ``inspect.iscoroutinefunction``; on Python 3.12+ the two plain methods carry the mark."""
+    marked = hasattr(inspect, "markcoroutinefunction")
+    for name in ("get", "lookup"):
+        assert inspect.iscoroutinefunction(getattr(mc.Cache, name)) is marked
+    assert inspect.iscoroutinefunction(mc.Cache.put)

@@ -6,6 +6,7 @@ data path (``_move``).
 
 from __future__ import annotations
 
+import inspect
 from asyncio import _get_running_loop as _running_loop
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
@@ -627,6 +628,15 @@ async def _paged_args(cache: Cache, tokens: Any, kv_caches: Any, slot_mapping: A
     if not on_device:
         await devices.wait_ready(ready, ready_timeout)
     return toks, slots, paged
+
+
+
+# Frameworks that ask whether a callable is a coroutine function (to await it, or else to run
+# it in a worker thread) must await these two: they return awaitables, a coroutine or an
+# already-completed one. Python 3.12 lets a plain function say so; 3.11 has no such mark.
+if hasattr(inspect, "markcoroutinefunction"):
+    inspect.markcoroutinefunction(Cache.get)
+    inspect.markcoroutinefunction(Cache.lookup)
 
 
 def _check_kv(spec: KVSpec, kv: torch.Tensor, toks: np.ndarray, what: str,
