@@ -307,11 +307,17 @@ _RESULT_KEY: Final = b"\xa6result"
 def encode_reply(request_id: int, result: Any = None, *, nfds: int = 0,
                  max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> bytes:
     """A successful reply frame to ``request_id``."""
-    _check_request_id(request_id)
+    if type(request_id) is not int or not 0 <= request_id <= _MAX_REQUEST_ID:
+        _check_request_id(request_id)  # (raises)
     if nfds:
         _check_nfds(nfds)
-    return _framed_with_id(_REPLY_HEAD, request_id, _RESULT_KEY + pack(result), nfds,
-                           max_frame_size)
+    try:
+        packed = _packers.packer.pack(result)
+    except AttributeError:  # this thread's first frame
+        packed = pack(result)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ProtocolError(f"cannot encode frame body: {exc}") from exc
+    return _framed_with_id(_REPLY_HEAD, request_id, _RESULT_KEY + packed, nfds, max_frame_size)
 
 
 def encode_reply_packed(request_id: int, packed_result: bytes) -> bytes:
@@ -457,6 +463,7 @@ def _nested_deeper(obj: object, limit: int) -> bool:
 
 
 _unpackb: Final = msgpack.unpackb
+_new: Final = object.__new__
 
 
 def _bad(request_id: int | None, message: str) -> FrameError:
@@ -634,7 +641,14 @@ class FrameDecoder:
                 args = {}
             elif type(args) is not dict:
                 raise _bad(readable_id, f"args must be a map, got {type(args).__name__}")
-            return _new_request(readable_id, op, args, fds)
+            # (Request(...) without the frozen dataclass's __init__, see _new_request)
+            frame = _new(Request)
+            d = frame.__dict__
+            d["id"] = readable_id
+            d["op"] = op
+            d["args"] = args
+            d["fds"] = fds
+            return frame
         if "result" in obj or "error" in obj:
             if self.expect == "request":
                 raise _bad(readable_id, "got a reply where only requests are expected")
