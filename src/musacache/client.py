@@ -14,6 +14,7 @@ hello again and re-registers the KV caches, so a restarted server is picked up b
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import weakref
 from collections.abc import Sequence
@@ -317,8 +318,9 @@ class Client:
             self.reconnects += 1
         self._connected_once = True
         self._conn = conn
-        conn.start_reading(lambda frame: self._on_frame(conn, frame),
-                           lambda exc: self._on_end(conn, exc))
+        # (partial, not a lambda: no Python frame of its own per reply)
+        conn.start_reading(functools.partial(self._on_frame, conn),
+                           functools.partial(self._on_end, conn))
         try:
             self.server_info = await self._request(conn, "hello", {
                 "protocol": ipc.PROTOCOL_VERSION, "namespace": self.namespace,
