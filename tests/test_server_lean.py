@@ -180,7 +180,8 @@ async def test_a_kept_buffer_get_costs_the_server_few_python_calls(tmp_path):
     own Python work per get (decoding the frame, the checks, the reply's encoding, the
     batched send) is a bounded few calls. Before: a Packer and its 1 MiB buffer per reply
     (msgpack.packb), the frozen dataclass's __init__ per frame, a closure per decoded body,
-    the limit check as a method call, a memoryview per frame: 31 calls per get."""
+    the limit check as a method call, the fds claimed by a call: 14.4 Python calls per get
+    (9.4 now)."""
     spec = small_spec()
     cfg = _config(tmp_path, spec)
     async with Server(cfg) as srv:
