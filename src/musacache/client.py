@@ -318,9 +318,8 @@ class Client:
             self.reconnects += 1
         self._connected_once = True
         self._conn = conn
-        # (partial, not a lambda: no Python frame of its own per reply)
-        conn.start_reading(functools.partial(self._on_frame, conn),
-                           functools.partial(self._on_end, conn))
+        conn.start_reading(functools.partial(self._on_frame, conn),  # (no lambda frame per
+                           functools.partial(self._on_end, conn))  # reply: partials)
         try:
             self.server_info = await self._request(conn, "hello", {
                 "protocol": ipc.PROTOCOL_VERSION, "namespace": self.namespace,
@@ -495,7 +494,7 @@ class Client:
                 try:
                     res = await self._request(conn, "get", {"tokens": raw_tokens, "buf": bid})
                     failed = False
-                finally:
+                finally:  # (a failed request releases nothing: the id was kept before it)
                     bufs.done(bid, False, [], failed)
                 got = int(res["num_tokens"])
                 tiers = res.get("tiers") or {}
@@ -566,17 +565,13 @@ class Client:
 
     # -- key-addressed pages (Cache.put_pages and friends) ----------------------------------
 
-    def _page_elements(self) -> int:
-        chunk = int(self.server_info.get("chunk_size") or self.chunk_size or 0)
-        return self.spec.nbytes(chunk) // torch.empty((), dtype=self.spec.dtype).element_size()
-
     async def put_pages(self, keys: Sequence[str | bytes], pages: Sequence[torch.Tensor], *,
                         after: str | bytes | None = None) -> int:
         """As :meth:`musacache.Cache.put_pages`: the pages are staged into one shared buffer
         (one copy) and the server copies them into its tiers."""
         self._check_open()
         wire_keys = _page_keys(keys)
-        numel = self._page_elements()
+        numel = _page_elements(self.spec, self.server_info, self.chunk_size)
         if len(pages) != len(wire_keys):
             raise InvalidInputError(f"{len(wire_keys)} keys but {len(pages)} pages")
         for i, p in enumerate(pages):
@@ -607,7 +602,7 @@ class Client:
         each found page is copied into its ``out``."""
         self._check_open()
         wire_keys = _page_keys(keys)
-        numel = self._page_elements()
+        numel = _page_elements(self.spec, self.server_info, self.chunk_size)
         if len(outs) != len(wire_keys):
             raise InvalidInputError(f"{len(wire_keys)} keys but {len(outs)} outs")
         for i, o in enumerate(outs):
@@ -762,6 +757,12 @@ def _find_reg(regs: list[_LocalRegistration], kv_caches: Any, layout: str | None
     if not 0 <= reg < len(regs):
         raise InvalidInputError(f"no registration {reg}")
     return regs[reg]
+
+
+def _page_elements(spec: KVSpec, server_info: dict[str, Any], chunk_size: int | None) -> int:
+    """Elements of one page (one chunk of ``spec``, the server's chunk size first)."""
+    chunk = int(server_info.get("chunk_size") or chunk_size or 0)
+    return spec.nbytes(chunk) // torch.empty((), dtype=spec.dtype).element_size()
 
 
 def _page_keys(keys: Any) -> list[bytes]:
