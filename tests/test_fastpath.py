@@ -199,6 +199,106 @@ async def test_direct_path_agrees_with_general_path(tmp_path: Any, which: str, s
     assert fast_served["get"] >= 5 and fast_served["lookup"] >= 3, fast_served
 
 
+@pytest.mark.parametrize("which", ["host", "host+mem", "host+disk"])
+async def test_one_chunk_gets_agree_with_the_general_path(tmp_path: Any, which: str) -> None:
+    """The straight path for a prompt of one chunk (``FastPath._whole``: one hash, one probe;
+    and ``_one``'s memmove for a get) against the general path: prompts of at most one chunk
+    among longer ones, looked up and asked with and without ``out``; the same answers and
+    state after every step, and a good share of those gets taken straight through."""
+    spec, make = _configs(tmp_path)[which]
+    rng = random.Random(f"one-{which}")
+    straight = {"served": 0, "asked": 0}
+
+    def config() -> mc.CacheConfig:
+        kw = make()
+        return mc.CacheConfig(spec, kw.pop("namespace", "fast"), chunk_size=CHUNK, **kw)
+
+    async with mc.Cache(config()) as a, mc.Cache(config()) as b:
+        b._fast = None
+        direct = a._fast
+        assert direct is not None
+        real_one = direct._one
+
+        def spy_one(*args: Any) -> Any:
+            r = real_one(*args)
+            straight["asked"] += 1
+            straight["served"] += r is not None
+            return r
+
+        direct._one = spy_one  # type: ignore[method-assign]
+        stored: list[list[int]] = []
+        for step in range(80):
+            seq = [rng.randrange(2) for _ in range(rng.randrange(1, CHUNK + 1))]
+            op = rng.choices(["put", "put-long", "get", "get-out", "lookup"], [2, 1, 4, 3, 2])[0]
+            if op in ("get", "get-out", "lookup") and stored and rng.random() < 0.7:
+                seq = rng.choice(stored)  # most gets ask for a prompt put before
+            elif op == "put":
+                stored.append(seq)
+            where = f"step {step}: {op} of {seq}"
+            if op == "put-long":
+                seq = seq + [rng.randrange(2) for _ in range(CHUNK + 1)]
+            if op.startswith("put"):
+                ra, rb = await _both(a, b, "put", seq, prefix_kv(spec, seq))
+                assert ra == rb, where
+            elif op == "lookup":
+                ra, rb = await _both(a, b, "lookup", _tokens_as(seq, rng))
+                assert ra == rb, where
+            else:
+                toks = _tokens_as(seq, rng)
+                if op == "get":
+                    ha, hb = await _both(a, b, "get", toks)
+                else:
+                    out_a, _ = _out(spec, len(seq), "contiguous")
+                    out_b, _ = _out(spec, len(seq), "contiguous")
+                    ha, hb = await _both(a, b, "get", toks, out=out_a)
+                    await _both(a, b, "get", toks, out=out_b)
+                    assert torch.equal(out_a, out_b), where
+                    assert ha.num_tokens == 0 or ha.kv.data_ptr() == out_a.data_ptr(), where
+                assert (ha.num_tokens, ha.tiers) == (hb.num_tokens, hb.tiers), where
+                assert ha.kv.shape == hb.kv.shape and torch.equal(ha.kv, hb.kv), where
+                assert torch.equal(ha.kv, prefix_kv(spec, seq[: ha.num_tokens])), where
+            await a.flush()
+            await b.flush()
+            assert await _state(a) == await _state(b), where
+    assert straight["served"] >= 12, straight
+
+
+async def test_a_direct_get_touches_its_chunks_in_the_storage_tiers_too(tmp_path: Any) -> None:
+    """A get served straight from the top tier also makes its chunks the newest in every
+    lower tier holding them (here a write-through disk tier), as the general path does.
+    (Writes finish in worker-thread order, so only the newest end is checked.)"""
+    spec = mc.KVSpec(1, 1, 8, torch.float16)
+    cfg = mc.CacheConfig(spec, "fast", chunk_size=CHUNK, tiers=(
+        mc.HostTier(spec.nbytes(CHUNK) * 16),
+        DiskTier(path=str(tmp_path / "disk"), capacity_bytes="1MiB", write_through=True)))
+    prompts = [[i, 1, 2, 3] for i in range(4)] + [[9, 8, 7, 6, 5, 4]]
+    async with mc.Cache(cfg) as c:
+        for p in prompts:
+            await c.put(p, prefix_kv(spec, p))
+        await c.flush()
+        disk = c._engine.stores[0]
+        served = {"one": 0}
+        real_one = c._fast._one
+
+        def spy_one(*args: Any) -> Any:
+            r = real_one(*args)
+            served["one"] += r is not None
+            return r
+
+        c._fast._one = spy_one  # type: ignore[method-assign,union-attr]
+        for p in [prompts[2], prompts[0], prompts[4], prompts[3]]:
+            out = torch.empty(spec.shape(len(p)), dtype=spec.dtype)
+            for hit in (await c.get(p), await c.get(p, out=out)):
+                assert hit.num_tokens == len(p)
+                newest = [k for k, _e in disk.lru.items()][-1]
+                assert newest == _first_key(c, p)  # (parents are touched last)
+        assert served["one"] == 6  # the two-chunk prompt went the general loop's way
+
+
+def _first_key(c: mc.Cache, toks: list[int]) -> bytes:
+    return c._engine.chain.keys(np.asarray(toks, dtype=np.int32))[0][3]
+
+
 async def test_a_resident_get_and_lookup_skip_the_general_path(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A get whose chunks are all in the host top tier neither pins nor plans a move, and a

@@ -27,9 +27,10 @@ TokensLike: TypeAlias = "torch.Tensor | np.ndarray[Any, Any] | Sequence[int]"
 class KVCache(Protocol):
     """What :class:`~musacache.Cache` and :func:`musacache.connect`'s client both offer.
 
-    Every method is a coroutine, ``stats()`` included. Paged ``store``/``retrieve`` take
-    ``kv_caches`` and ``slot_mapping`` positionally (a client also accepts just the slots for
-    caches it registered).
+    Every method is awaited, ``stats()`` included (``Cache.get`` and ``lookup`` return a
+    coroutine or one already completed, see :meth:`musacache.Cache.get`). Paged
+    ``store``/``retrieve`` take ``kv_caches`` and ``slot_mapping`` positionally (a client
+    also accepts just the slots for caches it registered).
     """
 
     async def __aenter__(self) -> Any: ...

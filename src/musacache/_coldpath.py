@@ -115,8 +115,7 @@ class ColdPath:
                     def read_into() -> Awaitable[int | None]:
                         return t.store.read_into(meta, eng.fingerprint, dst)
                 else:
-                    def on_block(start: int, end: int) -> None:
-                        tee.put(dst, start, end)
+                    on_block = tee.target(dst)
 
                     def read_into() -> Awaitable[int | None]:
                         return t.store.read_into(meta, eng.fingerprint, dst, on_block=on_block)

@@ -6,7 +6,9 @@ data path (``_move``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import inspect
+from asyncio import _get_running_loop as _running_loop
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +17,7 @@ import numpy as np
 import torch
 
 from . import _removal, _validate, devices, transfer
+from ._completed import Completed, failed
 from ._config import CacheConfig, DeviceTier, HostTier
 from ._core import BATCH, DenseSource, Engine, PagedSource
 from ._directory import Match
@@ -23,6 +26,7 @@ from ._fastpath import FastPath
 from ._keys import Fingerprint, KeyChain, as_tokens
 from ._move import Mover, accelerator_of, scatter_chunks
 from ._pages import PageSource, check_pages, page_keys
+from ._spec import KVSpec
 from ._tasks import TaskOwner
 from ._tee import make_tees
 from ._tierstate import MemTier, StoreTier, Tier
@@ -115,8 +119,9 @@ async def _read_into(eng: Engine, matches: list[Match],
 class Cache:
     """The embedded KV cache. Use as ``async with Cache(config) as cache:``.
 
-    All methods are coroutines and safe to call concurrently from many tasks of one event loop.
-    Misses are values, failures are :class:`~musacache.MusaCacheError`.
+    Every method is awaited (``get`` and ``lookup`` return a coroutine, or an answer already
+    completed: see :meth:`get`) and safe to call concurrently from many tasks of one event
+    loop. Misses are values, failures are :class:`~musacache.MusaCacheError`.
     """
 
     def __init__(self, config: CacheConfig) -> None:
@@ -261,7 +266,7 @@ class Cache:
         """
         eng = self._check_open()
         toks = as_tokens(tokens)
-        self._check_kv(kv, toks, "kv")
+        _check_kv(self.spec, kv, toks, "kv")
         self._ops["puts"] += 1
         eng.inflight["puts"] += 1
         try:
@@ -269,10 +274,24 @@ class Cache:
         finally:
             eng.inflight["puts"] -= 1
 
-    async def lookup(self, tokens: Any) -> int:
-        """The length of the longest prefix of ``tokens`` cached in any tier. Moves no data."""
-        if self._fast is not None and (n := self._fast.lookup(tokens)) is not None:
-            return n
+    def lookup(self, tokens: Any) -> Coroutine[Any, Any, int]:
+        """The length of the longest prefix of ``tokens`` cached in any tier. Moves no data.
+
+        Await it. When the direct path answers (see :meth:`get`), the answer is found at
+        the call and returned as an already-completed awaitable."""
+        fast = self._fast
+        if fast is not None and (loop := _running_loop()) is not None:
+            try:
+                n = fast.lookup(tokens)
+            except Exception as e:
+                return failed(loop, e)
+            if n is not None:
+                done: Completed[int] = Completed(loop=loop)
+                done.set_result(n)
+                return done
+        return self._lookup(tokens)
+
+    async def _lookup(self, tokens: Any) -> int:
         eng = self._check_open()
         toks = as_tokens(tokens)
         self._ops["lookups"] += 1
@@ -282,20 +301,38 @@ class Cache:
         finally:
             eng.inflight["lookups"] -= 1
 
-    async def get(self, tokens: Any, out: torch.Tensor | None = None) -> Hit:
+    def get(self, tokens: Any, out: torch.Tensor | None = None) -> Coroutine[Any, Any, Hit]:
         """The KV of the longest cached prefix of ``tokens``.
 
         With ``out`` (any strided tensor of ``spec.shape(len(tokens))``), the KV is written
         into it and ``hit.kv`` is a view of it. Without it, ``hit.kv`` is on
         :attr:`device`. A miss is ``hit.num_tokens == 0``. ``out`` past ``hit.num_tokens``
         is unspecified (a damaged chunk, which ends the hit, or a later one may be there).
+
+        Await it (or hand it to ``asyncio.gather``, ``create_task``, a task group). A small
+        request served from a host top tier (the direct path) is answered at the call,
+        ``out`` written before it returns, and comes back as an already-completed awaitable
+        (an ``asyncio.Future`` that is also a coroutine), so that ``gather`` needs no Task
+        for it; any error is still raised at ``await``. Anything else is a coroutine that
+        does the work when awaited.
         """
-        if self._fast is not None and (got := self._fast.get(tokens, out)) is not None:
-            return _new_hit(*got)
+        fast = self._fast
+        if fast is not None and (loop := _running_loop()) is not None:
+            try:
+                got = fast.get(tokens, out)
+            except Exception as e:
+                return failed(loop, e)
+            if got is not None:
+                done: Completed[Hit] = Completed(loop=loop)
+                done.set_result(_new_hit(*got))
+                return done
+        return self._get(tokens, out)
+
+    async def _get(self, tokens: Any, out: torch.Tensor | None) -> Hit:
         eng = self._check_open()
         toks = as_tokens(tokens)
         if out is not None:
-            self._check_kv(out, toks, "out", exact=True)
+            _check_kv(self.spec, out, toks, "out", exact=True)
             self.spec.check_out(out)
         self._ops["gets"] += 1
         eng.inflight["gets"] += 1
@@ -373,8 +410,8 @@ class Cache:
         eng.inflight["puts"] += 1
         head: Match | None = None
         try:
-            toks, slots, paged = await self._paged_args(tokens, kv_caches, slot_mapping, layout,
-                                                        skip_prefix, ready, ready_timeout)
+            toks, slots, paged = await _paged_args(self, tokens, kv_caches, slot_mapping,
+                                                   layout, skip_prefix, ready, ready_timeout)
             valid = _first_skip(slots, skip_prefix)
             head_data: torch.Tensor | None = None
             if skip_prefix % self.config.chunk_size:
@@ -413,8 +450,8 @@ class Cache:
         eng.inflight["gets"] += 1
         td = self.spec.token_dim
         try:
-            toks, slots, paged = await self._paged_args(tokens, kv_caches, slot_mapping, layout,
-                                                        skip_prefix, ready, ready_timeout)
+            toks, slots, paged = await _paged_args(self, tokens, kv_caches, slot_mapping,
+                                                   layout, skip_prefix, ready, ready_timeout)
             matches = await eng.match(toks)
             total = sum(m.num_tokens for m in matches)
             self._count_request(len(toks), total)
@@ -553,56 +590,69 @@ class Cache:
                              for k in ("cpu", *devices.ACCELERATORS)},
         }
 
-    # -- input checks --------------------------------------------------------------------------
-
     def _count_request(self, asked: int, found: int) -> None:
         tok = self._engine.tok
         tok["hit_tokens"] += found
         tok["miss_tokens"] += asked - found
 
-    async def _paged_args(self, tokens: Any, kv_caches: Any, slot_mapping: Any,
-                          layout: str | None, skip_prefix: int, ready: Any,
-                          ready_timeout: float | None) -> tuple[np.ndarray, torch.Tensor,
-                                                                transfer.Pages]:
-        """Check a store/retrieve call and await ``ready``. Tokens or slots on a device are
-        brought to the host in a worker thread *after* ``ready``: reading them on the loop
-        would block it until the engine's stream has produced them."""
-        ready_timeout = _validate.timeout(ready_timeout, "ready_timeout")
-        paged = transfer.as_pages(kv_caches, layout)
-        if paged.spec != self.spec:
-            raise ShapeError(f"kv_caches hold {paged.spec.describe()}, this cache stores "
-                             f"{self.spec.describe()}")
-        if isinstance(skip_prefix, bool) or not isinstance(skip_prefix, int) or skip_prefix < 0:
-            raise InvalidInputError(f"skip_prefix must be an int >= 0, got {skip_prefix!r}")
-        on_device = [x for x in (tokens, slot_mapping)
-                     if isinstance(x, torch.Tensor) and x.device.type != "cpu"]
-        if on_device:
-            await devices.wait_ready(ready, ready_timeout)
-            tokens, slot_mapping = await self._engine.mover.in_thread(
-                lambda: tuple(x.to("cpu") if isinstance(x, torch.Tensor) else x
-                              for x in (tokens, slot_mapping)))
-        toks = as_tokens(tokens)
-        slots = transfer._as_slots(slot_mapping, len(toks))
-        transfer._check_slot_range(slots, paged.num_slots)
-        if skip_prefix > len(toks):
-            raise InvalidInputError(f"skip_prefix must be an int in [0, {len(toks)}], "
-                                    f"got {skip_prefix!r}")
-        if not on_device:
-            await devices.wait_ready(ready, ready_timeout)
-        return toks, slots, paged
 
-    def _check_kv(self, kv: torch.Tensor, toks: np.ndarray, what: str,
-                  exact: bool = False) -> None:
-        have = self.spec.check_dense(kv, what=what)
-        n = len(toks)
-        if exact and have != n:
-            raise ShapeError(f"{what} holds {have} tokens, tokens has {n}: {what} must have "
-                             f"shape {self.spec.shape(n)}")
-        if have < n:
-            raise ShapeError(f"{what} holds {have} tokens but tokens has {n}: the KV must cover "
-                             f"every token")
-        dev = kv.device
-        if dev.type == "meta" or (dev.type != "cpu" and not devices.available(dev.type)):
-            raise DeviceError(f"{what} is on device {dev}, which the cache cannot read or write")
-        if dev.type not in ("cpu", *devices.ACCELERATORS):
-            raise DeviceError(f"{what} is on device {dev}; use cpu, cuda or musa tensors")
+# -- input checks ------------------------------------------------------------------------------
+
+async def _paged_args(cache: Cache, tokens: Any, kv_caches: Any, slot_mapping: Any,
+                      layout: str | None, skip_prefix: int, ready: Any,
+                      ready_timeout: float | None) -> tuple[np.ndarray, torch.Tensor,
+                                                            transfer.Pages]:
+    """Check a store/retrieve call and await ``ready``. Tokens or slots on a device are
+    brought to the host in a worker thread *after* ``ready``: reading them on the loop
+    would block it until the engine's stream has produced them."""
+    ready_timeout = _validate.timeout(ready_timeout, "ready_timeout")
+    paged = transfer.as_pages(kv_caches, layout)
+    if paged.spec != cache.spec:
+        raise ShapeError(f"kv_caches hold {paged.spec.describe()}, this cache stores "
+                         f"{cache.spec.describe()}")
+    if isinstance(skip_prefix, bool) or not isinstance(skip_prefix, int) or skip_prefix < 0:
+        raise InvalidInputError(f"skip_prefix must be an int >= 0, got {skip_prefix!r}")
+    on_device = [x for x in (tokens, slot_mapping)
+                 if isinstance(x, torch.Tensor) and x.device.type != "cpu"]
+    if on_device:
+        await devices.wait_ready(ready, ready_timeout)
+        tokens, slot_mapping = await cache._engine.mover.in_thread(
+            lambda: tuple(x.to("cpu") if isinstance(x, torch.Tensor) else x
+                          for x in (tokens, slot_mapping)))
+    toks = as_tokens(tokens)
+    slots = transfer._as_slots(slot_mapping, len(toks))
+    transfer._check_slot_range(slots, paged.num_slots)
+    if skip_prefix > len(toks):
+        raise InvalidInputError(f"skip_prefix must be an int in [0, {len(toks)}], "
+                                f"got {skip_prefix!r}")
+    if not on_device:
+        await devices.wait_ready(ready, ready_timeout)
+    return toks, slots, paged
+
+
+
+# Frameworks that ask whether a callable is a coroutine function (to await it, or else to run
+# it in a worker thread) must await these two: they return awaitables, a coroutine or an
+# already-completed one. Python 3.12 lets a plain function say so; 3.11 has no such mark.
+if hasattr(inspect, "markcoroutinefunction"):
+    inspect.markcoroutinefunction(Cache.get)
+    inspect.markcoroutinefunction(Cache.lookup)
+
+
+def _check_kv(spec: KVSpec, kv: torch.Tensor, toks: np.ndarray, what: str,
+              exact: bool = False) -> None:
+    """``kv`` (``put``'s KV, ``get``'s ``out``) is dense KV of ``spec`` covering ``toks``
+    (exactly, with ``exact``) on a device the cache can read and write."""
+    have = spec.check_dense(kv, what=what)
+    n = len(toks)
+    if exact and have != n:
+        raise ShapeError(f"{what} holds {have} tokens, tokens has {n}: {what} must have "
+                         f"shape {spec.shape(n)}")
+    if have < n:
+        raise ShapeError(f"{what} holds {have} tokens but tokens has {n}: the KV must cover "
+                         f"every token")
+    dev = kv.device
+    if dev.type == "meta" or (dev.type != "cpu" and not devices.available(dev.type)):
+        raise DeviceError(f"{what} is on device {dev}, which the cache cannot read or write")
+    if dev.type not in ("cpu", *devices.ACCELERATORS):
+        raise DeviceError(f"{what} is on device {dev}; use cpu, cuda or musa tensors")

@@ -40,17 +40,22 @@ __all__ = [
     "get_streaming_threshold",
     "get_thread_min_bytes",
     "has_streaming_stores",
+    "lz4_decode",
     "max_simd_level",
     "nib_decode",
     "nib_encode",
     "nib_size",
+    "raw_read",
+    "runs_copy",
     "scatter_rows",
     "set_num_threads",
     "set_simd_level",
     "set_streaming_threshold",
     "set_thread_min_bytes",
     "shuffle",
+    "tagged_decode",
     "unshuffle",
+    "ChunkCopy",
 ]
 
 REBUILD_HINT = "rebuild it from the source tree with `pip install -e .` (or `pip install .`)"
@@ -76,6 +81,9 @@ _STATUS_NAMES = {
     lib.MC_ERR_NO_MEMORY: "out of memory",
     lib.MC_ERR_NO_GAIN: "no gain",
     lib.MC_ERR_CORRUPT: "corrupt input",
+    lib.MC_ERR_CHECKSUM: "checksum mismatch",
+    lib.MC_ERR_IO: "read failed",
+    lib.MC_ERR_TRUNCATED: "truncated",
 }
 
 
@@ -623,3 +631,145 @@ def nib_decode(coded: object, out: object) -> None:
     if status == lib.MC_ERR_CORRUPT:
         raise CorruptChunkError("nibble-coded block is inconsistent (escapes or padding)")
     _check_status(status, "nib_decode")
+
+
+# -- chunk decode into its destinations (codec.py's tagged blocks) ---------------------------
+
+
+def lz4_decode(block: object, out: object) -> None:
+    """Decode an LZ4 block (the format of ``lz4.block.compress(..., store_size=False)``) into
+    all of ``out``, a writable buffer of exactly the decoded size. Raises
+    :class:`CorruptChunkError` when ``block`` is malformed or decodes to another size; nothing
+    outside ``out`` is written either way (``out`` may then hold garbage)."""
+    src_ptr, length, src_addr = _buffer(block, writable=False, what="block")
+    out_ptr, nbytes, out_addr = _buffer(out, writable=True, what="out")
+    if _overlaps(src_addr, length, out_addr, nbytes):
+        raise InvalidInputError("out overlaps block")
+    status = lib.mc_lz4_decode(src_ptr, length, out_ptr, nbytes)
+    if status == lib.MC_ERR_CORRUPT:
+        raise CorruptChunkError(f"lz4 block of {length} bytes does not decode to {nbytes} bytes")
+    _check_status(status, "lz4_decode")
+
+
+class ChunkCopy:
+    """A second destination for a chunk's decoded bytes: ``addrs[r]`` receives bytes
+    ``[r * run_bytes, (r + 1) * run_bytes)`` of the chunk. The native decode writes it a strip
+    at a time; :meth:`close` stops that (it returns once no copy is in progress, at most one
+    strip of 32 KiB later), and :attr:`written` counts the bytes copied so far.
+
+    The caller owns the memory behind ``addrs`` and keeps it alive while the copy is open; the
+    addresses are not checked (``_tee.Tee`` derives them from a tensor's strides)."""
+
+    def __init__(self, addrs: np.ndarray[Any, Any], run_bytes: int) -> None:
+        if addrs.dtype != np.uint64 or addrs.ndim != 1 or not addrs.flags.c_contiguous:
+            raise InvalidInputError("addrs must be a contiguous 1-D uint64 array")
+        if run_bytes <= 0:
+            raise InvalidInputError(f"run_bytes must be > 0, got {run_bytes}")
+        self.nbytes = int(addrs.size) * run_bytes
+        self._addrs = addrs  # kept alive: the C struct points into it
+        self._tee = ffi.new("mc_tee *")
+        self._runs = ffi.new("mc_runs *")
+        self._runs.addrs = ffi.cast("const uint64_t *", addrs.ctypes.data)
+        self._runs.num_runs = int(addrs.size)
+        self._runs.run_bytes = run_bytes
+        self._runs.tee = self._tee
+
+    @property
+    def written(self) -> int:
+        return int(self._tee.written)
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._tee.closed)
+
+    def close(self) -> None:
+        _check_status(lib.mc_tee_close(self._tee), "tee_close")
+
+    def copy(self, src: object, offset: int) -> None:
+        """Copy the bytes of ``src`` to chunk bytes ``[offset, offset + len(src))`` (nothing
+        once closed)."""
+        ptr, nbytes, _ = _buffer(src, writable=False, what="src")
+        _check_status(lib.mc_runs_copy(self._runs, ptr, offset, nbytes), "runs_copy")
+
+
+def runs_copy(copy: ChunkCopy, src: object, offset: int) -> None:
+    """:meth:`ChunkCopy.copy`."""
+    copy.copy(src, offset)
+
+
+def tagged_decode(payload: object, table: object, *, num_blocks: int, block_size: int,
+                  raw_len: int, itemsize: int, scratch: object, out: object,
+                  copy: ChunkCopy | None = None, fd: int = -1, file_offset: int = 0) -> None:
+    """Verify and decode a payload of tagged blocks (``codec.py``'s codec id 2) into ``out``
+    (``raw_len`` bytes), unshuffled for ``itemsize`` > 1, and copy it on into ``copy`` a strip
+    at a time. ``table`` is the object's block table as stored; ``scratch`` (at least
+    ``raw_len`` bytes, overlapping nothing else) receives the coded blocks' decoded planes.
+
+    Without ``fd``, ``payload`` holds the payload and every block is checked before ``out``
+    or ``copy`` is written, so on an error neither was touched. With ``fd`` (an open file),
+    ``payload`` is a writable buffer the payload is read into from ``file_offset``, a block
+    at a time, each just before the first strip that needs it: an error then leaves the
+    strips before it written, all from verified blocks.
+
+    Raises :class:`CorruptChunkError` naming the block whose checksum does not match or
+    whose coding is invalid, or a file that ends early ("truncated"), and ``OSError`` for a
+    failed read.
+    """
+    pay_ptr, pay_len, pay_addr = _buffer(payload, writable=fd >= 0, what="payload")
+    tab_ptr, tab_len, _ = _buffer(table, writable=False, what="table")
+    scr_ptr, scr_len, scr_addr = _buffer(scratch, writable=True, what="scratch")
+    out_ptr, out_len, out_addr = _buffer(out, writable=True, what="out")
+    if tab_len != 8 * num_blocks:
+        raise InvalidInputError(f"table holds {tab_len} bytes, {num_blocks} blocks need "
+                                f"{8 * num_blocks}")
+    if out_len != raw_len or scr_len < raw_len:
+        raise InvalidInputError(f"out holds {out_len} bytes and scratch {scr_len}, the chunk "
+                                f"is {raw_len}")
+    if copy is not None and copy.nbytes != raw_len:
+        raise InvalidInputError(f"the copy takes {copy.nbytes} bytes, the chunk is {raw_len}")
+    if (_overlaps(pay_addr, pay_len, out_addr, out_len)
+            or _overlaps(scr_addr, scr_len, out_addr, out_len)
+            or _overlaps(pay_addr, pay_len, scr_addr, scr_len)):
+        raise InvalidInputError("payload, scratch and out must not overlap")
+    bad = ffi.new("int64_t *")
+    err = ffi.new("int *")
+    status = lib.mc_tagged_decode(fd, file_offset, pay_ptr, pay_len, tab_ptr, num_blocks,
+                                  block_size, raw_len, itemsize, scr_ptr, scr_len, out_ptr,
+                                  ffi.NULL if copy is None else copy._runs, bad, err)
+    _check_decode_status(status, int(bad[0]), int(err[0]), "tagged_decode")
+
+
+def raw_read(fd: int, file_offset: int, table: object, *, num_blocks: int, block_size: int,
+             out: object, copy: ChunkCopy | None = None) -> None:
+    """Read a raw chunk object's payload (``codec.py``'s codec id 3) from ``fd`` at
+    ``file_offset`` straight into ``out``, a block at a time, checking each block's CRC-32C
+    right after its read and copying the verified block on into ``copy``. Raises what
+    :func:`tagged_decode` raises; ``out`` then holds part of the chunk, ``copy`` only
+    verified blocks."""
+    tab_ptr, tab_len, _ = _buffer(table, writable=False, what="table")
+    out_ptr, raw_len, _ = _buffer(out, writable=True, what="out")
+    if tab_len != 8 * num_blocks:
+        raise InvalidInputError(f"table holds {tab_len} bytes, {num_blocks} blocks need "
+                                f"{8 * num_blocks}")
+    if copy is not None and copy.nbytes != raw_len:
+        raise InvalidInputError(f"the copy takes {copy.nbytes} bytes, the chunk is {raw_len}")
+    bad = ffi.new("int64_t *")
+    err = ffi.new("int *")
+    status = lib.mc_raw_read(fd, file_offset, tab_ptr, num_blocks, block_size, raw_len,
+                             out_ptr, ffi.NULL if copy is None else copy._runs, bad, err)
+    _check_decode_status(status, int(bad[0]), int(err[0]), "raw_read")
+
+
+def _check_decode_status(status: int, bad: int, err: int, what: str) -> None:
+    if status == lib.MC_ERR_CHECKSUM:
+        raise CorruptChunkError(f"chunk payload checksum mismatch in block {bad}")
+    if status == lib.MC_ERR_CORRUPT:
+        if bad < 0:
+            raise CorruptChunkError("chunk block lengths do not add up to the payload length")
+        raise CorruptChunkError(f"chunk block {bad} is not a valid coding of its raw bytes")
+    if status == lib.MC_ERR_TRUNCATED:
+        raise CorruptChunkError(f"chunk file ends inside block {bad}, before its header "
+                                f"says (truncated)")
+    if status == lib.MC_ERR_IO:
+        raise OSError(err, f"reading chunk block {bad}: {os.strerror(err)}")
+    _check_status(status, what)

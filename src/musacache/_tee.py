@@ -7,10 +7,19 @@ With a tee, the codec hands each block to :meth:`Tee.put` right after the block'
 passed, and the tee copies it on into the caller's view of the chunk. The later copy of the
 get skips a chunk whose tee is :attr:`complete`.
 
+Where the destination's elements lie in runs of at least :data:`MIN_RUN_BYTES` contiguous bytes
+(any tensor whose innermost dimension is contiguous: a slice of a dense ``out``, a permuted
+HuggingFace cache), the tee hands the codec a native :class:`~musacache._native.ChunkCopy`
+(:meth:`Tee.target`): the chunk's decode then writes the caller's runs itself, a 32 KiB strip
+at a time, right after it unshuffled that strip into the slot, so those bytes are never read
+back from memory. Other destinations get the block-by-block Python copy (:meth:`Tee.put`).
+
 A tee is closed (:meth:`close`) when its get ends, whatever the outcome: a read that timed
 out and was abandoned to its thread, or a promotion that outlives a cancelled get, then stops
-writing into the caller's memory. The copy of one block and the close share a lock, so once
-``close`` returns no byte is written into the destination any more.
+writing into the caller's memory. The Python copy of one block and the close share a lock,
+and the native copy checks a flag under a handshake (``mc_tee_close``), so once ``close``
+returns no byte is written into the destination any more (it waits at most for one block's,
+or one strip's, copy).
 """
 
 from __future__ import annotations
@@ -24,8 +33,13 @@ import torch
 
 if TYPE_CHECKING:
     from ._directory import Match
+    from ._native import ChunkCopy
 
-__all__ = ["Tee", "fill_flat", "make_tees"]
+__all__ = ["MIN_RUN_BYTES", "Tee", "fill_flat", "make_tees"]
+
+#: The shortest contiguous run of the destination the native copy takes; shorter runs (an
+#: innermost dimension that is not contiguous) go through the Python copy.
+MIN_RUN_BYTES = 64
 
 
 class Tee:
@@ -42,6 +56,13 @@ class Tee:
         self._written = 0
         self._closed = False
         self._lock = threading.Lock()
+        self._copy = _native_copy(dst)
+
+    def target(self, src: torch.Tensor) -> Callable[[int, int], None]:
+        """What the codec's read of ``src`` (the contiguous chunk it fills) reports to: a
+        callable of ``(start, end)`` that runs :meth:`put`, carrying the native copy into
+        ``dst`` (``native_copy``, None without one) for a codec that writes it itself."""
+        return _Sink(self, src)
 
     def put(self, src: torch.Tensor, start: int, end: int) -> None:
         """Copy bytes ``[start, end)`` of ``src`` (the contiguous chunk the read fills,
@@ -52,6 +73,9 @@ class Tee:
         with self._lock:
             if self._closed:
                 return
+            if self._copy is not None:
+                self._copy.copy(flat[start // size : end // size], start)
+                return
             fill_flat(self._dst, flat[start // size : end // size], start // size)
             self._written += end - start
 
@@ -60,12 +84,53 @@ class Tee:
         """Every byte of ``dst`` was written by verified blocks (a read that failed part-way,
         or a tier that does not tee, leaves it False: the caller copies the chunk itself)."""
         with self._lock:
-            return not self._closed and self._written == self.nbytes
+            if self._closed:
+                return False
+            written = self._written if self._copy is None else self._copy.written
+            return written == self.nbytes
 
     def close(self) -> None:
         """Write nothing into ``dst`` from now on. Waits at most for one block's copy."""
         with self._lock:
             self._closed = True
+            if self._copy is not None:
+                self._copy.close()
+
+
+class _Sink:
+    """:meth:`Tee.put` for one source, with the tee's native copy beside it."""
+
+    __slots__ = ("_src", "_tee", "native_copy")
+
+    def __init__(self, tee: Tee, src: torch.Tensor) -> None:
+        self._tee = tee
+        self._src = src
+        self.native_copy = tee._copy
+
+    def __call__(self, start: int, end: int) -> None:
+        self._tee.put(self._src, start, end)
+
+
+def _native_copy(dst: torch.Tensor) -> ChunkCopy | None:
+    """``dst`` as a native copy target (its runs of contiguous bytes in row-major order), or
+    None when its runs are shorter than :data:`MIN_RUN_BYTES` or it overlaps itself."""
+    from ._native import ChunkCopy
+
+    size = dst.element_size()
+    dims = [(n, st) for n, st in zip(dst.shape, dst.stride(), strict=True) if n != 1]
+    run = 1  # elements per contiguous run: merge the innermost dimensions while they abut
+    while dims and dims[-1][1] == run:
+        run *= dims.pop()[0]
+    if run * size < MIN_RUN_BYTES or any(st <= 0 for _n, st in dims):
+        return None
+    offsets = np.zeros(1, dtype=np.int64)
+    for n, st in dims:
+        offsets = (offsets[:, None] + np.arange(n, dtype=np.int64) * (st * size)).reshape(-1)
+    starts = np.sort(offsets)
+    if starts.size > 1 and int(np.diff(starts).min()) < run * size:
+        return None  # runs that overlap (an expanded view): the Python copy's business
+    addrs = (offsets + dst.data_ptr()).astype(np.uint64)
+    return ChunkCopy(addrs, run * size)
 
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -14,6 +14,7 @@ hello again and re-registers the KV caches, so a restarted server is picked up b
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import weakref
 from collections.abc import Sequence
@@ -24,7 +25,7 @@ import torch
 
 from . import devices, ipc, transfer
 from ._api import TokensLike
-from ._engine import Hit
+from ._engine import Hit, _new_hit
 from ._errors import (
     CacheClosedError,
     CacheUnavailableError,
@@ -122,6 +123,42 @@ class _Buffers:
         self._watched: dict[int, weakref.finalize] = {}  # id(segment) -> its finaliser
         self._dead: list[int] = []  # ids of segments whose memory is gone
         self._next = itertools.count(1)
+        # The kept view a tensor object was last bound to: id(t) -> (a weak reference to t,
+        # its address, shape and dtype then, the buffer id). A worker passes the same out
+        # tensors again and again; this finds their id without asking for the memory's
+        # mapping or building the view's key (most of a small get's client side).
+        self._by_tensor: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Size,
+                                          torch.dtype, int]] = {}
+
+    def kept(self, t: torch.Tensor) -> int | None:
+        """The id of the kept view ``t`` was bound to, marked busy as :meth:`bind` does
+        (pass it to :meth:`done`), when ``t`` is the same tensor object, still a
+        contiguous view of the same address, shape and dtype, and nothing is to be
+        released first; else None (call :meth:`bind`)."""
+        memo = self._by_tensor.get(id(t))
+        if memo is None or self._dead or self._release:
+            return None
+        ref, ptr, shape, dtype, bid = memo
+        if ref() is not t or t.data_ptr() != ptr or t.shape != shape or t.dtype is not dtype \
+                or not t.is_contiguous():
+            # A different tensor under a recycled id(), or the tensor was re-pointed in
+            # place (set_, .data =): bind() decides afresh.
+            del self._by_tensor[id(t)]
+            return None
+        key = self._keys.get(bid)
+        if key is None:  # released meanwhile (past the limit)
+            del self._by_tensor[id(t)]
+            return None
+        del self._ids[key]
+        self._ids[key] = bid  # the newest now
+        self._busy[bid] += 1
+        return bid
+
+    def _remember(self, t: torch.Tensor, bid: int) -> None:
+        if t.is_contiguous():
+            if len(self._by_tensor) >= 2 * self.limit:  # tensors gone or rebound: start over
+                self._by_tensor.clear()
+            self._by_tensor[id(t)] = (weakref.ref(t), t.data_ptr(), t.shape, t.dtype, bid)
 
     def bind(self, t: torch.Tensor, name: str, args: dict[str, Any],
              segment: object | None = None,
@@ -154,6 +191,7 @@ class _Buffers:
             self._ids[key] = kept  # the newest now
             self._busy[kept] += 1
             args["buf"] = kept
+            self._remember(t, kept)
             return None, kept, False, released
         if len(self._ids) >= self.limit:
             victim = next((b for b in self._ids.values() if not self._busy[b]), None)
@@ -174,6 +212,7 @@ class _Buffers:
         handle = ipc.share(t)
         args[name] = handle.to_wire()
         args["buf"] = bid
+        self._remember(t, bid)
         return handle, bid, True, released
 
     def done(self, bid: int | None, new: bool, released: list[int], failed: bool) -> None:
@@ -279,8 +318,8 @@ class Client:
             self.reconnects += 1
         self._connected_once = True
         self._conn = conn
-        conn.start_reading(lambda frame: self._on_frame(conn, frame),
-                           lambda exc: self._on_end(conn, exc))
+        conn.start_reading(functools.partial(self._on_frame, conn),  # (no lambda frame per
+                           functools.partial(self._on_end, conn))  # reply: partials)
         try:
             self.server_info = await self._request(conn, "hello", {
                 "protocol": ipc.PROTOCOL_VERSION, "namespace": self.namespace,
@@ -364,7 +403,9 @@ class Client:
         finally:
             self._pending.pop(rid, None)
             self._due.pop(rid, None)
-        return reply.unwrap()
+        if reply.error is not None:
+            raise ipc.error_from_wire(reply.error)
+        return reply.result
 
     def _expire(self) -> None:
         """Fail the requests past their deadline; wake again at the next one."""
@@ -439,6 +480,29 @@ class Client:
                 self._staging.give(raw)
 
     async def get(self, tokens: TokensLike, out: torch.Tensor | None = None) -> Hit:
+        conn, bufs = self._conn, self._buffers
+        if out is not None and bufs is not None and bufs.conn is conn and conn is not None \
+                and not conn.closed and self._state == "open":
+            # An out the server keeps already (a worker's reused buffer): its id alone goes,
+            # and out is checked against what it was bound as (_Buffers.kept).
+            raw_tokens = token_bytes(tokens)
+            n = len(raw_tokens) >> 2
+            shape = self._shapes.get(n)
+            bid = bufs.kept(out) if shape is not None and out.shape == shape else None
+            if bid is not None:
+                failed = True
+                try:
+                    res = await self._request(conn, "get", {"tokens": raw_tokens, "buf": bid})
+                    failed = False
+                finally:  # (a failed request releases nothing: the id was kept before it)
+                    bufs.done(bid, False, [], failed)
+                got = int(res["num_tokens"])
+                tiers = res.get("tiers") or {}
+                return _new_hit(got, out if got == n else out.narrow(self.spec.token_dim, 0, got),
+                                tiers if type(tiers) is dict else dict(tiers))
+        return await self._get(tokens, out)
+
+    async def _get(self, tokens: TokensLike, out: torch.Tensor | None) -> Hit:
         self._check_open()
         raw_tokens = token_bytes(tokens)
         n = len(raw_tokens) >> 2
@@ -501,17 +565,13 @@ class Client:
 
     # -- key-addressed pages (Cache.put_pages and friends) ----------------------------------
 
-    def _page_elements(self) -> int:
-        chunk = int(self.server_info.get("chunk_size") or self.chunk_size or 0)
-        return self.spec.nbytes(chunk) // torch.empty((), dtype=self.spec.dtype).element_size()
-
     async def put_pages(self, keys: Sequence[str | bytes], pages: Sequence[torch.Tensor], *,
                         after: str | bytes | None = None) -> int:
         """As :meth:`musacache.Cache.put_pages`: the pages are staged into one shared buffer
         (one copy) and the server copies them into its tiers."""
         self._check_open()
         wire_keys = _page_keys(keys)
-        numel = self._page_elements()
+        numel = _page_elements(self.spec, self.server_info, self.chunk_size)
         if len(pages) != len(wire_keys):
             raise InvalidInputError(f"{len(wire_keys)} keys but {len(pages)} pages")
         for i, p in enumerate(pages):
@@ -542,7 +602,7 @@ class Client:
         each found page is copied into its ``out``."""
         self._check_open()
         wire_keys = _page_keys(keys)
-        numel = self._page_elements()
+        numel = _page_elements(self.spec, self.server_info, self.chunk_size)
         if len(outs) != len(wire_keys):
             raise InvalidInputError(f"{len(wire_keys)} keys but {len(outs)} outs")
         for i, o in enumerate(outs):
@@ -610,31 +670,6 @@ class Client:
             "layout": reg.layout, "handles": [h.to_wire() for h in reg.handles]}, fds)
         reg.remote = int(res["reg"])
 
-    def _find_reg(self, kv_caches: Any, layout: str | None, reg: int | None,
-                  ) -> _LocalRegistration:
-        if kv_caches is not None:
-            for r in self._regs:
-                if r.pages is kv_caches:
-                    return r
-            if isinstance(kv_caches, transfer.Pages):
-                kv_caches, layout = kv_caches.kv_caches, layout or kv_caches.layout
-            # Raw caches: found by their tensors' addresses and shapes, read in each
-            # registration's layout (a registered match was checked when it was registered).
-            for r in self._regs:
-                flat = _flat(kv_caches, r.pages)
-                if (layout is None or r.layout == layout) and flat is not None and (
-                        _signature(flat) == r.signature):
-                    return r
-            raise InvalidInputError("these kv_caches are not registered: call "
-                                    "register_kv_caches(kv_caches, layout) once first")
-        if not self._regs:
-            raise InvalidInputError("no kv_caches registered: call register_kv_caches first")
-        if reg is None:
-            return self._regs[-1]
-        if not 0 <= reg < len(self._regs):
-            raise InvalidInputError(f"no registration {reg}")
-        return self._regs[reg]
-
     async def store(self, tokens: TokensLike, *args: Any, layout: str | None = None,
                     skip_prefix: int = 0, ready: Any = None, reg: int | None = None,
                     ready_timeout: float | None = None) -> int:
@@ -663,7 +698,7 @@ class Client:
         else:
             raise InvalidInputError(f"{op}(tokens, slot_mapping) or "
                                     f"{op}(tokens, kv_caches, slot_mapping)")
-        r = self._find_reg(kv_caches, layout, reg)
+        r = _find_reg(self._regs, kv_caches, layout, reg)
         toks = as_tokens(tokens)
         slots = transfer._as_slots(slot_mapping, len(toks))
         transfer._check_slot_range(slots, r.pages.num_slots)
@@ -694,6 +729,40 @@ class Client:
         call["reg"] = r.remote
         return int(await self._request(conn, op, call, fds))
 
+
+
+def _find_reg(regs: list[_LocalRegistration], kv_caches: Any, layout: str | None,
+              reg: int | None) -> _LocalRegistration:
+    """The registration a store or retrieve names: by its caches, or by number (the last
+    one by default)."""
+    if kv_caches is not None:
+        for r in regs:
+            if r.pages is kv_caches:
+                return r
+        if isinstance(kv_caches, transfer.Pages):
+            kv_caches, layout = kv_caches.kv_caches, layout or kv_caches.layout
+        # Raw caches: found by their tensors' addresses and shapes, read in each
+        # registration's layout (a registered match was checked when it was registered).
+        for r in regs:
+            flat = _flat(kv_caches, r.pages)
+            if (layout is None or r.layout == layout) and flat is not None and (
+                    _signature(flat) == r.signature):
+                return r
+        raise InvalidInputError("these kv_caches are not registered: call "
+                                "register_kv_caches(kv_caches, layout) once first")
+    if not regs:
+        raise InvalidInputError("no kv_caches registered: call register_kv_caches first")
+    if reg is None:
+        return regs[-1]
+    if not 0 <= reg < len(regs):
+        raise InvalidInputError(f"no registration {reg}")
+    return regs[reg]
+
+
+def _page_elements(spec: KVSpec, server_info: dict[str, Any], chunk_size: int | None) -> int:
+    """Elements of one page (one chunk of ``spec``, the server's chunk size first)."""
+    chunk = int(server_info.get("chunk_size") or chunk_size or 0)
+    return spec.nbytes(chunk) // torch.empty((), dtype=spec.dtype).element_size()
 
 
 def _page_keys(keys: Any) -> list[bytes]:

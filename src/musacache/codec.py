@@ -49,6 +49,13 @@ an attacker (who could also rewrite the header), so a fast CRC is the right one.
 passes its checksum is still checked for being a valid coding of its raw length before it is
 used.
 
+**Decoding** is native (:mod:`musacache._native`): a tagged payload is checked, decoded (our
+own bounds-checked LZ4 block decoder for method ``1``, into a reused buffer) and unshuffled
+into the destination a 32 KiB strip at a time in one call, each strip copied on into a
+caller's second destination (a :class:`~musacache._native.ChunkCopy`) while it is in cache.
+From memory every block is checked before the destination is written; from a file each block
+is read and checked just before the strips that need it.
+
 ``encode_chunk``/``decode_chunk`` (and ``encode_chunks`` for a batch, ``read_chunk_into`` from
 an open file) are synchronous and CPU-bound (lz4, zlib.crc32, ``preadv`` and the native calls
 release the GIL): the engine calls them in worker threads.
@@ -63,7 +70,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lz4.block
 import numpy as np
@@ -80,6 +87,9 @@ from ._errors import (
 )
 from ._keys import FORMAT_VERSION, KEY_BYTES, Fingerprint
 from ._spec import dtype_name
+
+if TYPE_CHECKING:
+    from ._native import ChunkCopy
 
 __all__ = [
     "CODECS",
@@ -600,6 +610,17 @@ def decode_chunk(fp: Fingerprint, obj: bytes | bytearray | memoryview, *,
     else:
         dst = torch.empty(spec.shape(hdr.num_tokens), dtype=spec.dtype)
     dst_bytes = _as_bytes(dst)
+    if hdr.codec_id == _ID_TAGGED:
+        # Every block is verified and decoded before the native call writes dst at all.
+        planes = _take_scratch(hdr.raw_len)
+        try:
+            _native().tagged_decode(
+                view[offsets[0]:], view[HEADER_SIZE : offsets[0]], num_blocks=hdr.num_blocks,
+                block_size=hdr.block_size, raw_len=hdr.raw_len, itemsize=hdr.itemsize,
+                scratch=planes, out=dst_bytes)
+        finally:
+            _give_scratch(planes)
+        return hdr.meta(stored_bytes=len(view)), dst
     shuffled = hdr.codec_id not in _RAW_IDS and hdr.itemsize > 1
     # A shuffled payload is rebuilt in scratch and only unshuffled into dst once every block
     # verified and decoded. So is an unshuffled compressed one for a caller's out: a block can
@@ -609,8 +630,8 @@ def decode_chunk(fp: Fingerprint, obj: bytes | bytearray | memoryview, *,
     target = _take_scratch(hdr.raw_len) if staged else dst_bytes
     verify_first = out is not None and not staged
     try:
-        decode = _decode_tagged if hdr.codec_id == _ID_TAGGED else _decode_blocks
-        decode(view, hdr, offsets, entries, target, verify_first=verify_first, threads=threads)
+        _decode_blocks(view, hdr, offsets, entries, target, verify_first=verify_first,
+                       threads=threads)
         if shuffled:
             _unshuffle(target, hdr.itemsize, out=dst_bytes)
         elif staged:
@@ -654,7 +675,10 @@ def read_chunk_into(fp: Fingerprint, fd: int, size: int, out: torch.Tensor, *,
     ``out`` hold their final, verified value, from the thread that wrote them (for a raw
     object right after each block's checksum, while the block is in cache): a caller copies
     each range on to a second destination in the same pass. Ranges are disjoint, at most one
-    block long, and cover ``out`` only if the read succeeds.
+    block long, and cover ``out`` only if the read succeeds. An ``on_block`` with a
+    ``native_copy`` attribute that is a :class:`~musacache._native.ChunkCopy` (the caller's
+    tensor as runs of bytes, ``_tee.Tee.target``) is not called: the decode writes that copy
+    itself, for a tagged object a strip at a time right after the same strip of ``out``.
 
     Raises what :func:`decode_chunk` raises, :class:`CorruptChunkError` when the file ends
     before its header says, and ``OSError`` from the file system. Unlike
@@ -666,6 +690,7 @@ def read_chunk_into(fp: Fingerprint, fd: int, size: int, out: torch.Tensor, *,
     hdr = read_header(head)
     _check_header(fp, hdr, expect, size)
     _check_out(out, fp, hdr.num_tokens)
+    on_range = _range_sink(on_block, out)
     if hdr.codec_id == _ID_LZ4_V1:
         buf = _take_scratch(size)
         try:
@@ -674,13 +699,19 @@ def read_chunk_into(fp: Fingerprint, fd: int, size: int, out: torch.Tensor, *,
             meta, _ = decode_chunk(fp, obj, expect=expect, out=out, threads=threads)
         finally:
             _give_scratch(buf)
-        _ranges_done(on_block, hdr.raw_len, hdr.block_size)
+        _ranges_done(on_range, hdr.raw_len, hdr.block_size)
         return meta
     table = bytearray(hdr.table_len)
     _pread_into(fd, memoryview(table), HEADER_SIZE)
     entries, offsets = _block_layout(hdr, table)
     if hdr.codec_id == _ID_TAGGED:
-        _read_tagged_into(fd, hdr, entries, offsets, out, threads, on_block)
+        _read_tagged_into(fd, hdr, table, offsets[0], out, on_block, on_range)
+        return hdr.meta(stored_bytes=size)
+    if hdr.codec_id == _ID_RAW and (on_block is None or on_range is not on_block):
+        # No Python callable to report to: one native call reads, checks and copies on.
+        _native().raw_read(fd, offsets[0], table, num_blocks=hdr.num_blocks,
+                           block_size=hdr.block_size, out=_as_bytes(out),
+                           copy=_copy_of(on_block))
         return hdr.meta(stored_bytes=size)
     dst = memoryview(_as_bytes(out).data)
     crc = _block_crc(hdr)
@@ -691,8 +722,8 @@ def read_chunk_into(fp: Fingerprint, fd: int, size: int, out: torch.Tensor, *,
         _pread_into(fd, block, offsets[i])
         if crc(block) != entries[i][1]:
             raise CorruptChunkError(f"chunk payload checksum mismatch in block {i}")
-        if on_block is not None:
-            on_block(start, start + entries[i][0])
+        if on_range is not None:
+            on_range(start, start + entries[i][0])
 
     _run_blocks(read_block, hdr.num_blocks, threads)
     return hdr.meta(stored_bytes=size)
@@ -708,54 +739,50 @@ def _ranges_done(on_block: Callable[[int, int], None] | None, nbytes: int,
         on_block(start, min(nbytes, start + block_size))
 
 
-def _read_tagged_into(fd: int, hdr: ChunkHeader, entries: Sequence[tuple[int, int]],
-                      offsets: list[int], out: torch.Tensor, threads: int,
-                      on_block: Callable[[int, int], None] | None) -> None:
-    """The tagged blocks of a file into the shuffled planes, then unshuffled into ``out``.
-    A block one byte longer than its raw size can only be raw: its body is read straight to
-    its place in the planes (the method byte aside), with no copy. Any other block is read
-    into a small buffer, checked while in cache, and decoded into place."""
+def _copy_of(on_block: Callable[[int, int], None] | None) -> ChunkCopy | None:
+    copy = getattr(on_block, "native_copy", None)
+    return copy if copy is not None and isinstance(copy, _native().ChunkCopy) else None
+
+
+def _range_sink(on_block: Callable[[int, int], None] | None,
+                out: torch.Tensor) -> Callable[[int, int], None] | None:
+    """``on_block`` for the paths that report whole verified ranges of ``out``: with a native
+    copy, the ranges are copied from ``out`` in native code (no Python per element run)."""
+    copy = _copy_of(on_block)
+    if copy is None:
+        return on_block
+    flat = memoryview(_as_bytes(out).data)
+
+    def copy_range(start: int, end: int) -> None:
+        copy.copy(flat[start:end], start)
+
+    return copy_range
+
+
+def _read_tagged_into(fd: int, hdr: ChunkHeader, table: bytearray, payload_at: int,
+                      out: torch.Tensor, on_block: Callable[[int, int], None] | None,
+                      on_range: Callable[[int, int], None] | None) -> None:
+    """The tagged payload of a file in one native call
+    (:func:`~musacache._native.tagged_decode`): the unshuffle into ``out`` goes a 32 KiB
+    strip at a time, each strip copied on into a :class:`ChunkCopy` while it is in cache, and
+    each block is read (into a reused buffer), checked and decoded (coded planes into another
+    one, raw ones used in place) just before the first strip that needs it, so the bytes are
+    touched while they are in cache. Every strip written comes from verified blocks."""
     native = _native()
-    shuffled = hdr.itemsize > 1
-    dst_bytes = _as_bytes(out)
-    target = _take_scratch(hdr.raw_len) if shuffled else dst_bytes
-    raw_crc = _tag_crc(_TAG_RAW)
-
-    def read_block(i: int) -> None:
-        stored_len, crc = entries[i]
-        start = i * hdr.block_size
-        raw_block = min(hdr.block_size, hdr.raw_len - start)
-        dst = target[start : start + raw_block]
-        if stored_len == raw_block + 1:
-            tag = bytearray(1)
-            body = memoryview(dst.data)
-            _pread_into(fd, memoryview(tag), offsets[i], body)
-            if tag[0] != _TAG_RAW or native.crc32c(body, raw_crc) != crc:
-                raise CorruptChunkError(f"chunk payload checksum mismatch in block {i} "
-                                        f"(method {tag[0]}, {raw_block} bytes stored)")
-        else:
-            buf = _take_scratch(stored_len)
-            try:
-                stored = memoryview(buf.data)
-                _pread_into(fd, stored, offsets[i])
-                if native.crc32c(stored) != crc:
-                    raise CorruptChunkError(f"chunk payload checksum mismatch in block {i}")
-                _decode_tagged_block(i, stored, dst)
-            finally:
-                _give_scratch(buf)
-        if on_block is not None and not shuffled:  # the block is final in ``out``
-            on_block(start, start + raw_block)
-
+    copy = _copy_of(on_block)
+    payload = _take_scratch(hdr.payload_len)
+    planes = _take_scratch(hdr.raw_len)
     try:
-        _run_blocks(read_block, hdr.num_blocks, threads)
-        if shuffled:
-            _unshuffle(target, hdr.itemsize, out=dst_bytes)
+        native.tagged_decode(payload, table, num_blocks=hdr.num_blocks,
+                             block_size=hdr.block_size, raw_len=hdr.raw_len,
+                             itemsize=hdr.itemsize, scratch=planes, out=_as_bytes(out),
+                             copy=copy, fd=fd, file_offset=payload_at)
     finally:
-        if shuffled:
-            _give_scratch(target)
-    if shuffled:
-        # The unshuffle writes all of ``out`` at once: its ranges are final only now.
-        _ranges_done(on_block, hdr.raw_len, hdr.block_size)
+        _give_scratch(planes)
+        _give_scratch(payload)
+    if copy is None:
+        # The unshuffle wrote all of ``out`` at once: its ranges are final only now.
+        _ranges_done(on_range, hdr.raw_len, hdr.block_size)
 
 
 def _decode_blocks(view: memoryview, hdr: ChunkHeader, offsets: list[int],
@@ -776,57 +803,10 @@ def _decode_blocks(view: memoryview, hdr: ChunkHeader, offsets: list[int],
         if len(stored) == raw_block:
             target[start : start + raw_block] = np.frombuffer(stored, dtype=np.uint8)
             return
-        target[start : start + raw_block] = _lz4_block(i, stored, raw_block)
-
-    if verify_first:
-        _run_blocks(check_block, hdr.num_blocks, threads)
-    _run_blocks(decode_block, hdr.num_blocks, threads)
-
-
-def _lz4_block(i: int, stored: Any, raw_block: int) -> np.ndarray:
-    """Block ``i``'s lz4 body decompressed, as bytes of exactly ``raw_block``; anything else
-    is a :class:`CorruptChunkError`."""
-    try:
-        plain = lz4.block.decompress(stored, uncompressed_size=raw_block)
-    except lz4.block.LZ4BlockError as e:
-        raise CorruptChunkError(f"chunk block {i} does not decompress: {e}") from e
-    if len(plain) != raw_block:
-        raise CorruptChunkError(f"chunk block {i} decompressed to {len(plain)} bytes, "
-                                f"expected {raw_block}")
-    return np.frombuffer(plain, dtype=np.uint8)
-
-
-def _decode_tagged_block(i: int, stored: memoryview, dst: np.ndarray) -> None:
-    """Decode verified block ``i`` of a tagged object (method byte, then body) into ``dst``."""
-    raw_block = dst.size
-    tag, body = stored[0], stored[1:]
-    if tag == _TAG_RAW and len(body) == raw_block:
-        dst[:] = np.frombuffer(body, dtype=np.uint8)
-    elif tag == _TAG_NIBBLE and len(body) < raw_block:
-        _native().nib_decode(body, dst)
-    elif tag == _TAG_LZ4 and len(body) < raw_block:
-        dst[:] = _lz4_block(i, body, raw_block)
-    else:
-        raise CorruptChunkError(f"chunk block {i} has method {tag} with {len(body)} bytes "
-                                f"for {raw_block} raw bytes")
-
-
-def _decode_tagged(view: memoryview, hdr: ChunkHeader, offsets: list[int],
-                   entries: Sequence[tuple[int, int]], target: np.ndarray, *,
-                   verify_first: bool, threads: int) -> None:
-    native = _native()
-
-    def check_block(i: int) -> memoryview:
-        stored = view[offsets[i] : offsets[i + 1]]
-        if native.crc32c(stored) != entries[i][1]:
-            raise CorruptChunkError(f"chunk payload checksum mismatch in block {i}")
-        return stored
-
-    def decode_block(i: int) -> None:
-        stored = view[offsets[i] : offsets[i + 1]] if verify_first else check_block(i)
-        start = i * hdr.block_size
-        raw_block = min(hdr.block_size, hdr.raw_len - start)
-        _decode_tagged_block(i, stored, target[start : start + raw_block])
+        try:
+            _native().lz4_decode(stored, target[start : start + raw_block])
+        except CorruptChunkError as e:
+            raise CorruptChunkError(f"chunk block {i} does not decompress: {e}") from e
 
     if verify_first:
         _run_blocks(check_block, hdr.num_blocks, threads)

@@ -667,24 +667,28 @@ class Server:
             conn.pause_reading()
             wake.set()
 
+        max_requests = self.config.max_requests_per_peer
+
         def on_frame(frame: ipc.Frame | ipc.FrameError) -> None:
             nonlocal budget
-            if isinstance(frame, ipc.FrameError):
-                self.counters["bad_frames"] += 1
-                log.info("bad frame from pid %d: %s", peer.pid, frame)
-                refuse(frame.request_id, frame)
+            if type(frame) is not ipc.Request:
+                if isinstance(frame, ipc.FrameError):
+                    self.counters["bad_frames"] += 1
+                    log.info("bad frame from pid %d: %s", peer.pid, frame)
+                    refuse(frame.request_id, frame)
+                else:
+                    ipc.close_fds(frame.fds)
+                    self.counters["bad_frames"] += 1
                 return
-            if not isinstance(frame, ipc.Request):
-                ipc.close_fds(frame.fds)
-                self.counters["bad_frames"] += 1
-                return
-            limit = self._over_limit(peer, frame)
-            if limit is not None:
-                ipc.close_fds(frame.fds)
-                self.counters["limited"] += 1
-                refuse(frame.id, limit)
-                return
-            if frame.op in _NOW_OPS and not frame.fds:
+            nfds = len(frame.fds)
+            if nfds or peer.in_flight >= max_requests:  # (else no limit can refuse it)
+                limit = self._over_limit(peer, frame)
+                if limit is not None:
+                    ipc.close_fds(frame.fds)
+                    self.counters["limited"] += 1
+                    refuse(frame.id, limit)
+                    return
+            elif frame.op in _NOW_OPS:
                 reply = _answer_now(self, peer, frame)
                 if reply is not None:
                     # Replies of the frames that came in one read go out in one send: a
@@ -705,7 +709,7 @@ class Server:
                         loop.call_soon(send_held)
                     return
             peer.in_flight += 1
-            peer.held_fds += len(frame.fds)
+            peer.held_fds += nfds
             fds = list(frame.fds)
             ops[loop.create_task(self._dispatch(conn, peer, frame, fds, ops))] = fds
 
@@ -964,6 +968,7 @@ _MAX_TOKEN_BYTES: Final = msgs.MAX_TOKENS * 4
 #: runs anything else (a few ms of the loop at most).
 _NOW_PER_TURN: Final = 64
 _I4: Final = np.dtype("<i4")
+_frombuffer: Final = np.frombuffer  # (the dtype passed by position: 0.2 µs less than by name)
 
 
 def _answer_now(server: Server, peer: _Peer, req: ipc.Request) -> bytes | None:
@@ -990,17 +995,18 @@ def _answer_now(server: Server, peer: _Peer, req: ipc.Request) -> bytes | None:
     raw = args.get("tokens")
     if type(raw) is not bytes or len(raw) & 3 or len(raw) > _MAX_TOKEN_BYTES:
         return None
+    counters = server.counters
     result: Any
     try:
-        tokens = np.frombuffer(raw, dtype=_I4)
+        tokens = _frombuffer(raw, _I4)
         if req.op == "lookup":
             result = fast.lookup(tokens)
             if result is None:
                 return None
         else:
             buf = args.get("buf")
-            if type(buf) is not int or args.get("out") is not None \
-                    or args.get("release") is not None:
+            if type(buf) is not int or (len(args) > 2 and (
+                    args.get("out") is not None or args.get("release") is not None)):
                 return None
             kept = peer.buffers.get(buf)
             if kept is None:
@@ -1008,18 +1014,18 @@ def _answer_now(server: Server, peer: _Peer, req: ipc.Request) -> bytes | None:
             got = fast.get(tokens, kept.tensor)
             if got is None:
                 return None
-            n, _kv, tiers = got
-            server.counters["bytes_copied"] += n * fast.bpt  # (spec.nbytes, without the call)
-            result = {"num_tokens": n, "tiers": tiers}
-        server.counters["requests"] += 1
+            n = got[0]
+            counters["bytes_copied"] += n * fast.bpt  # (spec.nbytes, without the call)
+            result = {"num_tokens": n, "tiers": got[2]}
+        counters["requests"] += 1
         return ipc.encode_reply(req.id, result)
     except MusaCacheError as e:  # as in Server._run: answered, not logged
-        server.counters["requests"] += 1
-        server.counters["errors"] += 1
+        counters["requests"] += 1
+        counters["errors"] += 1
         return ipc.encode_error(req.id, e)
     except Exception as e:
-        server.counters["requests"] += 1
-        server.counters["errors"] += 1
+        counters["requests"] += 1
+        counters["errors"] += 1
         log.exception("op %s failed", req.op)
         return ipc.encode_error(req.id, e)
 

@@ -13,7 +13,9 @@
 
 #include "musacache_native.h"
 
+#include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -1145,4 +1147,422 @@ int mc_copy_bytes(uintptr_t dst, uintptr_t src, int64_t n) {
     if (n < 0 || (n > 0 && (dst == 0 || src == 0))) return MC_ERR_ARGUMENT;
     if (n > 0) memmove((void *)dst, (const void *)src, (size_t)n);
     return MC_OK;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* LZ4 block decoder                                                                         */
+/* ---------------------------------------------------------------------------------------- */
+
+/* The LZ4 block format: a sequence is a token (literal count in the high nibble, match length
+ * - 4 in the low one; 15 means more length bytes follow, each added, until one is below 255),
+ * the literals, then a 2-byte little-endian offset back into the output and the match. The
+ * last sequence has literals only. Unlike lz4.block.decompress this writes into the caller's
+ * buffer (no fresh bytes object per block) and checks every length against both ends before
+ * it copies, so malformed input is an error, never a write outside dst[0:n]. The 16-byte
+ * copies below are only taken where 16 bytes of room remain on both sides. */
+
+MC_INLINE int lz4_length(const uint8_t **ip, const uint8_t *iend, size_t *len) {
+    unsigned b;
+    do {
+        if (*ip >= iend) return 0;
+        b = *(*ip)++;
+        *len += b;
+    } while (b == 255);
+    return 1;
+}
+
+int mc_lz4_decode(const uint8_t *src, int64_t len, uint8_t *dst, int64_t n) {
+    if (len < 0 || n < 0 || (len > 0 && src == NULL) || (n > 0 && dst == NULL))
+        return MC_ERR_ARGUMENT;
+    const uint8_t *ip = src;
+    const uint8_t *const iend = src + len;
+    uint8_t *op = dst;
+    uint8_t *const oend = dst + n;
+    for (;;) {
+        if (ip >= iend) return MC_ERR_CORRUPT; /* a block ends with a literal-only sequence */
+        unsigned token = *ip++;
+        size_t lit = token >> 4;
+        if (lit == 15 && !lz4_length(&ip, iend, &lit)) return MC_ERR_CORRUPT;
+        size_t in_left = (size_t)(iend - ip), out_left = (size_t)(oend - op);
+        if (lit > in_left || lit > out_left) return MC_ERR_CORRUPT;
+        if (lit <= 16 && in_left >= 16 && out_left >= 16)
+            memcpy(op, ip, 16);
+        else
+            memcpy(op, ip, lit);
+        op += lit;
+        ip += lit;
+        if (ip == iend) break;
+        if (iend - ip < 2) return MC_ERR_CORRUPT;
+        size_t off = (size_t)ip[0] | ((size_t)ip[1] << 8);
+        ip += 2;
+        if (off == 0 || off > (size_t)(op - dst)) return MC_ERR_CORRUPT;
+        size_t mlen = token & 15;
+        if (mlen == 15 && !lz4_length(&ip, iend, &mlen)) return MC_ERR_CORRUPT;
+        mlen += 4;
+        out_left = (size_t)(oend - op);
+        if (mlen > out_left) return MC_ERR_CORRUPT;
+        const uint8_t *m = op - off;
+        if (off >= 16 && out_left - mlen >= 16) {
+            /* Each 16-byte piece reads bytes written at least 16 bytes earlier; the last one
+             * may write up to 15 bytes past the match, inside dst, later overwritten. */
+            for (size_t i = 0; i < mlen; i += 16) memcpy(op + i, m + i, 16);
+        } else if (off >= mlen) {
+            memcpy(op, m, mlen);
+        } else {
+            for (size_t i = 0; i < mlen; i++) op[i] = m[i]; /* overlapping: a repeat */
+        }
+        op += mlen;
+    }
+    return op == oend ? MC_OK : MC_ERR_CORRUPT;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Tagged chunk decode: verify, decode, unshuffle a strip at a time, copy the strip on       */
+/* ---------------------------------------------------------------------------------------- */
+
+/* The unshuffle writes the destination a strip at a time from per-plane pointers (a plane's
+ * bytes may sit in the payload itself, for a raw block, or in scratch, for a coded one), and
+ * each strip is copied on into the caller's tensor while it is still in L1/L2: the chunk's
+ * bytes are written twice (slot and tensor) but read back from memory never. */
+
+#define MC_STRIP_BYTES ((size_t)32 << 10)
+#define MC_DECODE_STREAM_BYTES ((int64_t)1 << 20)
+#define MC_MAX_PLANES 16
+#define MC_TAG_RAW 0
+#define MC_TAG_LZ4 1
+#define MC_TAG_NIBBLE 2
+
+MC_INLINE void interleave2_body(const uint8_t *restrict p0, const uint8_t *restrict p1,
+                                uint8_t *restrict d, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        d[2 * i] = p0[i];
+        d[2 * i + 1] = p1[i];
+    }
+}
+
+MC_INLINE void interleave4_body(const uint8_t *const *p, uint8_t *restrict d, size_t n) {
+    const uint8_t *restrict p0 = p[0], *restrict p1 = p[1], *restrict p2 = p[2],
+                            *restrict p3 = p[3];
+    for (size_t i = 0; i < n; i++) {
+        d[4 * i] = p0[i];
+        d[4 * i + 1] = p1[i];
+        d[4 * i + 2] = p2[i];
+        d[4 * i + 3] = p3[i];
+    }
+}
+
+static void interleave_base(const uint8_t *const *p, size_t k, uint8_t *d, size_t n) {
+    if (k == 1) {
+        memcpy(d, p[0], n);
+    } else if (k == 2) {
+        interleave2_body(p[0], p[1], d, n);
+    } else if (k == 4) {
+        interleave4_body(p, d, n);
+    } else {
+        for (size_t i = 0; i < n; i++)
+            for (size_t j = 0; j < k; j++) d[i * k + j] = p[j][i];
+    }
+}
+
+#if MC_X86
+__attribute__((target("avx2"))) static void interleave_avx2(const uint8_t *const *p, size_t k,
+                                                            uint8_t *d, size_t n) {
+    if (k == 2) {
+        const uint8_t *p0 = p[0], *p1 = p[1];
+        size_t i = 0;
+        for (; i + 32 <= n; i += 32) {
+            __m256i a = _mm256_loadu_si256((const __m256i *)(p0 + i));
+            __m256i b = _mm256_loadu_si256((const __m256i *)(p1 + i));
+            __m256i lo = _mm256_unpacklo_epi8(a, b); /* elements 0-7 | 16-23 */
+            __m256i hi = _mm256_unpackhi_epi8(a, b); /* elements 8-15 | 24-31 */
+            _mm256_storeu_si256((__m256i *)(d + 2 * i), _mm256_permute2x128_si256(lo, hi, 0x20));
+            _mm256_storeu_si256((__m256i *)(d + 2 * i + 32),
+                                _mm256_permute2x128_si256(lo, hi, 0x31));
+        }
+        interleave2_body(p0 + i, p1 + i, d + 2 * i, n - i);
+    } else if (k == 4) {
+        interleave4_body(p, d, n);
+    } else {
+        interleave_base(p, k, d, n);
+    }
+}
+#endif
+
+static void interleave(const uint8_t *const *p, size_t k, uint8_t *d, size_t n) {
+#if MC_X86
+    if (MC_LOAD(&simd_level) >= MC_SIMD_AVX2) {
+        interleave_avx2(p, k, d, n);
+        return;
+    }
+#endif
+    interleave_base(p, k, d, n);
+}
+
+int mc_tee_close(mc_tee *tee) {
+    if (tee == NULL) return MC_ERR_ARGUMENT;
+    __atomic_store_n(&tee->closed, 1, __ATOMIC_SEQ_CST);
+    /* A copy in progress saw closed == 0 before we set it: wait for its end (one strip). */
+    while (__atomic_load_n(&tee->busy, __ATOMIC_SEQ_CST)) sched_yield();
+    return MC_OK;
+}
+
+/* Bytes [off, off + n) of the chunk into the runs; 0 (and nothing written) once the tee is
+ * closed. busy is raised before closed is read, and mc_tee_close sets closed before it reads
+ * busy (both sequentially consistent), so one of the two always sees the other. */
+static int runs_put(const mc_runs *c, const uint8_t *src, int64_t off, int64_t n, copy_fn put) {
+    mc_tee *tee = c->tee;
+    if (tee != NULL) {
+        __atomic_store_n(&tee->busy, 1, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(&tee->closed, __ATOMIC_SEQ_CST)) {
+            __atomic_store_n(&tee->busy, 0, __ATOMIC_RELEASE);
+            return 0;
+        }
+    }
+    int64_t r = off / c->run_bytes, o = off % c->run_bytes, left = n;
+    while (left > 0) {
+        int64_t k = c->run_bytes - o < left ? c->run_bytes - o : left;
+        put((char *)(uintptr_t)c->addrs[r] + o, (const char *)src, (size_t)k);
+        src += k;
+        left -= k;
+        r++;
+        o = 0;
+    }
+    /* Streaming stores are weakly ordered: drain them before the tee may be closed. */
+    store_fence(put);
+    if (tee != NULL) {
+        __atomic_fetch_add(&tee->written, n, __ATOMIC_RELAXED);
+        __atomic_store_n(&tee->busy, 0, __ATOMIC_RELEASE);
+    }
+    return 1;
+}
+
+static int check_runs(const mc_runs *c, int64_t total) {
+    if (c->num_runs < 0 || c->run_bytes <= 0 || (c->num_runs > 0 && c->addrs == NULL))
+        return MC_ERR_ARGUMENT;
+    if (c->num_runs > INT64_MAX / c->run_bytes || c->num_runs * c->run_bytes != total)
+        return MC_ERR_ARGUMENT;
+    return MC_OK;
+}
+
+int mc_runs_copy(const mc_runs *copy, const uint8_t *src, int64_t offset, int64_t n) {
+    if (copy == NULL || offset < 0 || n < 0 || (n > 0 && src == NULL)) return MC_ERR_ARGUMENT;
+    if (copy->num_runs < 0 || copy->run_bytes <= 0 || (copy->num_runs > 0 && copy->addrs == NULL))
+        return MC_ERR_ARGUMENT;
+    if (copy->num_runs > INT64_MAX / copy->run_bytes ||
+        offset > copy->num_runs * copy->run_bytes - n)
+        return MC_ERR_ARGUMENT;
+    if (n > 0) runs_put(copy, src, offset, n, copy_cached);
+    return MC_OK;
+}
+
+static uint32_t crc32c_of(const uint8_t *p, size_t n) {
+    ensure_settings();
+    pthread_once(&crc_once, init_crc);
+    uint32_t crc = ~0u;
+#if MC_X86
+    if (have_sse42 && MC_LOAD(&simd_level) >= MC_SIMD_SSE2)
+        crc = crc32c_hw3(crc, p, n);
+    else
+#endif
+        crc = crc32c_soft(crc, p, n);
+    return ~crc;
+}
+
+/* Reads, checks and decodes block b (once): its stored bytes come from the file when fd >= 0
+ * (into payload at the block's offset), else they are in payload already. */
+typedef struct tagged_blocks {
+    int fd;
+    int64_t file_offset;
+    uint8_t *payload;
+    const uint8_t *table;
+    const int64_t *offs;
+    int64_t block_size, raw_len;
+    uint8_t *scratch;
+    const uint8_t **base;
+    int *err;
+} tagged_blocks;
+
+static int pread_full(int fd, uint8_t *buf, int64_t n, int64_t off, int *err) {
+    while (n > 0) {
+        ssize_t got = pread(fd, buf, (size_t)n, (off_t)off);
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            *err = errno;
+            return MC_ERR_IO;
+        }
+        if (got == 0) return MC_ERR_TRUNCATED; /* the file ends before its header says */
+        buf += got;
+        n -= got;
+        off += got;
+    }
+    return MC_OK;
+}
+
+static int load_block(const tagged_blocks *t, int64_t i) {
+    int64_t stored = t->offs[i + 1] - t->offs[i];
+    uint32_t crc = load_le32(t->table + 8 * i + 4);
+    int64_t raw_block = t->raw_len - i * t->block_size < t->block_size
+                            ? t->raw_len - i * t->block_size : t->block_size;
+    uint8_t *st = t->payload + t->offs[i];
+    if (t->fd >= 0) {
+        int status = pread_full(t->fd, st, stored, t->file_offset + t->offs[i], t->err);
+        if (status != MC_OK) return status;
+    }
+    const uint8_t *body = st + 1;
+    int64_t body_len = stored - 1;
+    uint8_t *out = t->scratch + i * t->block_size;
+    if (crc32c_of(st, (size_t)stored) != crc) return MC_ERR_CHECKSUM;
+    if (st[0] == MC_TAG_RAW && body_len == raw_block) {
+        t->base[i] = body;
+        return MC_OK;
+    }
+    int status = MC_ERR_CORRUPT;
+    if (st[0] == MC_TAG_NIBBLE && body_len < raw_block)
+        status = mc_nib_decode(body, body_len, out, raw_block);
+    else if (st[0] == MC_TAG_LZ4 && body_len < raw_block)
+        status = mc_lz4_decode(body, body_len, out, raw_block);
+    if (status != MC_OK) return MC_ERR_CORRUPT;
+    t->base[i] = out;
+    return MC_OK;
+}
+
+int mc_tagged_decode(int fd, int64_t file_offset, uint8_t *payload, int64_t payload_len,
+                     const uint8_t *table, int64_t num_blocks, int64_t block_size,
+                     int64_t raw_len, int64_t itemsize, uint8_t *scratch, int64_t scratch_len,
+                     uint8_t *dst, const mc_runs *copy, int64_t *bad_block, int *err) {
+    if (bad_block == NULL || err == NULL) return MC_ERR_ARGUMENT;
+    *bad_block = -1;
+    *err = 0;
+    if (payload_len < 0 || num_blocks < 0 || block_size <= 0 || raw_len < 0 || itemsize < 1 ||
+        itemsize > MC_MAX_PLANES || scratch_len < raw_len || file_offset < 0)
+        return MC_ERR_ARGUMENT;
+    if (num_blocks != raw_len / block_size + (raw_len % block_size != 0)) return MC_ERR_ARGUMENT;
+    if (raw_len > 0 && (dst == NULL || table == NULL || scratch == NULL || payload == NULL))
+        return MC_ERR_ARGUMENT;
+    if (copy != NULL && check_runs(copy, raw_len) != MC_OK) return MC_ERR_ARGUMENT;
+    if (raw_len == 0) return payload_len == 0 ? MC_OK : MC_ERR_CORRUPT;
+    ensure_settings();
+    const uint8_t **base = calloc((size_t)num_blocks, sizeof *base);
+    int64_t *offs = malloc(((size_t)num_blocks + 1) * sizeof *offs);
+    if (base == NULL || offs == NULL) {
+        free(base);
+        free(offs);
+        return MC_ERR_NO_MEMORY;
+    }
+    offs[0] = 0;
+    int status = MC_OK;
+    for (int64_t i = 0; i < num_blocks; i++) {
+        int64_t stored = (int64_t)load_le32(table + 8 * i);
+        if (stored < 1 || stored > payload_len - offs[i]) {
+            *bad_block = i;
+            status = MC_ERR_CORRUPT;
+            break;
+        }
+        offs[i + 1] = offs[i] + stored;
+    }
+    if (status == MC_OK && offs[num_blocks] != payload_len) status = MC_ERR_CORRUPT;
+    tagged_blocks t = {fd, file_offset, payload, table, offs, block_size, raw_len, scratch,
+                       base, err};
+    /* From memory every block is checked before dst is written (decode_chunk leaves its out
+     * untouched on any error). From a file each block is read, checked and decoded right
+     * before its first use, so it is still in cache when it is unshuffled. */
+    for (int64_t i = 0; fd < 0 && status == MC_OK && i < num_blocks; i++) {
+        status = load_block(&t, i);
+        if (status != MC_OK) *bad_block = i;
+    }
+    if (status != MC_OK) {
+        free(base);
+        free(offs);
+        return status;
+    }
+    size_t k = (size_t)itemsize, n = (size_t)raw_len / k, whole = n * k;
+    size_t bs = (size_t)block_size;
+    size_t strip = MC_STRIP_BYTES / k ? MC_STRIP_BYTES / k : 1;
+    int copying = copy != NULL;
+    /* A chunk of MC_DECODE_STREAM_BYTES or more takes streaming stores (no read for ownership
+     * of lines that are only written; nothing reads them back soon: they are a tier's slot and
+     * the caller's tensor): the strip is unshuffled into a buffer that stays in L1 and
+     * streamed from there to dst and to the runs. A smaller one is unshuffled into dst. */
+    copy_fn put = raw_len >= MC_DECODE_STREAM_BYTES ? pick_copy(INT64_MAX) : copy_cached;
+    static _Thread_local uint8_t strip_buf[MC_STRIP_BYTES] __attribute__((aligned(64)));
+    const uint8_t *planes[MC_MAX_PLANES];
+    for (size_t e0 = 0; e0 < n;) {
+        size_t e1 = n - e0 < strip ? n : e0 + strip;
+        uint8_t *to = put == copy_cached ? dst + e0 * k : strip_buf;
+        for (size_t e = e0; e < e1;) {
+            size_t cnt = e1 - e;
+            for (size_t j = 0; j < k; j++) {
+                size_t p = j * n + e, off = p % bs;
+                if (bs - off < cnt) cnt = bs - off;
+                if (base[p / bs] == NULL && (status = load_block(&t, (int64_t)(p / bs))) != MC_OK) {
+                    *bad_block = (int64_t)(p / bs);
+                    goto done;
+                }
+                planes[j] = base[p / bs] + off;
+            }
+            interleave(planes, k, to + (e - e0) * k, cnt);
+            e += cnt;
+        }
+        if (put != copy_cached) put((char *)(dst + e0 * k), (const char *)strip_buf, (e1 - e0) * k);
+        if (copying)
+            copying = runs_put(copy, to, (int64_t)(e0 * k), (int64_t)((e1 - e0) * k), put);
+        e0 = e1;
+    }
+    for (size_t p = whole; p < (size_t)raw_len; p++) {
+        if (base[p / bs] == NULL && (status = load_block(&t, (int64_t)(p / bs))) != MC_OK) {
+            *bad_block = (int64_t)(p / bs);
+            goto done;
+        }
+        dst[p] = base[p / bs][p % bs];
+    }
+    if (copying && whole < (size_t)raw_len)
+        runs_put(copy, dst + whole, (int64_t)whole, raw_len - (int64_t)whole, copy_cached);
+    /* A block no strip needed (none, for a consistent table) is still read and checked. */
+    for (int64_t i = 0; i < num_blocks; i++) {
+        if (base[i] == NULL && (status = load_block(&t, i)) != MC_OK) {
+            *bad_block = i;
+            break;
+        }
+    }
+done:
+    store_fence(put);
+    free(base);
+    free(offs);
+    return status;
+}
+
+int mc_raw_read(int fd, int64_t file_offset, const uint8_t *table, int64_t num_blocks,
+                int64_t block_size, int64_t raw_len, uint8_t *dst, const mc_runs *copy,
+                int64_t *bad_block, int *err) {
+    if (bad_block == NULL || err == NULL) return MC_ERR_ARGUMENT;
+    *bad_block = -1;
+    *err = 0;
+    if (fd < 0 || file_offset < 0 || num_blocks < 0 || block_size <= 0 || raw_len < 0)
+        return MC_ERR_ARGUMENT;
+    if (num_blocks != raw_len / block_size + (raw_len % block_size != 0)) return MC_ERR_ARGUMENT;
+    if (raw_len > 0 && (dst == NULL || table == NULL)) return MC_ERR_ARGUMENT;
+    if (copy != NULL && check_runs(copy, raw_len) != MC_OK) return MC_ERR_ARGUMENT;
+    /* The slot is written by the kernel's copy, so it is in cache for the checksum and the
+     * copy on; only the copy into the runs can stream. */
+    copy_fn put = raw_len >= MC_DECODE_STREAM_BYTES ? pick_copy(INT64_MAX) : copy_cached;
+    int copying = copy != NULL;
+    int status = MC_OK;
+    for (int64_t i = 0; i < num_blocks; i++) {
+        int64_t start = i * block_size;
+        int64_t len = raw_len - start < block_size ? raw_len - start : block_size;
+        if ((int64_t)load_le32(table + 8 * i) != len) {
+            status = MC_ERR_CORRUPT;
+        } else {
+            status = pread_full(fd, dst + start, len, file_offset + start, err);
+            if (status == MC_OK && crc32c_of(dst + start, (size_t)len) != load_le32(table + 8 * i + 4))
+                status = MC_ERR_CHECKSUM;
+        }
+        if (status != MC_OK) {
+            *bad_block = i;
+            break;
+        }
+        if (copying) copying = runs_put(copy, dst + start, start, len, put);
+    }
+    store_fence(put);
+    return status;
 }

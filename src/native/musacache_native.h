@@ -19,7 +19,10 @@ typedef enum mc_status {
     MC_ERR_SLOT_RANGE = 2, /* a slot < -1 or >= num_slots; nothing was written */
     MC_ERR_NO_MEMORY = 3,  /* the run table could not be allocated; nothing was written */
     MC_ERR_NO_GAIN = 4,    /* mc_nib_encode: the coded block would not be smaller; dst unused */
-    MC_ERR_CORRUPT = 5     /* mc_nib_decode: the coded block is inconsistent; dst is garbage */
+    MC_ERR_CORRUPT = 5,    /* a coded block is inconsistent (nibble, lz4, tagged); dst is garbage */
+    MC_ERR_CHECKSUM = 6,   /* mc_tagged_decode: a block's CRC-32C does not match its table entry */
+    MC_ERR_IO = 7,         /* mc_tagged_decode: a read failed; *err is its errno */
+    MC_ERR_TRUNCATED = 8   /* mc_tagged_decode: the file ends before the payload does */
 } mc_status;
 
 /* SIMD levels for mc_set_simd_level(); a level above what the CPU has is clamped down. */
@@ -122,6 +125,69 @@ int mc_max_simd_level(int *out);
  * small chunk between host buffers whose bounds the caller has checked, in one call and
  * without building a pointer object per call. MC_ERR_ARGUMENT for n < 0 or a null address. */
 int mc_copy_bytes(uintptr_t dst, uintptr_t src, int64_t n);
+
+/* -- chunk decode into its destinations (codec.py, "lz4" codec id 2) ------------------------ */
+
+/* LZ4 block format (no frame): decodes src[0:len] into exactly dst[0:n]. MC_ERR_CORRUPT when
+ * the block is malformed or does not decode to exactly n bytes: every read is checked against
+ * src + len and every write against dst + n, so nothing outside dst[0:n] is ever written. */
+int mc_lz4_decode(const uint8_t *src, int64_t len, uint8_t *dst, int64_t n);
+
+/* A second destination written while a decode runs (the caller's tensor for one chunk), and the
+ * handshake that lets another thread stop it. closed and busy are only touched atomically:
+ * mc_tee_close() sets closed and waits while a run copy is in progress, so once it returns no
+ * byte is written into the runs any more. written counts the bytes copied into the runs. */
+typedef struct mc_tee {
+    int32_t closed;
+    int32_t busy;
+    int64_t written;
+} mc_tee;
+
+/* num_runs runs of run_bytes each: run r (at address addrs[r]) takes bytes
+ * [r * run_bytes, (r + 1) * run_bytes) of the decoded chunk. */
+typedef struct mc_runs {
+    const uint64_t *addrs;
+    int64_t num_runs;
+    int64_t run_bytes;
+    mc_tee *tee;
+} mc_runs;
+
+int mc_tee_close(mc_tee *tee);
+
+/* One chunk object's payload of tagged blocks (method byte, then body; each block's CRC-32C
+ * covers both) into dst[0:raw_len], unshuffled for itemsize > 1. table holds num_blocks
+ * little-endian (stored_len u32, crc u32) pairs, as the object stores them; the stored
+ * lengths must add up to payload_len. Coded blocks are decoded into scratch (at least raw_len
+ * bytes; a raw body is used in place). dst is written a strip at a time, and each strip is
+ * copied on into copy's runs (when copy is not NULL and its tee is not closed) while it is in
+ * cache.
+ *   fd < 0: payload holds the payload; every block is checked and decoded before the first
+ *           byte of dst or of the runs is written.
+ *   fd >= 0: payload (payload_len bytes, writable) receives the payload from the file at
+ *           file_offset, a block at a time, each read, checked and decoded just before the
+ *           first strip that needs it: a failure leaves the strips before it written (in dst
+ *           and the runs), every one of them from verified blocks.
+ * On MC_ERR_CHECKSUM or MC_ERR_CORRUPT, *bad_block is the failing block (-1: the table's
+ * lengths). MC_ERR_TRUNCATED: the file ended inside block *bad_block. MC_ERR_IO: *err is the
+ * errno of the failed read. */
+int mc_tagged_decode(int fd, int64_t file_offset, uint8_t *payload, int64_t payload_len,
+                     const uint8_t *table, int64_t num_blocks, int64_t block_size,
+                     int64_t raw_len, int64_t itemsize, uint8_t *scratch, int64_t scratch_len,
+                     uint8_t *dst, const mc_runs *copy, int64_t *bad_block, int *err);
+
+/* A raw chunk object's payload (codec id 3: every block stored as it is, table as stored) from
+ * the file at file_offset straight into dst[0:raw_len], a block at a time: each block's
+ * CRC-32C is checked right after its read, and the verified block is then copied on into
+ * copy's runs. Errors as mc_tagged_decode's (MC_ERR_CORRUPT: a block's stored length is not
+ * its raw length); dst then holds part of the chunk, the runs only verified blocks. */
+int mc_raw_read(int fd, int64_t file_offset, const uint8_t *table, int64_t num_blocks,
+                int64_t block_size, int64_t raw_len, uint8_t *dst, const mc_runs *copy,
+                int64_t *bad_block, int *err);
+
+/* Verified bytes [offset, offset + n) of a chunk, src, copied into copy's runs (the raw
+ * codec's blocks, read straight into the slot); stops, as mc_tagged_decode does, once the tee
+ * is closed. MC_ERR_ARGUMENT when the range lies outside the runs. */
+int mc_runs_copy(const mc_runs *copy, const uint8_t *src, int64_t offset, int64_t n);
 
 #ifdef __cplusplus
 }

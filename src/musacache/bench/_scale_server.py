@@ -163,14 +163,27 @@ async def _latencies(call: Callable[[], Awaitable[Any]], n: int, server_pid: int
 
 async def _ops(call: Callable[[int], Awaitable[Any]], tasks: int, per_task: int) -> float:
     """Calls per second with ``tasks`` callers, each making ``per_task`` calls in a row."""
+    return (await _ops_cpu(call, tasks, per_task, None))[0]
+
+
+async def _ops_cpu(call: Callable[[int], Awaitable[Any]], tasks: int, per_task: int,
+                   server_pid: int | None) -> tuple[float, float, float]:
+    """:func:`_ops`, and the CPU time per call of this process and of ``server_pid`` (µs;
+    0 without a pid): with many calls in flight the wall time is shared by both sides and
+    by whatever else runs on the machine, the CPU time is each side's own."""
 
     async def one(i: int) -> None:
         for _ in range(per_task):
             await call(i)
 
+    me = os.getpid()
+    c0, s0 = _cpu_ns(me), _cpu_ns(server_pid) if server_pid else 0
     t0 = time.perf_counter()
     await asyncio.gather(*(one(i) for i in range(tasks)))
-    return tasks * per_task / (time.perf_counter() - t0)
+    wall = time.perf_counter() - t0
+    c1, s1 = _cpu_ns(me), _cpu_ns(server_pid) if server_pid else 0
+    n = tasks * per_task
+    return n / wall, (c1 - c0) / n / 1e3, (s1 - s0) / n / 1e3
 
 
 def _config(path: Path, capacity_chunks: int) -> None:
@@ -222,11 +235,12 @@ async def _request_path(client: Client, echo: _EchoClient, repeats: int, tasks: 
     for _ in range(repeats):
         for name, fn in (("echo", bounce), ("lookup", lookup), ("get", get)):
             res[f"{name}_lat"].append(await _latencies(fn, _LAT_SAMPLES, pids[name]))
-        res["echo_ops"].append(await _ops(lambda i: echo.call(payload), tasks, _OPS_PER_TASK))
-        res["lookup_ops"].append(await _ops(lambda i: client.lookup(toks), tasks,
-                                            _OPS_PER_TASK))
-        res["get_ops"].append(await _ops(lambda i: client.get(toks, out=outs[i]), tasks,
-                                         _OPS_PER_TASK))
+        res["echo_ops"].append(await _ops_cpu(lambda i: echo.call(payload), tasks,
+                                              _OPS_PER_TASK, echo_pid))
+        res["lookup_ops"].append(await _ops_cpu(lambda i: client.lookup(toks), tasks,
+                                                _OPS_PER_TASK, server_pid))
+        res["get_ops"].append(await _ops_cpu(lambda i: client.get(toks, out=outs[i]), tasks,
+                                             _OPS_PER_TASK, server_pid))
     out: dict[str, Any] = {"tasks": tasks, "echo_form": ECHO_FORM,
                            "payload_bytes": len(payload)}
     for name in ("echo", "lookup", "get"):
@@ -234,11 +248,13 @@ async def _request_path(client: Client, echo: _EchoClient, repeats: int, tasks: 
         out[f"{name}_p99_us"] = _mm([r[1] for r in res[f"{name}_lat"]])
         out[f"{name}_client_cpu_us"] = _mm([r[2] for r in res[f"{name}_lat"]])
         out[f"{name}_server_cpu_us"] = _mm([r[3] for r in res[f"{name}_lat"]])
-        out[f"{name}_ops"] = _mm(res[f"{name}_ops"])
+        out[f"{name}_ops"] = _mm([r[0] for r in res[f"{name}_ops"]])
+        out[f"{name}_ops_client_cpu_us"] = _mm([r[1] for r in res[f"{name}_ops"]])
+        out[f"{name}_ops_server_cpu_us"] = _mm([r[2] for r in res[f"{name}_ops"]])
     # Ratios of the repeat-wise figures (same repeat, same machine state), then min/median.
     lat = [lk[0] / ec[0] for lk, ec in zip(res["lookup_lat"], res["echo_lat"], strict=True)]
-    gops = [g / e for g, e in zip(res["get_ops"], res["echo_ops"], strict=True)]
-    lops = [g / e for g, e in zip(res["lookup_ops"], res["echo_ops"], strict=True)]
+    gops = [g[0] / e[0] for g, e in zip(res["get_ops"], res["echo_ops"], strict=True)]
+    lops = [g[0] / e[0] for g, e in zip(res["lookup_ops"], res["echo_ops"], strict=True)]
     out["lookup_p50_vs_echo"] = {"best": min(lat), "median": statistics.median(lat)}
     out["get_ops_vs_echo"] = {"best": max(gops), "median": statistics.median(gops)}
     out["lookup_ops_vs_echo"] = {"best": max(lops), "median": statistics.median(lops)}
@@ -332,6 +348,12 @@ def report(sv: dict[str, Any]) -> None:
               f"{mm(sv[f'{name}_client_cpu_us'], ''):>15} "
               f"{mm(sv[f'{name}_server_cpu_us'], ''):>15} "
               f"{ops['min']:>11.0f} / {ops['median']:.0f}")
+    print(f"  with {sv['tasks']} in flight, CPU us per call (min / median): client, server")
+    for name, label in (("echo", "echo round trip"), ("lookup", "lookup, one chunk"),
+                        ("get", "get(out=), one chunk")):
+        if f"{name}_ops_client_cpu_us" in sv:
+            print(f"  {label:<22} {mm(sv[f'{name}_ops_client_cpu_us'], ''):>15} "
+                  f"{mm(sv[f'{name}_ops_server_cpu_us'], ''):>15}")
     r = sv["lookup_p50_vs_echo"]
     print(f"  lookup p50 / echo p50: {r['best']:.2f} best, {r['median']:.2f} median "
           f"(goal <= 2)")

@@ -287,7 +287,8 @@ class Connection:
     def buffered(self) -> int:
         """Bytes received and not yet handed out as frames (0: the frame just delivered was
         the last one of the bytes read so far)."""
-        return self._decoder.buffered
+        decoder = self._decoder  # (FrameDecoder.buffered inline: a server asks per frame)
+        return len(decoder._buf) - decoder._pos
 
     def peer_credentials(self) -> PeerCredentials:
         return peer_credentials(self._sock)

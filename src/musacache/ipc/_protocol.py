@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 from collections import deque
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +42,9 @@ __all__ = [
     "Request",
     "encode_error",
     "encode_reply",
+    "encode_reply_packed",
     "encode_request",
+    "pack",
     "error_from_wire",
     "error_to_wire",
 ]
@@ -124,6 +127,20 @@ class Reply:
 Frame = Request | Reply
 
 
+def _new_reply(request_id: int | None, result: Any, error: dict[str, str] | None,
+               fds: tuple[int, ...], _new: Any = object.__new__) -> Reply:
+    """``Reply(...)`` without the frozen dataclass's ``__init__``: its four
+    ``object.__setattr__`` calls were 0.6 µs of a small frame's decoding. (The decoder
+    builds the usual request and reply inline, without even this call.)"""
+    frame = _new(Reply)
+    d = frame.__dict__
+    d["id"] = request_id
+    d["result"] = result
+    d["error"] = error
+    d["fds"] = fds
+    return frame
+
+
 # -- errors on the wire ---------------------------------------------------------------------
 
 _ERROR_TYPES: Final[dict[str, type[MusaCacheError]]] = {
@@ -159,45 +176,154 @@ def error_from_wire(wire: Any) -> MusaCacheError:
 
 # -- encoding -------------------------------------------------------------------------------
 
+# msgpack.packb makes a Packer, and with it a 1 MiB buffer, for every call: half of the
+# packing of a small frame. One Packer per thread is reused instead. Packer.pack runs in C
+# from start to end for what the protocol sends (no ``default`` hook calls back into Python,
+# nothing it allocates is tracked by the garbage collector), so a thread never re-enters it.
+_packers = threading.local()
+
+
+def _packer() -> msgpack.Packer:
+    try:
+        packer: msgpack.Packer = _packers.packer
+        return packer
+    except AttributeError:
+        packer = _packers.packer = msgpack.Packer(use_bin_type=True)
+        return packer
+
+
+def pack(obj: Any) -> bytes:
+    """``msgpack.packb(obj, use_bin_type=True)``, with this thread's reused Packer. Raises
+    ProtocolError for what msgpack cannot encode."""
+    try:
+        return _packer().pack(obj)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ProtocolError(f"cannot encode frame body: {exc}") from exc
+
+
+# The header and the start of a body up to and with the request id, in one pack: the id in
+# each of msgpack's shortest forms of an unsigned int (fixint, uint8/16/32/64), as packb
+# writes them. ``lead`` is the map's lead byte and its first key, "id".
+_HEAD_ID: Final = (
+    (0x80, struct.Struct(">2sBBI4sB"), None),
+    (0x100, struct.Struct(">2sBBI4sBB"), 0xCC),
+    (0x10000, struct.Struct(">2sBBI4sBH"), 0xCD),
+    (0x100000000, struct.Struct(">2sBBI4sBI"), 0xCE),
+    (1 << 64, struct.Struct(">2sBBI4sBQ"), 0xCF),
+)
+
+
+def _framed_with_id(lead: bytes, request_id: int, rest: bytes, nfds: int,
+                    max_frame_size: int) -> bytes:
+    """Header + ``lead`` + the packed ``request_id`` + ``rest`` (the rest of the body)."""
+    for bound, form, code in _HEAD_ID:
+        if request_id < bound:
+            length = form.size - HEADER_SIZE + len(rest)
+            if length > max_frame_size or length > _MAX_BODY_LENGTH:
+                raise ProtocolError(f"frame body of {length} bytes exceeds the limit of "
+                                    f"{max_frame_size}; dense data belongs in shared memory")
+            if code is None:
+                return form.pack(MAGIC, PROTOCOL_VERSION, nfds, length, lead,
+                                 request_id) + rest
+            return form.pack(MAGIC, PROTOCOL_VERSION, nfds, length, lead, code,
+                             request_id) + rest
+    raise ProtocolError(f"a request id must be an int in [0, 2**64), got {request_id!r}")
+
 
 def _check_request_id(request_id: object) -> None:
     if type(request_id) is not int or not 0 <= request_id <= _MAX_REQUEST_ID:
         raise ProtocolError(f"a request id must be an int in [0, 2**64), got {request_id!r}")
 
 
-def encode_frame(body: Mapping[str, Any], *, nfds: int = 0,
-                 max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> bytes:
-    """Header + msgpack ``body``. Raises ProtocolError if it cannot be encoded or is too big."""
+def _check_nfds(nfds: object) -> None:
     if type(nfds) is not int or not 0 <= nfds <= MAX_FDS_PER_FRAME:
         raise ProtocolError(f"a frame carries 0..{MAX_FDS_PER_FRAME} fds, got {nfds!r}")
-    try:
-        payload = msgpack.packb(body, use_bin_type=True)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise ProtocolError(f"cannot encode frame body: {exc}") from exc
-    if len(payload) > min(max_frame_size, _MAX_BODY_LENGTH):
+
+
+def _framed(payload: bytes, nfds: int, max_frame_size: int) -> bytes:
+    if len(payload) > max_frame_size or len(payload) > _MAX_BODY_LENGTH:
         raise ProtocolError(f"frame body of {len(payload)} bytes exceeds the limit of "
                             f"{max_frame_size}; dense data belongs in shared memory")
     return _HEADER.pack(MAGIC, PROTOCOL_VERSION, nfds, len(payload)) + payload
 
 
-def encode_request(request_id: int, op: str, args: Mapping[str, Any] | None = None, *,
-                   nfds: int = 0, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> bytes:
-    """A request frame. ``nfds`` fds must be sent with it (see ``Connection.send_frame``)."""
-    _check_request_id(request_id)
+def encode_frame(body: Mapping[str, Any], *, nfds: int = 0,
+                 max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> bytes:
+    """Header + msgpack ``body``. Raises ProtocolError if it cannot be encoded or is too big."""
+    _check_nfds(nfds)
+    return _framed(pack(body), nfds, max_frame_size)
+
+
+# The packed map of a request up to its id, and from its id up to its args, per op: a request
+# is {"id": id, "op": op, "args": args} packed in that order, which is what packb writes for
+# that dict (a map of three, each key and value in turn).
+_REQUEST_HEAD: Final = b"\x83\xa2id"
+_request_ops: dict[str, bytes] = {}
+_MAX_CACHED_OPS: Final = 64
+
+
+def _op_part(op: object) -> bytes:
+    part = _request_ops.get(op) if type(op) is str else None
+    if part is not None:
+        return part
     if type(op) is not str or not 0 < len(op) <= _MAX_OP_LENGTH:
         raise ProtocolError(f"an op is a non-empty string of at most {_MAX_OP_LENGTH} "
                             f"characters, got {op!r:.200}")
-    body = {"id": request_id, "op": op,
-            "args": {} if args is None else args if type(args) is dict else dict(args)}
-    return encode_frame(body, nfds=nfds, max_frame_size=max_frame_size)
+    part = b"\xa2op" + pack(op) + b"\xa4args"
+    if len(_request_ops) < _MAX_CACHED_OPS:
+        _request_ops[op] = part
+    return part
+
+
+def encode_request(request_id: int, op: str, args: Mapping[str, Any] | None = None, *,
+                   nfds: int = 0, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> bytes:
+    """A request frame. ``nfds`` fds must be sent with it (see ``Connection.send_frame``).
+
+    Byte for byte ``encode_frame({"id": ..., "op": ..., "args": ...})``; only ``args`` is
+    packed per call (the rest is the op's cached prefix and the id)."""
+    if type(request_id) is not int or not 0 <= request_id <= _MAX_REQUEST_ID:
+        _check_request_id(request_id)  # (raises)
+    part = _request_ops.get(op) if type(op) is str else None
+    if part is None:
+        part = _op_part(op)
+    if nfds:
+        _check_nfds(nfds)
+    body = {} if args is None else args if type(args) is dict else dict(args)
+    try:
+        packed = _packers.packer.pack(body)
+    except AttributeError:  # this thread's first frame
+        packed = pack(body)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ProtocolError(f"cannot encode frame body: {exc}") from exc
+    return _framed_with_id(_REQUEST_HEAD, request_id, part + packed, nfds, max_frame_size)
+
+
+_REPLY_HEAD: Final = b"\x82\xa2id"
+_RESULT_KEY: Final = b"\xa6result"
 
 
 def encode_reply(request_id: int, result: Any = None, *, nfds: int = 0,
                  max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> bytes:
     """A successful reply frame to ``request_id``."""
+    if type(request_id) is not int or not 0 <= request_id <= _MAX_REQUEST_ID:
+        _check_request_id(request_id)  # (raises)
+    if nfds:
+        _check_nfds(nfds)
+    try:
+        packed = _packers.packer.pack(result)
+    except AttributeError:  # this thread's first frame
+        packed = pack(result)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ProtocolError(f"cannot encode frame body: {exc}") from exc
+    return _framed_with_id(_REPLY_HEAD, request_id, _RESULT_KEY + packed, nfds, max_frame_size)
+
+
+def encode_reply_packed(request_id: int, packed_result: bytes) -> bytes:
+    """``encode_reply(request_id, result)`` from ``pack(result)``, byte for byte: a server
+    that answers the same result often packs it once (a small frame, no fds)."""
     _check_request_id(request_id)
-    return encode_frame({"id": request_id, "result": result}, nfds=nfds,
-                        max_frame_size=max_frame_size)
+    return _framed_with_id(_REPLY_HEAD, request_id, _RESULT_KEY + packed_result, 0,
+                           DEFAULT_MAX_FRAME_SIZE)
 
 
 def encode_error(request_id: int | None, exc: BaseException) -> bytes:
@@ -334,6 +460,15 @@ def _nested_deeper(obj: object, limit: int) -> bool:
     return False
 
 
+_unpackb: Final = msgpack.unpackb
+_new: Final = object.__new__
+
+
+def _bad(request_id: int | None, message: str) -> FrameError:
+    """A recoverable FrameError about a frame whose id (if readable) is ``request_id``."""
+    return FrameError(message, fatal=False, request_id=request_id)
+
+
 def _reject_ext(code: int, data: bytes) -> object:
     raise ValueError(f"msgpack extension types are not part of the protocol (type {code})")
 
@@ -424,31 +559,38 @@ class FrameDecoder:
                                  "protocol")
             return None
         magic, version, nfds, length = _HEADER.unpack_from(buf, pos)
-        if magic != MAGIC:
-            raise self._fail("bad frame magic: the peer does not speak the musacache protocol")
-        if version != PROTOCOL_VERSION:
-            raise self._fail(f"the peer speaks protocol version {version}, this side speaks "
-                             f"{PROTOCOL_VERSION}")
-        if length > self.max_frame_size:
-            raise self._fail(f"frame of {length} bytes exceeds the limit of "
-                             f"{self.max_frame_size}")
-        if nfds > self.max_fds:
-            raise self._fail(f"frame declares {nfds} fds, the limit is {self.max_fds}")
-        frame_start = self._base + pos
-        if self._batches and self._batches[0].end <= frame_start:
+        if (magic != MAGIC or version != PROTOCOL_VERSION or length > self.max_frame_size
+                or nfds > self.max_fds):
+            raise self._bad_header(magic, version, nfds, length)
+        if self._batches and self._batches[0].end <= self._base + pos:
             raise self._fail("fds arrived with a frame that declared none")
-        if available < HEADER_SIZE + length:
+        end = pos + HEADER_SIZE + length
+        if end > len(buf):
             return None
-        fds = self._claim_fds(frame_start, nfds)
-        # One copy out of the receive buffer (slicing the bytearray first would make two).
-        with memoryview(buf) as view:
-            body = bytes(view[pos + HEADER_SIZE:pos + HEADER_SIZE + length])
-        self._pos = pos + HEADER_SIZE + length
+        fds = self._claim_fds(self._base + pos, nfds) if nfds else ()
+        if length <= _SMALL_BODY:
+            body: bytes | bytearray = buf[pos + HEADER_SIZE:end]  # (one copy of a few bytes)
+        else:
+            # One copy out of the receive buffer (slicing the bytearray first would make two).
+            with memoryview(buf) as view:
+                body = bytes(view[pos + HEADER_SIZE:end])
+        self._pos = end
         try:
             return self._parse_body(body, fds)
         except FrameError:
             _close_all(fds)
             raise
+
+    def _bad_header(self, magic: bytes, version: int, nfds: int, length: int) -> FrameError:
+        if magic != MAGIC:
+            return self._fail("bad frame magic: the peer does not speak the musacache protocol")
+        if version != PROTOCOL_VERSION:
+            return self._fail(f"the peer speaks protocol version {version}, this side speaks "
+                              f"{PROTOCOL_VERSION}")
+        if length > self.max_frame_size:
+            return self._fail(f"frame of {length} bytes exceeds the limit of "
+                              f"{self.max_frame_size}")
+        return self._fail(f"frame declares {nfds} fds, the limit is {self.max_fds}")
 
     def _claim_fds(self, frame_start: int, nfds: int) -> tuple[int, ...]:
         if nfds == 0:
@@ -461,17 +603,17 @@ class FrameDecoder:
         self._batches.popleft()
         return tuple(batch.fds)
 
-    def _parse_body(self, body: bytes, fds: tuple[int, ...]) -> Frame:
+    def _parse_body(self, body: bytes | bytearray, fds: tuple[int, ...]) -> Frame:
         small = len(body) <= _SMALL_BODY
         if not small:
             check_body_shape(body)
         try:
-            obj = msgpack.unpackb(body, raw=False, strict_map_key=True, ext_hook=_reject_ext,
-                                  max_array_len=MAX_CONTAINER_LEN, max_map_len=MAX_CONTAINER_LEN,
-                                  max_ext_len=0)
+            obj = _unpackb(body, raw=False, strict_map_key=True, ext_hook=_reject_ext,
+                           max_array_len=MAX_CONTAINER_LEN, max_map_len=MAX_CONTAINER_LEN,
+                           max_ext_len=0)
         except (ValueError, TypeError, msgpack.UnpackException, msgpack.ExtraData) as exc:
             raise FrameError(f"undecodable frame body: {exc}", fatal=False) from None
-        if not isinstance(obj, dict):
+        if type(obj) is not dict:  # (unpackb makes plain dicts)
             raise FrameError(f"a frame body must be a map, got {type(obj).__name__}",
                              fatal=False)
         if (small and len(body.translate(None, _NOT_CONTAINER_LEADS)) > MAX_DEPTH
@@ -480,44 +622,57 @@ class FrameDecoder:
         raw_id = obj.get("id")
         readable_id = (raw_id if type(raw_id) is int and 0 <= raw_id <= _MAX_REQUEST_ID
                        else None)
-
-        def bad(message: str) -> FrameError:
-            return FrameError(message, fatal=False, request_id=readable_id)
-
         if "op" in obj:
             if "result" in obj or "error" in obj:
-                raise bad("a frame is either a request or a reply, not both")
+                raise _bad(readable_id, "a frame is either a request or a reply, not both")
             if self.expect == "reply":
-                raise bad("got a request where only replies are expected")
+                raise _bad(readable_id, "got a request where only replies are expected")
             if readable_id is None:
-                raise bad(f"a request needs an int id in [0, 2**64), got {raw_id!r:.100}")
+                raise _bad(None, f"a request needs an int id in [0, 2**64), got {raw_id!r:.100}")
             op = obj["op"]
             if type(op) is not str or not 0 < len(op) <= _MAX_OP_LENGTH:
-                raise bad(f"malformed op {op!r:.100}")
+                raise _bad(readable_id, f"malformed op {op!r:.100}")
             if self.ops is not None and op not in self.ops:
-                raise bad(f"unknown op {op!r}")
+                raise _bad(readable_id, f"unknown op {op!r}")
             args = obj.get("args", {})
             if args is None:
                 args = {}
-            if not isinstance(args, dict):
-                raise bad(f"args must be a map, got {type(args).__name__}")
-            return Request(readable_id, op, args, fds)
+            elif type(args) is not dict:
+                raise _bad(readable_id, f"args must be a map, got {type(args).__name__}")
+            # (Request(...) without the frozen dataclass's __init__, see _new_reply)
+            frame = _new(Request)
+            d = frame.__dict__
+            d["id"] = readable_id
+            d["op"] = op
+            d["args"] = args
+            d["fds"] = fds
+            return frame
         if "result" in obj or "error" in obj:
             if self.expect == "request":
-                raise bad("got a reply where only requests are expected")
-            if "result" in obj and "error" in obj:
-                raise bad("a reply has either a result or an error, not both")
-            if raw_id is not None and readable_id is None:
-                raise bad(f"malformed reply id {raw_id!r:.100}")
+                raise _bad(readable_id, "got a reply where only requests are expected")
             error = obj.get("error")
-            if "error" in obj and not (isinstance(error, dict)
-                                       and type(error.get("type")) is str
-                                       and type(error.get("message")) is str):
-                raise bad(f"malformed error in reply: {error!r:.200}")
-            if raw_id is None and "error" not in obj:
-                raise bad("a successful reply needs the id of its request")
-            return Reply(readable_id, obj.get("result"), error, fds)
-        raise bad("a frame needs an 'op' (request) or a 'result'/'error' (reply)")
+            if error is None and "error" not in obj:
+                if raw_id is None or readable_id is None:
+                    raise _bad(readable_id,
+                               "a successful reply needs the id of its request" if raw_id is None
+                               else f"malformed reply id {raw_id!r:.100}")
+                # (Reply(...) without the frozen dataclass's __init__, see _new_reply)
+                reply = _new(Reply)
+                d = reply.__dict__
+                d["id"] = readable_id
+                d["result"] = obj["result"]
+                d["error"] = None
+                d["fds"] = fds
+                return reply
+            if "result" in obj:
+                raise _bad(readable_id, "a reply has either a result or an error, not both")
+            if raw_id is not None and readable_id is None:
+                raise _bad(readable_id, f"malformed reply id {raw_id!r:.100}")
+            if not (type(error) is dict and type(error.get("type")) is str
+                    and type(error.get("message")) is str):
+                raise _bad(readable_id, f"malformed error in reply: {error!r:.200}")
+            return _new_reply(readable_id, None, error, fds)
+        raise _bad(readable_id, "a frame needs an 'op' (request) or a 'result'/'error' (reply)")
 
     def _fail(self, message: str) -> FrameError:
         self._failure = FrameError(message, fatal=True)

@@ -29,8 +29,11 @@ are unreliable under ``noatime``/``relatime``).
 
 **Reads land in their destination.** The engine reads a chunk with :meth:`DiskStore.read_into`:
 one worker-thread call opens the file, reads, verifies and decodes it into the tensor it is
-given (a reserved top-tier slot), with :func:`~musacache.codec.read_chunk_into`. A raw chunk's
-payload goes from the page cache into the slot with ``preadv`` and no buffer in between.
+given (a reserved top-tier slot), with :func:`~musacache.codec.read_chunk_into`: one native
+call per chunk. A raw chunk's payload goes from the page cache into the slot with ``pread`` and
+no buffer in between; an ``lz4`` chunk's blocks are read, checked and decoded just before the
+strips of the slot that need them. Either also writes the caller's tensor when ``on_block``
+carries a native copy (``_tee.py``).
 
 **Writes and deletes of one key are ordered.** They take effect one at a time, in the order the
 engine called them (:class:`~musacache.tiers._ordering.KeyOrder`), so a delete never races a
