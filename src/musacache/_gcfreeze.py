@@ -55,8 +55,9 @@ def full_collections_held() -> Iterator[None]:
     million, 150 ms with the GIL held whichever thread allocated them. The cache holds full
     collections off from ``start`` until it has read that list and freed it a batch per loop
     turn (``_coldpath``); the next full collection after that walks what is left, not the
-    listing. Nothing is frozen here: cyclic garbage made meanwhile that reaches the old
-    generation waits for that next full collection, and is then freed. Nests; restores the
+    listing. Nothing is frozen here, but cyclic garbage made meanwhile that reaches the old
+    generation is not collected either, and the restart's freeze that follows
+    (``Directory.freeze_listing``) keeps it, once per open. Nests; restores the
     threshold it found (CPython 3.11 to 3.13: a full collection runs only when the oldest
     generation's counter passes its threshold).
     """
