@@ -12,7 +12,7 @@ from dataclasses import dataclass
 __all__ = ["ChunkMeta"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a listing may hold a million of them
 class ChunkMeta:
     """What the directory knows of one chunk without reading it.
 

@@ -334,11 +334,10 @@ class Directory:
 
     def freeze_listing(self) -> None:
         """A listing to learn was just read and sorted: freeze the heap now, without a
-        collection first. Its million objects (and the lists holding them) are young, and
-        every collection of the young generations would walk them all (10 to 35 ms each)
-        until they are old; frozen, they are never walked. They are alive, so nothing is
-        kept that a collection would have freed, but for young cyclic garbage of the
-        process at this moment (once per listing)."""
+        collection first, so the young collections while it is learned walk only the new
+        entries, not what the tier's ``start`` left alive. What is kept that a collection
+        would have freed: cyclic garbage of the process at this moment, once per listing
+        (see ``_gcfreeze.full_collections_held``)."""
         if self.gc_freeze_every and gc.isenabled():
             gc.freeze()
 

@@ -23,6 +23,7 @@ from ._core import BATCH, DenseSource, Engine, PagedSource
 from ._directory import Match
 from ._errors import CacheClosedError, ConfigError, DeviceError, InvalidInputError, ShapeError
 from ._fastpath import FastPath
+from ._gcfreeze import full_collections_held
 from ._keys import Fingerprint, KeyChain, as_tokens
 from ._move import Mover, accelerator_of, scatter_chunks
 from ._pages import PageSource, check_pages, page_keys
@@ -192,10 +193,13 @@ class Cache:
             eng = Engine(cfg, self.fingerprint, self._chain, tiers, mover, self._tasks)
             ctx = TierContext(self.fingerprint, tenant=self.config.tenant)
             for st in eng.stores:
-                listing = await st.store.start(ctx)
-                started.append(st.store)
-                await eng.cold.learn_all(st, listing, BATCH)
-                del listing
+                # A tier's listing made as a million objects: none walked by a full
+                # collection while it is made, read and freed (``_gcfreeze``).
+                with full_collections_held():
+                    listing = await st.store.start(ctx)
+                    started.append(st.store)
+                    await eng.cold.learn_all(st, listing, BATCH)
+                    del listing
             for mt in eng.mem:
                 if mt.prealloc_bytes:
                     await mt.pool.prealloc(mt.prealloc_bytes)
@@ -239,8 +243,9 @@ class Cache:
                 for mt in eng.mem:
                     mt.lru.clear()
                     mt.pool.clear_memory()
-                eng.dir.entries.clear()
-                eng.dir.children.clear()
+                # A batch of entries freed per loop turn, not a million in one step.
+                old, eng.dir = eng.dir, eng.dir.emptied()
+                await _removal.dismantle(old, BATCH)
                 self._state = "closed"
 
     def _check_open(self) -> Engine:

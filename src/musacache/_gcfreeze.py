@@ -25,8 +25,16 @@ everything allocated since the last freeze: a restart's listing of a million obj
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-__all__ = ["freeze_heap"]
+__all__ = ["freeze_heap", "full_collections_held"]
+
+# A threshold the oldest generation's counter (young collections since the last full one)
+# never reaches.
+_NEVER = 2**31 - 1
+_held = 0
+_saved_threshold = 0
 
 
 def freeze_heap() -> None:
@@ -35,3 +43,33 @@ def freeze_heap() -> None:
         return  # the process runs without the collector: it never pauses, nothing to do
     gc.collect(1)
     gc.freeze()
+
+
+@contextmanager
+def full_collections_held() -> Iterator[None]:
+    """No full collection while inside (the young generations are still collected).
+
+    A storage tier that returns its listing as a list of a million ``ChunkMeta`` makes them
+    in its own ``start``, and the collector's full collections fire as they pile up (one
+    whenever the old generation grew by a quarter): each walks all of them, the last one a
+    million, 150 ms with the GIL held whichever thread allocated them. The cache holds full
+    collections off from ``start`` until it has read that list and freed it a batch per loop
+    turn (``_coldpath``); the next full collection after that walks what is left, not the
+    listing. Nothing is frozen here, but cyclic garbage made meanwhile that reaches the old
+    generation is not collected either, and the restart's freeze that follows
+    (``Directory.freeze_listing``) keeps it, once per open. Nests; restores the
+    threshold it found (CPython 3.11 to 3.13: a full collection runs only when the oldest
+    generation's counter passes its threshold).
+    """
+    global _held, _saved_threshold
+    if not _held:
+        t0, t1, _saved_threshold = gc.get_threshold()
+        gc.set_threshold(t0, t1, _NEVER)
+    _held += 1
+    try:
+        yield
+    finally:
+        _held -= 1
+        if not _held:
+            t0, t1, _ = gc.get_threshold()
+            gc.set_threshold(t0, t1, _saved_threshold)

@@ -100,7 +100,13 @@ class ChunkListing:
                      for f in cls.FIELDS))
 
     def take(self, order: np.ndarray) -> ChunkListing:
-        return ChunkListing(*(getattr(self, f)[order] for f in self.FIELDS))
+        # np.take, not fancy indexing: a sixth of the time for the (n, 32) key arrays
+        # (14 against 86 ms at a million rows here); both leave the GIL free.
+        return ChunkListing(*(np.take(getattr(self, f), order, axis=0) for f in self.FIELDS))
+
+    def reversed(self) -> ChunkListing:
+        """The rows in reverse order (views: no copy)."""
+        return ChunkListing(*(getattr(self, f)[::-1] for f in self.FIELDS))
 
     def oldest_first(self) -> ChunkListing:
         """By ``last_used``, oldest first (stable); numpy's sort, for a worker thread."""
@@ -131,11 +137,27 @@ class ChunkListing:
                 yield ChunkMeta(key, parent, tokens, raw, stored, t)
 
 
+# Rows per block of a ListingBuilder: a block is never grown past this, so appending a row
+# never copies more than a block's buffers (a flat buffer of a million rows grows by
+# reallocation: a 32 MiB copy with the GIL held, whichever thread appends).
+_BLOCK_ROWS = 4096
+
+
 class ListingBuilder:
     """Rows appended one at a time into flat buffers (no object per row), then
-    :meth:`build` into a :class:`ChunkListing`. Not thread-safe: one per worker thread."""
+    :meth:`build` into a :class:`ChunkListing`. Not thread-safe: one per worker thread.
+
+    The rows are kept in blocks of at most ``_BLOCK_ROWS``: no append copies more than one
+    block, and :meth:`build` copies a block at a time into arrays made once (the GIL is free
+    between blocks)."""
 
     def __init__(self) -> None:
+        self._done: list[tuple[bytes, bytes, array[int], array[int], array[int],
+                               array[float]]] = []
+        self._n_done = 0
+        self._start_block()
+
+    def _start_block(self) -> None:
         self._keys = bytearray()
         self._parents = bytearray()
         self._tokens = array("q")
@@ -144,7 +166,7 @@ class ListingBuilder:
         self._used = array("d")
 
     def __len__(self) -> int:
-        return len(self._tokens)
+        return self._n_done + len(self._tokens)
 
     def add(self, key: bytes, parent: bytes, num_tokens: int, raw_bytes: int,
             stored_bytes: int = 0, last_used: float = 0.0) -> None:
@@ -157,11 +179,26 @@ class ListingBuilder:
         self._raw.append(raw_bytes)
         self._stored.append(stored_bytes)
         self._used.append(last_used)
+        if len(self._tokens) >= _BLOCK_ROWS:
+            self._done.append((bytes(self._keys), bytes(self._parents), self._tokens,
+                               self._raw, self._stored, self._used))
+            self._n_done += len(self._tokens)
+            self._start_block()
 
     def build(self) -> ChunkListing:
-        def col(buf: array[Any]) -> np.ndarray:
-            return np.frombuffer(buf, dtype=np.int64 if buf.typecode == "q" else np.float64).copy()
-        return ChunkListing(np.frombuffer(bytes(self._keys), np.uint8).reshape(-1, KEY_BYTES),
-                            np.frombuffer(bytes(self._parents), np.uint8).reshape(-1, KEY_BYTES),
-                            col(self._tokens), col(self._raw), col(self._stored),
-                            col(self._used))
+        parts = [*self._done, (bytes(self._keys), bytes(self._parents), self._tokens,
+                               self._raw, self._stored, self._used)]
+        n = len(self)
+        keys = np.empty((n, KEY_BYTES), np.uint8)
+        parents = np.empty((n, KEY_BYTES), np.uint8)
+        cols = [np.empty(n, np.int64) for _ in range(3)] + [np.empty(n, np.float64)]
+        at = 0
+        for k, p, tokens, raw, stored, used in parts:
+            m = len(tokens)
+            keys[at : at + m] = np.frombuffer(k, np.uint8).reshape(m, KEY_BYTES)
+            parents[at : at + m] = np.frombuffer(p, np.uint8).reshape(m, KEY_BYTES)
+            bufs: tuple[array[Any], ...] = (tokens, raw, stored, used)
+            for col, buf in zip(cols, bufs, strict=True):
+                col[at : at + m] = np.frombuffer(buf, col.dtype)
+            at += m
+        return ChunkListing(keys, parents, *cols)

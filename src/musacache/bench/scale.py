@@ -57,34 +57,48 @@ def _tiny_cache(chunks: int, **kw: Any) -> Cache:
 class _Gaps:
     """The loop's largest gap while it runs (a heartbeat every millisecond), and the longest
     pause of Python's cyclic garbage collector meanwhile (a full collection walks every
-    tracked object of the process: with a million entries, that alone is a long gap)."""
+    tracked object of the process: with a million entries, that alone is a long gap).
+
+    Each is also taken in CPU time: the loop thread's during the largest gap, and the
+    collecting thread's during the longest pause. On a shared machine a gap also holds the
+    time the loop's thread waited for a core while other processes ran: the loop thread's
+    CPU time is the part that was its own work, and the process's (worker threads included)
+    more than that means a worker thread ran meanwhile (and may have held the GIL)."""
 
     def __init__(self) -> None:
         self.max = 0.0
+        self.cpu_at_max = 0.0  # the loop thread's CPU time within the largest gap
+        self.proc_cpu_at_max = 0.0  # the whole process's (its worker threads too)
         self.gc_max = 0.0
+        self.gc_cpu_max = 0.0
         self._gc_t0 = 0.0
+        self._gc_c0 = 0.0
         self._stop = False
         self._task: asyncio.Task[None] | None = None
 
     def _on_gc(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             self._gc_t0 = time.perf_counter()
+            self._gc_c0 = time.thread_time()
         else:
             self.gc_max = max(self.gc_max, time.perf_counter() - self._gc_t0)
+            self.gc_cpu_max = max(self.gc_cpu_max, time.thread_time() - self._gc_c0)
 
     async def __aenter__(self) -> _Gaps:
         gc.callbacks.append(self._on_gc)
         async def beat() -> None:
-            last = time.perf_counter()
+            last, last_cpu, last_proc = time.perf_counter(), time.thread_time(), time.process_time()
             while not self._stop:
                 await asyncio.sleep(0.001)
-                now = time.perf_counter()
-                self.max = max(self.max, now - last)
-                last = now
+                now, cpu, proc = time.perf_counter(), time.thread_time(), time.process_time()
+                if now - last > self.max:
+                    self.max, self.cpu_at_max = now - last, cpu - last_cpu
+                    self.proc_cpu_at_max = proc - last_proc
+                last, last_cpu, last_proc = now, cpu, proc
 
         self._task = asyncio.create_task(beat())
         await asyncio.sleep(0.005)
-        self.max = self.gc_max = 0.0
+        self.max = self.cpu_at_max = self.proc_cpu_at_max = self.gc_max = self.gc_cpu_max = 0.0
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -403,7 +417,10 @@ async def stalls(entries: int, siblings_n: int, listing_n: int) -> dict[str, Any
         if len(cache._engine.dir) != listing_n:
             raise RuntimeError("bench: the listing was not learned whole")
         await cache.aclose()
-    return {k: {"gap_ms": g.max * 1e3, "gc_ms": g.gc_max * 1e3} for k, g in out.items()}
+    return {k: {"gap_ms": g.max * 1e3, "gap_cpu_ms": g.cpu_at_max * 1e3,
+                "gap_process_cpu_ms": g.proc_cpu_at_max * 1e3,
+                "gc_ms": g.gc_max * 1e3, "gc_cpu_ms": g.gc_cpu_max * 1e3}
+            for k, g in out.items()}
 
 
 # -- small ops ------------------------------------------------------------------------------
@@ -762,11 +779,14 @@ def report(res: dict[str, Any]) -> None:
                   f"{r['ratio_median']:12.2f} | {r['cpu_ratio_min']:.2f}")
     st = res.get("stalls")
     if st:
-        print("\nlargest event-loop gap during directory work (goal < 10 ms each; the longest"
-              " GC pause within it alongside)")
+        print("\nlargest event-loop gap during directory work (goal < 10 ms each; the CPU time"
+              " of the loop thread and of the whole process within it, and the longest GC"
+              " pause, wall and CPU, alongside)")
         for k, v in st.items():
             print(f"  {k:<40} {v['gap_ms']:7.2f} ms   ratio to goal {v['gap_ms'] / 10:5.2f}"
-                  f"   (GC pause {v['gc_ms']:.2f} ms)")
+                  f"   (CPU: loop {v['gap_cpu_ms']:.2f} ms, process "
+                  f"{v['gap_process_cpu_ms']:.2f} ms; GC pause {v['gc_ms']:.2f} ms, CPU "
+                  f"{v['gc_cpu_ms']:.2f} ms)")
     so = res.get("small_ops")
     if so:
         cpu = so["cpu"]

@@ -120,8 +120,10 @@ class StorageTier(abc.ABC):
 
         A :class:`ChunkListing` (built in a worker thread, e.g. with :class:`ListingBuilder`)
         is learned without an event-loop stall however long it is. A list of ``ChunkMeta`` is
-        still accepted; it is converted in a worker thread, but its objects were made (and
-        are dropped) by the tier, which for a million of them stalls the loop."""
+        still accepted, and is the cache's from then on: it is read and emptied a batch per
+        loop turn (so its objects are freed a batch at a time if the tier keeps no other
+        reference), with the collector's full collections held off from this call until
+        then. Making a million objects is still the tier's own time."""
 
     @abc.abstractmethod
     async def aclose(self) -> None:
