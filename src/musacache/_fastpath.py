@@ -111,6 +111,8 @@ class FastPath:
         self.max_bytes = min(eng.mover.inline_bytes, _MAX_CHUNKS * self.cs * self.bpt + 1)
         self.shapes: dict[int, tuple[int, ...]] = {}
         self.templates: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        # may_overlap of each strided (not contiguous) ``out`` geometry seen: (shape, strides)
+        self.overlaps: dict[tuple[tuple[int, ...], tuple[int, ...]], bool] = {}
         top = eng.tiers[0]
         # get is served here only from a host top tier into host memory, asked once the way
         # the data path asks whether a move touches a device; lookup is served for any tiers.
@@ -222,6 +224,19 @@ class FastPath:
         top = self.top
         if top is None:
             return None
+        if out is not None:
+            # (token_bytes, inlined: a call is a tenth of a microsecond of a small get)
+            if type(tokens) is _ndarray and tokens.dtype is _I4 and tokens.ndim == 1:
+                buf = tokens.tobytes()
+            else:
+                buf = as_tokens(tokens).tobytes()
+            served = self.serve(buf, out)
+            if served is None:
+                return None
+            if served == len(buf) >> 2:
+                return served, out, {top.name: served}
+            return served, out.narrow(self.td, 0, served), ({top.name: served} if served
+                                                            else {})
         # (token_bytes, inlined: a call is a tenth of a microsecond of a small get)
         if type(tokens) is _ndarray and tokens.dtype is _I4 and tokens.ndim == 1:
             buf = tokens.tobytes()
@@ -230,54 +245,99 @@ class FastPath:
         n = len(buf) >> 2
         if n == 0 or n * self.bpt >= self.max_bytes:
             return None
-        dense = True
-        bump = out is not None  # a tensor made here has no autograd history to warn
-        if out is not None:
-            # What check_dense/check_out/_check_kv ask, on plain attributes; any doubt, and
-            # the general path decides (and raises the typed error).
-            if type(out) is not _Tensor or out.layout is not _strided or not out.is_cpu \
-                    or out.dtype is not self.dtype or out.requires_grad \
-                    or out.shape != (self.shapes.get(n) or self._shape(n)):
-                return None
-            dense = out.is_contiguous()
-            if not dense and may_overlap(out):
-                return None
-            if out.is_inference():
-                # No version counter to bump; and outside inference_mode torch refuses the
-                # write (the general path says so).
-                if not _inference_mode():
-                    return None
-                bump = False
         key0 = None
-        if n <= self.cs and dense:
+        if n <= self.cs:
             key0, e = self._whole(buf, n)
-            if e is not None and (one := self._one(e, n, out, bump, top)) is not None:
-                return one
+            if e is not None:
+                code = e._mem
+                if type(code) is int and code & _TIER_MASK == top.idx:
+                    # empty_strided with the contiguous strides worked out once per width:
+                    # 0.5 µs cheaper than empty_like of a template, 0.7 than torch.empty.
+                    shape, stride = self.templates.get(n) or self._template(n)
+                    dst = _empty_strided(shape, stride, dtype=self.dtype)
+                    self._one(e, n, code >> _TIER_BITS, dst.data_ptr(), False, dst, top)
+                    return n, dst, {top.name: n}
         found = self._walk(buf, n, top.idx, key0)
         if found is None:
             return None
         served = found[-1][0] + found[-1][1] if found else 0
-        if out is None:
-            # empty_strided with the contiguous strides worked out once per width: 0.5 µs
-            # cheaper than empty_like of a template, 0.7 than torch.empty(shape).
-            shape, stride = self.templates.get(served) or self._template(served)
-            dst = _empty_strided(shape, stride, dtype=self.dtype)
-            width = served
-        else:
-            dst = out
-            width = n
+        shape, stride = self.templates.get(served) or self._template(served)
+        dst = _empty_strided(shape, stride, dtype=self.dtype)
         if found:
-            self._copy(found, dst, width, dense, bump)
-        # The general path's counters, exactly: the request's tokens, the top tier's hits and
-        # bytes out, one move, and the LRU touches (children first, parents last, in every
-        # tier that holds them).
+            self._copy(found, dst, served, True, False)
+        self._account(found, n, served, top)
+        return served, dst, ({top.name: served} if served else {})
+
+    def serve(self, buf: bytes, out: torch.Tensor) -> int | None:
+        """``get`` of the prompt ``buf`` (its tokens as int32 little-endian bytes, as
+        ``token_bytes`` makes them) into ``out``: the number of tokens written (0: a miss),
+        or None: take the general path (nothing written, nothing counted). What the node
+        server calls for a buffer it keeps, with the request's bytes as they came: it needs
+        the count, not a view of ``out`` nor a tiers dict."""
+        top = self.top
+        if top is None:
+            return None
+        n = len(buf) >> 2
+        if n == 0 or n * self.bpt >= self.max_bytes:
+            return None
+        # What check_dense/check_out/_check_kv ask, on plain attributes; any doubt, and the
+        # general path decides (and raises the typed error). Each is read at every call: a
+        # tensor object can be re-pointed (set_, .data =), resized or made to require grad
+        # between two gets, and these reads cost less than remembering them would.
+        if type(out) is not _Tensor or out.layout is not _strided or not out.is_cpu \
+                or out.dtype is not self.dtype or out.requires_grad \
+                or out.shape != (self.shapes.get(n) or self._shape(n)):
+            return None
+        bump = True  # autograd's record of the write (see _bump_version)
+        if out.is_inference():
+            # No version counter to bump; and outside inference_mode torch refuses the
+            # write (the general path says so).
+            if not _inference_mode():
+                return None
+            bump = False
+        key0 = None
+        if out.is_contiguous():
+            dense = True
+            if n <= self.cs:
+                key0, e = self._whole(buf, n)
+                if e is not None:
+                    code = e._mem
+                    if type(code) is int and code & _TIER_MASK == top.idx:
+                        return self._one(e, n, code >> _TIER_BITS, out.data_ptr(), bump, out,
+                                         top)
+        else:
+            # Whether the strides may overlap depends on the shape and strides alone: known
+            # once per geometry (the check walks the dims in Python, 2 µs).
+            geometry = (out.shape, out.stride())
+            overlap = self.overlaps.get(geometry)
+            if overlap is None:
+                overlap = may_overlap(out)
+                if len(self.overlaps) < _MAX_TEMPLATES:
+                    self.overlaps[geometry] = overlap
+            if overlap:
+                return None
+            dense = False
+        found = self._walk(buf, n, top.idx, key0)
+        if found is None:
+            return None
+        served = found[-1][0] + found[-1][1] if found else 0
+        if found:
+            self._copy(found, out, n, dense, bump)
+        self._account(found, n, served, top)
+        return served
+
+    def _account(self, found: list[tuple[int, int, Entry, int]], n: int, served: int,
+                 top: MemTier) -> None:
+        """The general path's counters for a get of ``n`` tokens that served ``found``,
+        exactly: the request's tokens, the top tier's hits and bytes out, one move, and the
+        LRU touches (children first, parents last, in every tier that holds them)."""
         eng = self.eng
         self.ops["gets"] += 1
         tok = eng.tok
         tok["hit_tokens"] += served
         tok["miss_tokens"] += n - served
         if not found:
-            return 0, dst if out is None else dst.narrow(self.td, 0, 0), {}
+            return
         c = top.c
         c["hits"] += len(found)
         c["bytes_out"] += served * self.bpt
@@ -288,31 +348,18 @@ class FastPath:
         for t in self.lower:
             for _s, _n, e, _slot in reversed(found):
                 t.touch(e)
-        kv = dst if served == width else dst.narrow(self.td, 0, served)
-        return served, kv, {top.name: served}
 
-    def _one(self, e: Entry, n: int, out: torch.Tensor | None, bump: bool, top: MemTier,
-             ) -> tuple[int, torch.Tensor, dict[str, int]] | None:
-        """``get`` of a prompt of one chunk, ``e`` (from ``_whole``), into a C-contiguous
-        ``out`` (or a new tensor) when the top tier holds it: one ``memmove``, the same
-        counters and touches as the general loop below (whose lists, tuples and calls cost
-        1.5 µs more than this work). None when the top tier does not hold it alone (the
-        general loop decides)."""
-        code = e._mem
-        if type(code) is not int or code & _TIER_MASK != top.idx:
-            return None
-        slot = code >> _TIER_BITS
-        if out is None:
-            shape, stride = self.templates.get(n) or self._template(n)
-            dst = _empty_strided(shape, stride, dtype=self.dtype)
-        else:
-            dst = out
+    def _one(self, e: Entry, n: int, slot: int, dptr: int, bump: bool, dst: torch.Tensor,
+             top: MemTier) -> int:
+        """The get of a prompt of one chunk, ``e`` (from ``_whole``, in ``slot`` of the top
+        tier), into C-contiguous ``dst`` (at ``dptr``): one ``memmove``, and what
+        ``_account`` counts and touches for it (whose lists, tuples and loops cost more than
+        this work). Returns the tokens written, ``n``."""
         pool = top.pool
         seg_no, off = divmod(slot, pool.slots_per_segment)
         nbytes = n * self.bpt
         # The slot holds the chunk as (rows, n, row) and dst is (rows, n, row), contiguous.
-        status = _copy_bytes(dst.data_ptr(), pool.seg_addr[seg_no] + off * pool.slot_bytes,
-                             nbytes)
+        status = _copy_bytes(dptr, pool.seg_addr[seg_no] + off * pool.slot_bytes, nbytes)
         if status:
             _native._check_status(status, "copy_bytes")
         if bump:
@@ -327,7 +374,7 @@ class FastPath:
         top.lru.touch(slot)
         for t in self.lower:
             t.touch(e)
-        return n, dst, {top.name: n}
+        return n
 
     def _template(self, n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """``spec.shape(n)`` and its contiguous strides. Kept for the first widths asked (a

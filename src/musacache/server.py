@@ -59,6 +59,7 @@ from ._spawn import SpawnedServer, spawn
 from ._spec import KVSpec
 from ._version import __version__
 from .ipc import _messages as msgs
+from .ipc._protocol import encode_reply_packed, pack
 
 __all__ = ["OPS", "Server", "ServerConfig", "SpawnedServer", "main", "spawn"]
 
@@ -971,6 +972,20 @@ _I4: Final = np.dtype("<i4")
 _frombuffer: Final = np.frombuffer  # (the dtype passed by position: 0.2 µs less than by name)
 
 
+#: Packed reply bodies of gets answered by :func:`_answer_now`, by (top tier's name, count).
+_GET_REPLIES: Final[dict[tuple[str, int], bytes]] = {}
+_MAX_GET_REPLIES: Final = 4096
+
+
+def _get_reply(tier: str, n: int) -> bytes:
+    """The packed result of a get that served ``n`` tokens from ``tier`` (the task path's
+    ``{"num_tokens", "tiers"}``), kept for the next get of that count (a bounded set)."""
+    body = pack({"num_tokens": n, "tiers": {tier: n} if n else {}})
+    if len(_GET_REPLIES) < _MAX_GET_REPLIES:
+        _GET_REPLIES[tier, n] = body
+    return body
+
+
 def _answer_now(server: Server, peer: _Peer, req: ipc.Request) -> bytes | None:
     """The reply frame to a ``lookup``, or a ``get`` into a buffer the connection keeps, from the
     connection's reader callback, when its arguments have the usual shape and the cache's
@@ -998,9 +1013,8 @@ def _answer_now(server: Server, peer: _Peer, req: ipc.Request) -> bytes | None:
     counters = server.counters
     result: Any
     try:
-        tokens = _frombuffer(raw, _I4)
         if req.op == "lookup":
-            result = fast.lookup(tokens)
+            result = fast.lookup(_frombuffer(raw, _I4))
             if result is None:
                 return None
         else:
@@ -1011,12 +1025,18 @@ def _answer_now(server: Server, peer: _Peer, req: ipc.Request) -> bytes | None:
             kept = peer.buffers.get(buf)
             if kept is None:
                 return None
-            got = fast.get(tokens, kept.tensor)
-            if got is None:
+            n = fast.serve(raw, kept.tensor)  # (the checks above: int32 bytes, as it takes)
+            if n is None:
                 return None
-            n = got[0]
             counters["bytes_copied"] += n * fast.bpt  # (spec.nbytes, without the call)
-            result = {"num_tokens": n, "tiers": got[2]}
+            # The reply is one of few bodies (a count, and the top tier's name with it): each
+            # packed once, 0.4 µs less than packing the dict per get.
+            top = fast.top  # (serve answered: the cache has a host top tier)
+            name = "" if top is None else top.name
+            reply = encode_reply_packed(req.id, _GET_REPLIES.get((name, n))
+                                        or _get_reply(name, n))
+            counters["requests"] += 1
+            return reply
         counters["requests"] += 1
         return ipc.encode_reply(req.id, result)
     except MusaCacheError as e:  # as in Server._run: answered, not logged
