@@ -494,3 +494,115 @@ def test_new_hit_is_the_same_hit_as_the_constructor_makes():
     with pytest.raises(dataclasses.FrozenInstanceError):
         fast.num_tokens = 5  # type: ignore[misc]
     assert not _new_hit(0, kv[:0], {}) and bool(fast)
+
+
+# -- out: what is checked at every call, and what is remembered -------------------------------
+
+
+def _serve_spy(c: mc.Cache) -> list[int | None]:
+    """What each ``FastPath.serve`` call of ``c`` answered (None: the general path's)."""
+    fast = c._fast
+    assert fast is not None
+    answers: list[int | None] = []
+    real = fast.serve
+
+    def spy(buf: bytes, out: torch.Tensor) -> int | None:
+        answers.append(real(buf, out))
+        return answers[-1]
+
+    fast.serve = spy  # type: ignore[method-assign]
+    return answers
+
+
+def _small_cache() -> mc.Cache:
+    spec = mc.KVSpec(1, 2, 8, torch.float16)
+    return mc.Cache(mc.CacheConfig(spec, "fast", chunk_size=CHUNK,
+                                   tiers=(mc.HostTier(spec.nbytes(CHUNK) * 16),)))
+
+
+async def test_the_overlap_of_a_strided_out_is_remembered_per_shape_and_strides() -> None:
+    """A strided ``out`` is proven not to overlap itself once per (shape, strides), and a
+    tensor of the same shape with other strides is checked afresh: an overlapping one (a
+    token dim of stride 0, as ``expand`` makes) is refused with the typed error, nothing
+    written. Fails if the remembered answer were keyed by the shape alone."""
+    async with _small_cache() as c:
+        spec = c.spec
+        toks = [1, 2, 3, 4]
+        await c.put(toks, prefix_kv(spec, toks))
+        answers = _serve_spy(c)
+        fast = c._fast
+        assert fast is not None
+        shape = spec.shape(CHUNK)  # (L, 2, T, H, D)
+        for _ in range(2):  # the second time from what was remembered
+            out = torch.zeros(1, 2, 2, CHUNK, 8, dtype=spec.dtype).permute(0, 1, 3, 2, 4)
+            assert not out.is_contiguous() and out.shape == shape
+            hit = await c.get(toks, out=out)
+            assert hit.num_tokens == CHUNK and torch.equal(out, prefix_kv(spec, toks))
+        assert answers == [CHUNK, CHUNK] and list(fast.overlaps.values()) == [False]
+        base = torch.zeros(1, 2, 1, 2, 8, dtype=spec.dtype)
+        overlapping = base.expand(1, 2, CHUNK, 2, 8)  # the same shape; every token one row
+        assert overlapping.shape == shape
+        with pytest.raises(mc.InvalidInputError, match="overlapping memory"):
+            await c.get(toks, out=overlapping)
+        assert answers[-1] is None and not base.any()
+        assert sorted(fast.overlaps.values()) == [False, True]
+
+
+def _re_pointed(out: torch.Tensor, spec: mc.KVSpec) -> None:
+    out.set_(torch.zeros(spec.shape(CHUNK), dtype=spec.dtype))
+
+
+def _resized(out: torch.Tensor, spec: mc.KVSpec) -> None:
+    out.resize_(spec.shape(CHUNK + 1))
+
+
+def _restrided(out: torch.Tensor, spec: mc.KVSpec) -> None:
+    shape = spec.shape(CHUNK)
+    out.as_strided_(shape, (0,) * len(shape))  # the same shape, every element one location
+
+
+def _new_dtype(out: torch.Tensor, spec: mc.KVSpec) -> None:
+    out.data = torch.zeros(spec.shape(CHUNK), dtype=torch.float32)
+
+
+def _needs_grad(out: torch.Tensor, spec: mc.KVSpec) -> None:
+    out.requires_grad_()
+
+
+def _made_inference(out: torch.Tensor, spec: mc.KVSpec) -> None:
+    with torch.inference_mode():
+        made = torch.zeros(spec.shape(CHUNK), dtype=spec.dtype)
+    out.data = made
+
+
+@pytest.mark.parametrize("change, error", [
+    (_re_pointed, None), (_resized, "shape"), (_restrided, "overlapping"),
+    (_new_dtype, "dtype"), (_needs_grad, "requires grad"), (_made_inference, "inference_mode")])
+async def test_an_out_changed_in_place_between_two_gets_is_checked_again(
+        change: Any, error: str | None) -> None:
+    """The same ``out`` object, served once, then changed in place: re-pointed at other
+    memory (``set_``), resized, given overlapping strides (``as_strided_``), another dtype or
+    made to require grad (``.data =``, ``requires_grad_``), or swapped for an inference
+    tensor. The next get checks it again: the new memory gets the bytes, and anything the
+    general path refuses is refused with its typed error, the direct path having written
+    nothing. Fails if any check were skipped for a tensor seen before."""
+    async with _small_cache() as c:
+        spec = c.spec
+        toks = [5, 6, 7, 8]
+        await c.put(toks, prefix_kv(spec, toks))
+        answers = _serve_spy(c)
+        out = torch.zeros(spec.shape(CHUNK), dtype=spec.dtype)
+        first = out.data
+        assert (await c.get(toks, out=out)).num_tokens == CHUNK
+        first.zero_()
+        change(out, spec)
+        if error is None:
+            hit = await c.get(toks, out=out)
+            assert hit.num_tokens == CHUNK and torch.equal(out, prefix_kv(spec, toks))
+            assert not first.any()  # the old memory was not written
+            assert answers == [CHUNK, CHUNK]
+        else:
+            with pytest.raises(mc.InvalidInputError, match=error):
+                await c.get(toks, out=out)
+            assert answers == [CHUNK, None]
+            assert not first.any()

@@ -292,3 +292,49 @@ def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
         stride.append(step)
         step *= max(size, 1)
     return tuple(reversed(stride))
+
+
+async def test_a_kept_buffer_get_is_one_direct_serve_and_a_reply_packed_before(tmp_path):
+    """Each get of a batch into a kept buffer is one ``FastPath.serve`` (the count written,
+    no view of ``out``, no tiers dict, no ``Hit``), never ``FastPath.get`` nor the cache's
+    ``Cache.get``; and its reply body, the same for every get that served the same count
+    from the same tier, is packed once, not per get. Before: ``FastPath.get`` per get, its
+    ``{tier: n}`` dict, and a msgpack ``pack`` of the reply dict per get."""
+    spec = small_spec()
+    cfg = _config(tmp_path, spec)
+    ours = (*_OURS, str(_SRC / "_fastpath.py"), str(_SRC / "_engine.py"))
+    async with Server(cfg) as srv:
+        serving = asyncio.create_task(srv.serve_forever())
+        peer, out, raw = await _kept_buffer_peer(srv, cfg, spec)
+        args = {"tokens": raw, "buf": 1}
+        await asyncio.to_thread(_batch, peer, args)  # warm: the reply body packed
+        calls: dict[str, int] = {}
+        packs = {"n": 0}
+
+        def hook(frame: FrameType, event: str, arg: Any) -> None:
+            name = frame.f_code.co_filename
+            if not name.startswith(ours):
+                return
+            if event == "call":
+                key = f"{Path(name).name}:{frame.f_code.co_name}"
+                calls[key] = calls.get(key, 0) + 1
+            elif event == "c_call" and (
+                    isinstance(getattr(arg, "__self__", None), msgpack.Packer)
+                    or getattr(arg, "__name__", "") == "packb"):
+                packs["n"] += 1  # (a Struct's pack, the frame header, is not one)
+
+        sys.setprofile(hook)
+        try:
+            replies = await asyncio.to_thread(_batch, peer, args)
+        finally:
+            sys.setprofile(None)
+        assert all(r.ok and r.result == {"num_tokens": CH, "tiers": {"host": CH}}
+                   for r in replies)
+        assert torch.equal(out, prefix_kv(spec, list(range(CH))))
+        assert calls.get("_fastpath.py:serve") == BATCH, calls
+        assert "_fastpath.py:get" not in calls and "_engine.py:get" not in calls, calls
+        assert "_engine.py:_new_hit" not in calls, calls
+        assert packs["n"] == 0, (packs, calls)
+        peer.sock.close()
+        srv.stop()
+        await serving
