@@ -218,7 +218,7 @@ def directory_bytes(eng: Any) -> tuple[int, int]:
             total += size(e.kids) + size(e.kids._runs) + size(e.kids._maxes) \
                 + sum(size(r) for r in e.kids._runs) + size(e.kids._tokenless)
     for t in eng.mem:
-        total += size(t.lru._prev) + size(t.lru._next) + size(t.lru._entry)
+        total += t.lru.table_bytes()
     return total, tokens
 
 

@@ -19,6 +19,7 @@ import anyio
 import torch
 
 from .. import devices
+from .._lru import int32_table
 
 __all__ = ["MemoryPool", "Slot"]
 
@@ -62,7 +63,10 @@ class MemoryPool:
         #: (``_fastpath``) copies between addresses without making a tensor view per slot.
         self.seg_addr: dict[int, int] = {}
         self._typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}
-        self._free: list[int] = []
+        # Freed slot indices, a stack in a table reserved for every slot: a list would grow
+        # by reallocation, copying all of it in one step (a clear of a million chunks).
+        self._free = int32_table(self.max_slots)
+        self._nfree = 0
         self._next = 0  # slots [0, _next) have been handed out at least once
         self._in_use = 0
         self._grow_lock = anyio.Lock()
@@ -83,8 +87,9 @@ class MemoryPool:
 
     def reserve(self) -> int | None:
         """Reserve a slot index, or None if the pool is full. Never awaits."""
-        if self._free:
-            idx = self._free.pop()
+        if self._nfree:
+            self._nfree -= 1
+            idx = self._free[self._nfree]
         elif self._next < self.max_slots:
             idx = self._next
             self._next += 1
@@ -99,7 +104,8 @@ class MemoryPool:
 
     def release(self, index: int) -> None:
         self._in_use -= 1
-        self._free.append(index)
+        self._free[self._nfree] = index
+        self._nfree += 1
 
     # -- memory ---------------------------------------------------------------------------
 
@@ -171,11 +177,23 @@ class MemoryPool:
         return await anyio.to_thread.run_sync(
             lambda: torch.empty(nbytes, dtype=torch.uint8, device=self.device))
 
-    def clear_memory(self) -> None:
-        """Drop every segment (after aclose); the pool can still grow again."""
+    async def aclear_memory(self) -> None:
+        """Drop every segment (after aclose); the pool can still grow again.
+
+        The segments are dropped in a worker thread, one at a time: freeing a segment gives
+        its pages back to the OS (17 ms of CPU for 256 MiB), and torch lets go of the GIL
+        while it frees a tensor's storage, so the loop runs on meanwhile.
+        """
+        segments = list(self._segments.values())
         self._segments.clear()
         self.seg_addr.clear()
-        self._typed.clear()
-        self._free.clear()
+        self._typed.clear()  # views: they share the segments' storage, which frees nothing
+        self._nfree = 0
         self._next = 0
         self._in_use = 0
+
+        def drop() -> None:
+            while segments:
+                segments.pop()
+
+        await anyio.to_thread.run_sync(drop)
