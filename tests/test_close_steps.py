@@ -48,7 +48,7 @@ async def test_a_growing_cache_never_copies_its_slot_tables():
     """Puts that take a pool's slots for the first time allocate at most one new page of the
     recency table per step. Before, its two ``array``s and its list grew by ``extend``: the
     reallocation copied the whole table in one step (6.4 ms at a million slots; here, at
-    24,576 slots, about 200 KiB allocated in one step)."""
+    24,576 slots, 130 KiB allocated in one step)."""
     n = 384 * 64
     async with mc.Cache(_cfg(n + 64)) as c:
         await _fill(c, n // 2)
