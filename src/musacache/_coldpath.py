@@ -403,18 +403,26 @@ class ColdPath:
         if cur:
             todo.append(cur)
         todo.reverse()  # taken from the end, parents first
-        while todo:
-            batch_ = [(e, mt) for e in todo.pop()
-                      if not e.dead and (mt := eng.hottest_mem(e)) is not None]
-            for e, _ in batch_:
-                eng.pin(e)
-            try:
-                where = await eng.relocate([(e, eng.view(mt, e)) for e, mt in batch_],
-                                           first.idx, first.idx + 1, counter="demotions")
-            finally:
+        try:
+            while todo:
+                batch_ = [(e, mt) for e in todo.pop()
+                          if not e.dead and (mt := eng.hottest_mem(e)) is not None]
                 for e, _ in batch_:
-                    eng.unpin(e)
-            progress["persisted"] += sum(w is not None for w in where)
+                    eng.pin(e)
+                try:
+                    where = await eng.relocate([(e, eng.view(mt, e)) for e, mt in batch_],
+                                               first.idx, first.idx + 1, counter="demotions")
+                finally:
+                    for e, _ in batch_:
+                        eng.unpin(e)
+                progress["persisted"] += sum(w is not None for w in where)
+        finally:
+            # Cut short by close_timeout: what is left (a million references in 60,000
+            # lists, say) is let go of a batch of lists per loop turn, not in one step.
+            with anyio.CancelScope(shield=True):
+                while todo:
+                    del todo[-batch:]
+                    await anyio.lowlevel.checkpoint()
 
     # -- what storage already holds ----------------------------------------------------------
 
