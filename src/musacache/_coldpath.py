@@ -22,7 +22,7 @@ from ._directory import Entry
 from ._errors import MusaCacheError
 from ._listing import ChunkListing, ListingBuilder
 from ._log import RateLimitedLog
-from ._placement import persist_order, victims
+from ._placement import memory_only_batches, victims
 from ._tierstate import MemTier, StoreTier, Tier
 from .tiers.base import ChunkMeta
 
@@ -378,29 +378,51 @@ class ColdPath:
                 eng.unpin(e)
             await self.place(t, e, obj)
 
-    async def persist(self, progress: dict[str, int]) -> None:
+    async def persist(self, progress: dict[str, int], batch: int) -> None:
         """Write chunks held only in memory down to the first storage tier, parents first,
-        so the chain a restarted cache rebuilds is whole. ``progress`` counts as it goes."""
+        so the chain a restarted cache rebuilds is whole. ``progress`` counts as it goes.
+
+        What to write is found first, ``batch`` entries of the directory per loop turn, and
+        kept in lists of ``_PERSIST_BATCH`` (no list of every chunk grows by copying); it is
+        all counted in ``to_persist`` before the first write, so a close cut short by its
+        deadline still reports what it left."""
         eng = self.eng
         if not eng.stores:
             return
         first = eng.stores[0]
-        todo = persist_order([e for e in eng.dir.entries.values()
-                              if e.in_memory and not any(t.holds(e) for t in eng.stores)],
-                             eng.dir)
-        progress["to_persist"] += len(todo)
-        for i in range(0, len(todo), _PERSIST_BATCH):
-            batch = [(e, mt) for e in todo[i : i + _PERSIST_BATCH]
-                     if not e.dead and (mt := eng.hottest_mem(e)) is not None]
-            for e, _ in batch:
-                eng.pin(e)
-            try:
-                where = await eng.relocate([(e, eng.view(mt, e)) for e, mt in batch],
-                                           first.idx, first.idx + 1, counter="demotions")
-            finally:
-                for e, _ in batch:
-                    eng.unpin(e)
-            progress["persisted"] += sum(w is not None for w in where)
+        todo: list[list[Entry]] = []
+        cur: list[Entry] = []
+        for part in memory_only_batches(eng.dir, eng.stores, batch):
+            for e in part:
+                cur.append(e)
+                if len(cur) == _PERSIST_BATCH:
+                    todo.append(cur)
+                    cur = []
+            progress["to_persist"] += len(part)
+            await anyio.lowlevel.checkpoint()
+        if cur:
+            todo.append(cur)
+        todo.reverse()  # taken from the end, parents first
+        try:
+            while todo:
+                batch_ = [(e, mt) for e in todo.pop()
+                          if not e.dead and (mt := eng.hottest_mem(e)) is not None]
+                for e, _ in batch_:
+                    eng.pin(e)
+                try:
+                    where = await eng.relocate([(e, eng.view(mt, e)) for e, mt in batch_],
+                                               first.idx, first.idx + 1, counter="demotions")
+                finally:
+                    for e, _ in batch_:
+                        eng.unpin(e)
+                progress["persisted"] += sum(w is not None for w in where)
+        finally:
+            # Cut short by close_timeout: what is left (a million references in 60,000
+            # lists, say) is let go of a batch of lists per loop turn, not in one step.
+            with anyio.CancelScope(shield=True):
+                while todo:
+                    del todo[-batch:]
+                    await anyio.lowlevel.checkpoint()
 
     # -- what storage already holds ----------------------------------------------------------
 

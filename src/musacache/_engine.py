@@ -228,7 +228,7 @@ class Cache:
             try:
                 with anyio.move_on_after(self.config.close_timeout) as deadline:
                     if self.config.persist_on_close:
-                        await eng.cold.persist(self._close)
+                        await eng.cold.persist(self._close, BATCH)
                     await self._tasks.drain()
                 self._close["timed_out"] = int(deadline.cancelled_caught)
                 self._close["not_persisted"] = self._close["to_persist"] - self._close["persisted"]
@@ -241,8 +241,7 @@ class Cache:
                     except Exception as e:  # closing must release the rest regardless
                         eng.cold.errlog.warn(st.name, "close", repr(e))
                 for mt in eng.mem:
-                    mt.lru.clear()
-                    mt.pool.clear_memory()
+                    await _removal.release_memory(mt)
                 # A batch of entries freed per loop turn, not a million in one step.
                 old, eng.dir = eng.dir, eng.dir.emptied()
                 await _removal.dismantle(old, BATCH)

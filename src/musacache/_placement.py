@@ -6,7 +6,7 @@ and the bookkeeping that records it happen in one step on the event loop.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -15,7 +15,7 @@ from ._directory import Directory, Entry
 from ._keys import KeyChain
 from ._tierstate import MemTier, StoreTier, Tier
 
-__all__ = ["delete_roots", "persist_order", "reserve_slot", "subtree_batches", "victims"]
+__all__ = ["delete_roots", "memory_only_batches", "reserve_slot", "subtree_batches", "victims"]
 
 
 def victims(t: Tier, directory: Directory, count: int) -> list[Entry]:
@@ -88,22 +88,39 @@ def reserve_slot(mem: Sequence[MemTier], start: int = 0) -> tuple[MemTier, int] 
     return None
 
 
-def persist_order(entries: Iterable[Entry], directory: Directory) -> list[Entry]:
-    """``entries`` parents first, so a restarted cache finds whole chains."""
-    depth: dict[bytes, int] = {}
+def memory_only_batches(directory: Directory, stores: Sequence[StoreTier],
+                        batch: int) -> Iterator[list[Entry]]:
+    """The chunks held in memory and in no storage tier, parents first (every chunk after its
+    parent), cut after every ``batch`` steps of the walk: the caller lets the loop run between
+    batches, so a million entries are never looked at in one step.
 
-    def depth_of(e: Entry) -> int:
-        chain: list[Entry] = []
-        cur: Entry | None = e
-        while cur is not None and cur.key not in depth:
-            chain.append(cur)
-            cur = directory.get(cur.parent)
-        base = depth[cur.key] if cur is not None else 0
-        for i, x in enumerate(reversed(chain)):
-            depth[x.key] = base + i + 1
-        return depth[e.key]
-
-    return sorted(entries, key=depth_of)
+    A depth-first walk down the parent links from the chunks whose parent is not cached: a
+    parent is met before its children, so no sort (and no table of every key's depth) is
+    needed. The walk keeps a stack of lists of children (each taken in one C call), never a
+    list of every entry; a batch may be empty."""
+    roots = list(directory.children.values())
+    stack: list[Iterator[Entry | Siblings[Entry]]] = [iter(roots)]
+    del roots
+    out: list[Entry] = []
+    steps = 0
+    while stack:
+        have = next(stack[-1], None)
+        if have is None:
+            stack.pop()
+            continue
+        steps += 1
+        if isinstance(have, Siblings):
+            stack.append(iter(have.snapshot()))
+        else:
+            if not have.dead and have.in_memory and not any(t.holds(have) for t in stores):
+                out.append(have)
+            if have.kids is not None:
+                stack.append(iter((have.kids,)))
+        if steps >= batch:
+            yield out
+            out = []
+            steps = 0
+    yield out
 
 
 def delete_roots(directory: Directory, chain: KeyChain, toks: np.ndarray,

@@ -16,11 +16,12 @@ import numpy as np
 from ._children import Siblings
 from ._directory import Directory, Entry
 from ._placement import delete_roots, subtree_batches
+from ._tierstate import MemTier
 
 if TYPE_CHECKING:
     from ._core import Engine
 
-__all__ = ["clear", "delete", "dismantle"]
+__all__ = ["clear", "delete", "dismantle", "release_memory"]
 
 
 async def delete(eng: Engine, toks: np.ndarray, batch: int) -> int:
@@ -85,3 +86,14 @@ async def dismantle(old: Directory, batch: int,
                 del kids
             each(part)
         await anyio.lowlevel.cancel_shielded_checkpoint()
+
+
+async def release_memory(mt: MemTier) -> None:
+    """Let go of a memory tier on close: its recency table a page of slots per loop turn
+    (a million references dropped at once is a step of its own), then its segments in a
+    worker thread (:meth:`MemoryPool.aclear_memory`). Shielded: this must finish."""
+    pages = mt.lru.take_pages()
+    while pages:
+        pages.pop()
+        await anyio.lowlevel.cancel_shielded_checkpoint()
+    await mt.pool.aclear_memory()

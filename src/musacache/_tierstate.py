@@ -58,7 +58,7 @@ class MemTier:
         self.prealloc_bytes = prealloc
         self.growing: set[int] = set()  # segments being allocated ahead of need
         self.capacity_bytes = int(cfg.capacity_bytes)
-        self.lru = SlotLRU()
+        self.lru = SlotLRU(self.pool.max_slots)
         self.c = counters("hits", "misses", "bytes_in", "bytes_out", "evictions", "promotions",
                           "demotions", "drops")
 

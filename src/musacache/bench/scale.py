@@ -218,7 +218,7 @@ def directory_bytes(eng: Any) -> tuple[int, int]:
             total += size(e.kids) + size(e.kids._runs) + size(e.kids._maxes) \
                 + sum(size(r) for r in e.kids._runs) + size(e.kids._tokenless)
     for t in eng.mem:
-        total += size(t.lru._prev) + size(t.lru._next) + size(t.lru._entry)
+        total += t.lru.table_bytes()
     return total, tokens
 
 
@@ -406,6 +406,20 @@ async def stalls(entries: int, siblings_n: int, listing_n: int) -> dict[str, Any
         async with _Gaps() as g:
             await c.clear()
         out[f"clear ({n} chunks)"] = g
+    # Closing with persist_on_close (the default) and a storage tier: finding what to write
+    # walks the directory, then the writes run until close_timeout.
+    persist = Cache(CacheConfig(TINY, "bench-scale", chunk_size=CH, close_timeout=3.0,
+                                tiers=(HostTier(capacity_bytes=TINY.nbytes(CH) * (entries + 64)),
+                                       _Listing(ListingBuilder().build()))))
+    await persist.open()
+    kv64 = torch.zeros(TINY.shape(64 * CH), dtype=TINY.dtype)
+    for p in _prompts(rng, max(1, entries // 64), 64):
+        await persist.put(p, kv64)
+    n = len(persist._engine.dir)
+    async with _Gaps() as g:
+        await persist.aclose()
+    out[f"aclose with persist_on_close ({n} chunks, 3 s deadline)"] = g
+    del persist
     listing = _listing(listing_n, 64)
     for as_list, form in ((False, "compact"), (True, "a list of ChunkMeta")):
         cache = Cache(CacheConfig(TINY, "bench-scale", chunk_size=CH,

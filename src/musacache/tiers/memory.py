@@ -62,6 +62,8 @@ class MemoryPool:
         #: (``_fastpath``) copies between addresses without making a tensor view per slot.
         self.seg_addr: dict[int, int] = {}
         self._typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        # A list: a table reserved up front (as SlotLRU's links) made a delete of 200,000
+        # chunks slower per step here (3.7 against 6.4 to 11 ms of loop CPU), cause not found.
         self._free: list[int] = []
         self._next = 0  # slots [0, _next) have been handed out at least once
         self._in_use = 0
@@ -171,11 +173,23 @@ class MemoryPool:
         return await anyio.to_thread.run_sync(
             lambda: torch.empty(nbytes, dtype=torch.uint8, device=self.device))
 
-    def clear_memory(self) -> None:
-        """Drop every segment (after aclose); the pool can still grow again."""
+    async def aclear_memory(self) -> None:
+        """Drop every segment (after aclose); the pool can still grow again.
+
+        The segments are dropped in a worker thread, one at a time: freeing a segment gives
+        its pages back to the OS (17 ms of CPU for 256 MiB), and torch lets go of the GIL
+        while it frees a tensor's storage, so the loop runs on meanwhile.
+        """
+        segments = list(self._segments.values())
         self._segments.clear()
         self.seg_addr.clear()
-        self._typed.clear()
-        self._free.clear()
+        self._typed.clear()  # views: they share the segments' storage, which frees nothing
+        self._free = []
         self._next = 0
         self._in_use = 0
+
+        def drop() -> None:
+            while segments:
+                segments.pop()
+
+        await anyio.to_thread.run_sync(drop)
