@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import tracemalloc
+from collections.abc import Awaitable, Callable
 
 import pytest
 import torch
@@ -59,3 +62,39 @@ def host_config(spec: mc.KVSpec, chunks: int = 64, chunk_size: int = 16, **kw: o
     tiers = kw.pop("tiers", None) or (mc.HostTier(capacity_bytes=spec.nbytes(chunk_size) * chunks),)
     return mc.CacheConfig(spec=spec, namespace=str(kw.pop("namespace", "test-model")),
                           tiers=tiers, chunk_size=chunk_size, **kw)  # type: ignore[arg-type]
+
+
+class StepMemory:
+    """The most memory one turn of the loop allocated beyond what it started with, and the
+    most it freed, while ``op`` runs (a task that yields at every turn measures each)."""
+
+    def __init__(self) -> None:
+        self.grew = 0
+        self.shrank = 0
+        self.turns = 0
+
+    async def measure(self, op: Callable[[], Awaitable[object]]) -> None:
+        running = True
+
+        async def turns() -> None:
+            start = tracemalloc.get_traced_memory()[0]
+            while running:
+                tracemalloc.reset_peak()
+                await asyncio.sleep(0)
+                cur, peak = tracemalloc.get_traced_memory()
+                self.grew = max(self.grew, peak - start)
+                self.shrank = max(self.shrank, start - cur)
+                self.turns += 1
+                start = cur
+
+        tracemalloc.start()
+        try:
+            task = asyncio.create_task(turns())
+            await asyncio.sleep(0)
+            try:
+                await op()
+            finally:
+                running = False
+                await task
+        finally:
+            tracemalloc.stop()

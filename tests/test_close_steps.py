@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import tracemalloc
 import weakref
 
 import numpy as np
 import torch
 
 import musacache as mc
+from helpers import StepMemory
 from musacache._core import BATCH
 from musacache._directory import Entry
 from musacache._listing import ListingBuilder
@@ -53,32 +53,10 @@ async def test_a_growing_cache_never_copies_its_slot_tables():
     async with mc.Cache(_cfg(n + 64)) as c:
         await _fill(c, n // 2)
         more = _prompts(n // 2, seed=4)  # drawn before the steps are measured
-        grew = 0
-        running = True
-
-        async def turns() -> None:
-            nonlocal grew
-            start = tracemalloc.get_traced_memory()[0]
-            while running:
-                tracemalloc.reset_peak()
-                await asyncio.sleep(0)
-                cur, peak = tracemalloc.get_traced_memory()
-                grew = max(grew, peak - start)
-                start = cur
-
-        tracemalloc.start()
-        try:
-            task = asyncio.create_task(turns())
-            await asyncio.sleep(0)
-            try:
-                await _fill(c, n // 2, prompts=more)
-            finally:
-                running = False
-                await task
-        finally:
-            tracemalloc.stop()
+        m = StepMemory()
+        await m.measure(lambda: _fill(c, n // 2, prompts=more))
         assert len(c._engine.dir) == n
-        assert grew < STEP_BYTES + 8 * PAGE, grew
+        assert m.grew < STEP_BYTES + 8 * PAGE, m.grew
 
 
 def test_slot_lru_links_are_reserved_up_front_and_never_reallocated():

@@ -8,14 +8,13 @@ from __future__ import annotations
 import asyncio
 import gc
 import random
-import tracemalloc
-from collections.abc import Awaitable, Callable
 
 import numpy as np
 import pytest
 import torch
 
 import musacache as mc
+from helpers import StepMemory
 from musacache import _gcfreeze
 from musacache._core import BATCH
 from musacache._directory import Entry
@@ -38,42 +37,6 @@ def _cfg(chunks: int, **kw: object) -> mc.CacheConfig:
                           **kw)  # type: ignore[arg-type]
 
 
-class _StepMemory:
-    """The most memory one turn of the loop allocated beyond what it started with, and the
-    most it freed, while ``op`` runs (a task that yields at every turn measures each)."""
-
-    def __init__(self) -> None:
-        self.grew = 0
-        self.shrank = 0
-        self.turns = 0
-
-    async def measure(self, op: Callable[[], Awaitable[object]]) -> None:
-        running = True
-
-        async def turns() -> None:
-            start = tracemalloc.get_traced_memory()[0]
-            while running:
-                tracemalloc.reset_peak()
-                await asyncio.sleep(0)
-                cur, peak = tracemalloc.get_traced_memory()
-                self.grew = max(self.grew, peak - start)
-                self.shrank = max(self.shrank, start - cur)
-                self.turns += 1
-                start = cur
-
-        tracemalloc.start()
-        try:
-            task = asyncio.create_task(turns())
-            await asyncio.sleep(0)
-            try:
-                await op()
-            finally:
-                running = False
-                await task
-        finally:
-            tracemalloc.stop()
-
-
 async def _wide(c: mc.Cache) -> np.ndarray:
     """A shared prefix with SIBLINGS conversations after it; returns the prefix."""
     rng = np.random.default_rng(1)
@@ -92,7 +55,7 @@ async def test_deleting_a_prompt_with_many_descendants_frees_them_a_batch_per_st
     async with mc.Cache(_cfg(SIBLINGS + 8)) as c:
         system = await _wide(c)
         assert len(c._engine.dir) == SIBLINGS + 1
-        m = _StepMemory()
+        m = StepMemory()
         await m.measure(lambda: c.delete(system))
         assert len(c._engine.dir) == 0
         assert m.turns > SIBLINGS // BATCH  # it did run in batches
@@ -105,7 +68,7 @@ async def test_clearing_a_wide_directory_frees_it_a_batch_per_step():
     prefix's entry dropped its index of 20,000 children in one step."""
     async with mc.Cache(_cfg(SIBLINGS + 8)) as c:
         await _wide(c)
-        m = _StepMemory()
+        m = StepMemory()
         await m.measure(c.clear)
         assert len(c._engine.dir) == 0
         assert (await c.stats())["tiers"]["host"]["bytes_used"] == 0
