@@ -15,7 +15,7 @@ the one place that allocates, copies, re-checks ``dead`` and commits.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any, Protocol
@@ -550,10 +550,12 @@ class Engine:
         t.c["misses"] += 1
         return None
 
-    async def sources(self, matches: Sequence[Match], tees: Sequence[Tee | None] = (),
+    async def sources(self, matches: Sequence[Match],
+                      tee_for: Callable[[int], Tee | None] | None = None,
                       ) -> list[tuple[Match, torch.Tensor, str]]:
         """The data of each match (the caller holds pins) up to the first that cannot be read;
-        those below the top tier fetched concurrently (promoting them, writing ``tees[i]``)."""
+        those below the top tier fetched concurrently (promoting them, writing the tee
+        ``tee_for(i)`` makes for match ``i`` as its fetch starts)."""
         found: list[tuple[torch.Tensor | None, str]] = []
         slow: list[int] = []
         for i, m in enumerate(matches):
@@ -563,7 +565,8 @@ class Engine:
                 slow.append(i)
         if slow:
             async def fetch(i: int) -> None:
-                found[i] = await self.fetch(matches[i].entry, tees[i] if tees else None)
+                found[i] = await self.fetch(matches[i].entry,
+                                           tee_for(i) if tee_for is not None else None)
 
             async with anyio.create_task_group() as tg:
                 for i in slow:

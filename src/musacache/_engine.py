@@ -29,7 +29,7 @@ from ._move import Mover, accelerator_of, scatter_chunks
 from ._pages import PageSource, check_pages, page_keys
 from ._spec import KVSpec
 from ._tasks import TaskOwner
-from ._tee import make_tees
+from ._tee import Tee
 from ._tierstate import MemTier, StoreTier, Tier
 from .tiers.base import StorageTier, TierContext
 
@@ -100,19 +100,29 @@ async def _read_into(eng: Engine, matches: list[Match],
     ``dest(match)`` is the caller's tensor for a whole chunk (its elements in the chunk's
     order), or None: a chunk promoted from disk is written there by its read, block by block
     (:mod:`musacache._tee`), and left out of the move."""
-    tees = make_tees(matches, dest)
+    # A tee only for a chunk fetched from below the top tier (the only reads that write the
+    # caller's tensor), made when ``sources`` starts that fetch: one costs 20 to 55 µs, too
+    # much to make for every chunk of a get served from memory.
+    tees: dict[int, Tee] = {}
+
+    def tee_for(i: int) -> Tee | None:
+        d = dest(matches[i]) if dest is not None else None
+        if d is None or d.device.type != "cpu":
+            return None
+        tee = tees[i] = Tee(d)
+        return tee
+
     for m in matches:
         eng.pin(m.entry)
     try:
-        found = await eng.sources(matches, tees)
+        found = await eng.sources(matches, tee_for)
         await eng.mover.copy([pair(m, src) for i, (m, src, _name) in enumerate(found)
-                              if not (tees and (tee := tees[i]) is not None and tee.complete)])
+                              if not ((tee := tees.get(i)) is not None and tee.complete)])
         eng.touch([m.entry for m, _, _ in found])
         return found
     finally:
-        for tee in tees:
-            if tee is not None:
-                tee.close()  # an abandoned read writes nothing into the caller's tensor now
+        for tee in tees.values():
+            tee.close()  # an abandoned read writes nothing into the caller's tensor now
         for m in matches:
             eng.unpin(m.entry)
 

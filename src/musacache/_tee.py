@@ -25,17 +25,16 @@ or one strip's, copy).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from ._directory import Match
     from ._native import ChunkCopy
 
-__all__ = ["MIN_RUN_BYTES", "Tee", "fill_flat", "make_tees"]
+__all__ = ["MIN_RUN_BYTES", "Tee", "fill_flat"]
 
 #: The shortest contiguous run of the destination the native copy takes; shorter runs (an
 #: innermost dimension that is not contiguous) go through the Python copy.
@@ -167,16 +166,3 @@ def fill_flat(dst: np.ndarray, src: np.ndarray, first: int) -> None:
         pos, row = pos + whole * inner, row + whole
     if pos < n:
         fill_flat(dst[row], src[pos:], 0)
-
-
-def make_tees(matches: Sequence[Match], dest: Callable[[Match], torch.Tensor | None] | None,
-              ) -> list[Tee | None]:
-    """A tee per match for ``dest(match)`` where it can be written from a read's thread (a
-    CPU tensor), None elsewhere; an empty list without ``dest``."""
-    if dest is None:
-        return []
-    tees: list[Tee | None] = []
-    for m in matches:
-        d = dest(m)
-        tees.append(Tee(d) if d is not None and d.device.type == "cpu" else None)
-    return tees
