@@ -4,6 +4,7 @@ and what a stats() call may touch. Speed itself is shown by ``musacache bench sc
 from __future__ import annotations
 
 import asyncio
+import math
 import sys
 
 import numpy as np
@@ -261,6 +262,22 @@ def test_bench_scale_runs_small_and_prints_every_goal(capsys, tmp_path):
                  "warm disk get", "codec raw", "codec lz4", "curves over the directory size",
                  "memory at"):
         assert line in out, line
+
+
+def test_bench_gaps_split_at_a_moment():
+    """The restart row counts only the gaps that began once the tier's start returned (the
+    cache's work); what the tier did before that is read out apart."""
+    from musacache.bench.scale import _Gaps
+
+    g = _Gaps()
+    g.gaps[:] = [(1.0, 0.030, 0.001, 0.029), (5.0, 0.004, 0.003, 0.003),
+                 (6.0, 0.008, 0.007, 0.008)]
+    g.pauses[:] = [(1.0, 0.020, 0.020), (6.5, 0.002, 0.002)]
+    after, before = g.within(5.0), g.within(-math.inf, 5.0)
+    assert (after.max, after.cpu_at_max, after.proc_cpu_at_max) == (0.008, 0.007, 0.008)
+    assert (after.gc_max, after.gc_cpu_max) == (0.002, 0.002)
+    assert (before.max, before.proc_cpu_at_max, before.gc_max) == (0.030, 0.029, 0.020)
+    assert g.within(7.0).max == 0.0
 
 
 async def test_an_eviction_with_nowhere_to_demote_pins_and_detaches_nothing(spec, monkeypatch):
