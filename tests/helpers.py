@@ -98,3 +98,28 @@ class StepMemory:
                 await task
         finally:
             tracemalloc.stop()
+
+
+def random_tokens(n: int, seed: int = 0) -> list[int]:
+    """``n`` token ids, the same for the same seed."""
+    import numpy as np
+
+    return [int(x) for x in np.random.default_rng(seed).integers(0, 50_000, n)]
+
+
+async def on_disk_only(cache: mc.Cache) -> None:
+    """Every chunk of ``cache`` evicted from its top (host) tier to storage, once any
+    promotion still running has finished."""
+    eng = cache._engine
+    await cache.flush()
+    await eng.evict(eng.mem[0], len(eng.mem[0].lru))
+    await cache.flush()
+
+
+def flip_byte(path: str | os.PathLike[str], at: int) -> None:
+    """Flip a bit of byte ``at`` of the file ``path`` (negative: from its end)."""
+    with open(path, "rb") as fh:
+        raw = bytearray(fh.read())
+    raw[at] ^= 0x40
+    with open(path, "wb") as fh:
+        fh.write(raw)

@@ -10,7 +10,7 @@ import sys
 import textwrap
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import pytest
@@ -27,10 +27,11 @@ from s3_servers import FaultProxy, unique_bucket
 CHUNK = 16
 
 
-def _config(spec: mc.KVSpec, cold: Any, host_chunks: int = 2) -> mc.CacheConfig:
+def _config(spec: mc.KVSpec, cold: Any, host_chunks: int = 2,
+            promotion: Literal["background", "sync"] = "background") -> mc.CacheConfig:
     host = mc.HostTier(capacity_bytes=spec.nbytes(CHUNK) * host_chunks)
     return mc.CacheConfig(spec=spec, namespace="cold-engine", chunk_size=CHUNK,
-                          tiers=(host, cold))
+                          tiers=(host, cold), promotion=promotion)
 
 
 def _prompt(n: int, seed: int = 0) -> torch.Tensor:
@@ -98,18 +99,21 @@ async def test_disk_corrupt_file_is_a_counted_miss(tmp_path: Path) -> None:
         assert hit.num_tokens == len(toks) and torch.equal(hit.kv, kv)
 
 
+@pytest.mark.parametrize("promotion", ["sync", "background"])
 @pytest.mark.parametrize("codec", ["raw", "lz4"])
 @pytest.mark.parametrize("damage", ["payload byte", "truncated"])
 async def test_disk_read_into_the_top_slot_turns_damage_into_a_counted_miss(
-        tmp_path: Path, codec: str, damage: str) -> None:
+        tmp_path: Path, codec: str, damage: str,
+        promotion: Literal["background", "sync"]) -> None:
     # Promotions read a chunk file straight into a reserved top-tier slot (a raw payload
-    # lands there before its checksum is known): a damaged file must still be a counted
-    # miss, the slot must go back to the pool, and no damaged byte may reach the caller.
+    # lands there before its checksum is known), and by default a get reads it straight into
+    # its own tensor first: a damaged file must still be a counted miss, the slot must go
+    # back to the pool, and no damaged byte may reach the caller.
     spec = small_spec()
     toks = _prompt(6 * CHUNK, seed=5)
     kv = prefix_kv(spec, toks)
     disk = DiskTier(path=str(tmp_path / "disk"), capacity_bytes="64MiB", codec=codec)
-    async with mc.Cache(_config(spec, disk, host_chunks=8)) as cache:
+    async with mc.Cache(_config(spec, disk, host_chunks=8, promotion=promotion)) as cache:
         await cache.put(toks, kv)
         eng = cache._engine
         top = eng.mem[0]
@@ -128,6 +132,7 @@ async def test_disk_read_into_the_top_slot_turns_damage_into_a_counted_miss(
         hit = await cache.get(toks, out=out)
         assert hit.num_tokens == 3 * CHUNK
         assert torch.equal(hit.kv, kv[:, :, : 3 * CHUNK])
+        await cache.flush()  # background promotions done
         assert (await _tier_stats(cache, "disk"))["corrupt"] == 1
         # The chunks are fetched concurrently: all but the damaged one were promoted, and
         # the damaged one's slot went back to the pool.
@@ -148,7 +153,7 @@ async def test_disk_timed_out_read_keeps_its_slot_until_its_thread_returns(
     kv = prefix_kv(spec, toks)
     disk = DiskTier(path=str(tmp_path / "disk"), capacity_bytes="64MiB", codec="raw",
                     timeout=0.2)
-    async with mc.Cache(_config(spec, disk)) as cache:
+    async with mc.Cache(_config(spec, disk, promotion="sync")) as cache:
         await cache.put(toks, kv)
         eng = cache._engine
         top = eng.mem[0]

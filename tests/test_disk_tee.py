@@ -1,6 +1,7 @@
 """A get that promotes chunks from disk writes each chunk into its top-tier slot and into the
 caller's tensor in the same read, block by block (``musacache._tee``): the later move copies
-only what that read did not write. Speed is shown by ``musacache bench scale --only disk``."""
+only what that read did not write. That is ``promotion="sync"``; the default read straight
+into the caller's tensor is tests/test_disk_direct.py's. Speed is shown by ``musacache bench scale --only disk``."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import musacache as mc
-from helpers import prefix_kv, small_spec
+from helpers import flip_byte, on_disk_only, prefix_kv, random_tokens, small_spec
 from musacache import codec
 from musacache._keys import KEY_BYTES, Fingerprint, as_tokens
 from musacache._tee import Tee, _as_numpy, fill_flat
@@ -28,24 +29,10 @@ CH = 16
 
 
 def _cfg(spec: mc.KVSpec, cold: Any, host_chunks: int = 8) -> mc.CacheConfig:
-    return mc.CacheConfig(spec, "tee", chunk_size=CH, tiers=(
+    # promotion="sync": the read through the top-tier slot that these tests are about (the
+    # default reads a disk chunk straight into the get's tensor: tests/test_disk_direct.py).
+    return mc.CacheConfig(spec, "tee", chunk_size=CH, promotion="sync", tiers=(
         mc.HostTier(capacity_bytes=spec.nbytes(CH) * host_chunks), cold))
-
-
-def _toks(n: int, seed: int = 0) -> list[int]:
-    return [int(x) for x in np.random.default_rng(seed).integers(0, 50_000, n)]
-
-
-async def _on_disk_only(c: mc.Cache) -> None:
-    eng = c._engine
-    await eng.evict(eng.mem[0], len(eng.mem[0].lru))
-    await c.flush()
-
-
-def _flip_byte(path: str, at: int) -> None:
-    raw = bytearray(Path(path).read_bytes())
-    raw[at] ^= 0x40
-    Path(path).write_bytes(raw)
 
 
 def _spy_moves(c: mc.Cache) -> list[int]:
@@ -66,12 +53,12 @@ def _spy_moves(c: mc.Cache) -> list[int]:
 async def test_a_disk_promotion_writes_out_in_its_read_and_is_not_moved_again(
         tmp_path: Path, codec_name: str) -> None:
     spec = small_spec()
-    toks = _toks(6 * CH)
+    toks = random_tokens(6 * CH)
     kv = prefix_kv(spec, toks)
     disk = mc.DiskTier(path=str(tmp_path), capacity_bytes="64MiB", codec=codec_name)
     async with mc.Cache(_cfg(spec, disk)) as c:
         await c.put(toks, kv)
-        await _on_disk_only(c)
+        await on_disk_only(c)
         moves = _spy_moves(c)
         # A strided destination (a permuted view): the tee writes it in its logical order.
         base = torch.zeros(spec.shape(len(toks))[::-1])
@@ -84,12 +71,12 @@ async def test_a_disk_promotion_writes_out_in_its_read_and_is_not_moved_again(
 
 async def test_chunks_served_from_memory_still_go_through_the_move(tmp_path: Path) -> None:
     spec = small_spec()
-    toks = _toks(6 * CH, seed=1)
+    toks = random_tokens(6 * CH, seed=1)
     kv = prefix_kv(spec, toks)
     disk = mc.DiskTier(path=str(tmp_path), capacity_bytes="64MiB")
     async with mc.Cache(_cfg(spec, disk)) as c:
         await c.put(toks, kv)
-        await _on_disk_only(c)
+        await on_disk_only(c)
         await c.get(toks[: 2 * CH])  # the first two chunks back in host memory
         moves = _spy_moves(c)
         out = torch.zeros_like(kv)
@@ -116,12 +103,12 @@ async def test_a_tee_is_made_only_for_the_chunks_read_from_below(
 
     monkeypatch.setattr(_engine, "Tee", CountedTee)
     spec = small_spec()
-    toks = _toks(6 * CH, seed=5)
+    toks = random_tokens(6 * CH, seed=5)
     kv = prefix_kv(spec, toks)
     disk = mc.DiskTier(path=str(tmp_path), capacity_bytes="64MiB")
     async with mc.Cache(_cfg(spec, disk)) as c:
         await c.put(toks, kv)
-        await _on_disk_only(c)
+        await on_disk_only(c)
         await c.get(toks[: 2 * CH])  # the first two chunks back in host memory
         made.clear()
         out = torch.zeros_like(kv)
@@ -142,7 +129,7 @@ async def test_get_pages_from_disk_writes_each_page_in_its_read(tmp_path: Path) 
     async with mc.Cache(_cfg(spec, disk)) as c:
         keys = [b"p0", b"p1", b"p2"]
         assert await c.put_pages(keys, pages) == 3
-        await _on_disk_only(c)
+        await on_disk_only(c)
         moves = _spy_moves(c)
         outs = [torch.zeros(spec.nbytes(CH) // 4) for _ in range(3)]  # flat pages
         assert await c.get_pages(keys, outs) == [True, True, True]
@@ -153,17 +140,17 @@ async def test_get_pages_from_disk_writes_each_page_in_its_read(tmp_path: Path) 
 async def test_a_damaged_chunk_ends_the_hit_before_it_with_the_served_bytes_exact(
         tmp_path: Path) -> None:
     spec = small_spec()
-    toks = _toks(4 * CH, seed=2)
+    toks = random_tokens(4 * CH, seed=2)
     kv = prefix_kv(spec, toks)
     disk = mc.DiskTier(path=str(tmp_path), capacity_bytes="64MiB", codec="raw")
     async with mc.Cache(_cfg(spec, disk)) as c:
         await c.put(toks, kv)
-        await _on_disk_only(c)
+        await on_disk_only(c)
         matches = await c._engine.match(as_tokens(toks))
         key = matches[2].entry.key.hex()
         path, = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs
                  if f.startswith(key + ".")]
-        _flip_byte(path, -3)  # in the last block of chunk 2's payload
+        flip_byte(path, -3)  # in the last block of chunk 2's payload
         out = torch.full_like(kv, 7.0)
         hit = await c.get(toks, out=out)
         assert hit.num_tokens == 2 * CH
@@ -176,12 +163,12 @@ async def test_an_abandoned_read_writes_nothing_into_out_after_the_get(
     # A read that times out is left to its thread; the get returns a miss. When the thread
     # finally reads the file, its verified blocks must not land in the caller's tensor.
     spec = small_spec()
-    toks = _toks(CH, seed=3)
+    toks = random_tokens(CH, seed=3)
     kv = prefix_kv(spec, toks)
     disk = mc.DiskTier(path=str(tmp_path), capacity_bytes="64MiB", codec="raw", timeout=0.2)
     async with mc.Cache(_cfg(spec, disk)) as c:
         await c.put(toks, kv)
-        await _on_disk_only(c)
+        await on_disk_only(c)
         release, returned = threading.Event(), threading.Event()
         read = DiskStore._read_regular_into
 
@@ -254,12 +241,12 @@ class _SpyTier(StorageTier):
 
 async def test_the_chunks_of_one_get_are_read_concurrently_within_the_tier_bound() -> None:
     spec = small_spec()
-    toks = _toks(8 * CH, seed=4)
+    toks = random_tokens(8 * CH, seed=4)
     kv = prefix_kv(spec, toks)
     spy = _SpyTier()
     async with mc.Cache(_cfg(spec, spy)) as c:
         await c.put(toks, kv)
-        await _on_disk_only(c)
+        await on_disk_only(c)
         hit = await c.get(toks)
         assert hit.num_tokens == len(toks) and torch.equal(hit.kv, kv)
         assert spy.peak == spy.max_concurrency  # overlapping, and never more than allowed
@@ -270,7 +257,7 @@ def test_read_chunk_into_reports_each_verified_range_once(
         tmp_path: Path, codec_name: str) -> None:
     spec = small_spec()
     fp = Fingerprint("tee", spec, 64)
-    data = prefix_kv(spec, _toks(64, seed=5))
+    data = prefix_kv(spec, random_tokens(64, seed=5))
     meta = ChunkMeta(b"k" * KEY_BYTES, b"p" * KEY_BYTES, 64, spec.nbytes(64))
     obj = codec.encode_chunk(fp, meta, data, codec_name, block_size=4096)
     path = tmp_path / "c"
@@ -342,18 +329,18 @@ async def test_a_read_that_missed_cannot_complete_its_tee_later(
     # read's thread then finishes before the get checks its tee: that late copy must not count
     # as the chunk's delivery, so the chunk still goes through the move.
     spec = small_spec()
-    toks = _toks(CH, seed=6)
+    toks = random_tokens(CH, seed=6)
     kv = prefix_kv(spec, toks)
     d1, d2 = tmp_path / "d1", tmp_path / "d2"
     slow = mc.DiskTier(path=str(d1), capacity_bytes="64MiB", codec="raw", timeout=0.2,
                        name="slow")
     backup = mc.DiskTier(path=str(d2), capacity_bytes="64MiB", codec="raw", name="backup",
                          write_through=True)
-    cfg = mc.CacheConfig(spec, "tee", chunk_size=CH, tiers=(
+    cfg = mc.CacheConfig(spec, "tee", chunk_size=CH, promotion="sync", tiers=(
         mc.HostTier(capacity_bytes=spec.nbytes(CH) * 4), slow, backup))
     async with mc.Cache(cfg) as c:
         await c.put(toks, kv)
-        await _on_disk_only(c)
+        await on_disk_only(c)
         assert [t.holds(e) for t in c._engine.stores
                 for e in c._engine.dir.entries.values()] == [True, True]
         release, returned = threading.Event(), threading.Event()
@@ -388,12 +375,12 @@ async def test_a_promotion_that_outlives_a_cancelled_get_leaves_out_alone(
     # not stop it, and the read then finishes into the top tier, but not into the caller's
     # tensor, which the caller owns again once the get has returned.
     spec = small_spec()
-    toks = _toks(2 * CH, seed=7)
+    toks = random_tokens(2 * CH, seed=7)
     kv = prefix_kv(spec, toks)
     disk = mc.DiskTier(path=str(tmp_path), capacity_bytes="64MiB", codec="raw")
     async with mc.Cache(_cfg(spec, disk)) as c:
         await c.put(toks, kv)
-        await _on_disk_only(c)
+        await on_disk_only(c)
         started, release = threading.Event(), threading.Event()
         read = DiskStore._read_regular_into
 

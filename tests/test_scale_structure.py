@@ -240,6 +240,7 @@ async def test_a_disk_read_decodes_straight_into_the_top_tier_slot(spec, tmp_pat
         hit = await c.get(a)
         assert hit.num_tokens == 4 * CH
         assert torch.equal(hit.kv, prefix_kv(spec, a))
+        await c.flush()  # the promotions after a get's read straight into its tensor
         promoted = [e for e in c._engine.dir.entries.values() if mt.holds(e)]
         assert promoted and outs
         slots = {c._engine.view(mt, e).data_ptr() for e in promoted}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from ._directory import Directory
     from ._keys import Fingerprint
     from ._move import Mover
+    from ._native import ChunkCopy
     from ._spec import KVSpec
     from ._tasks import TaskOwner
     from ._tee import Tee
@@ -51,6 +52,7 @@ class EngineServices(Protocol):
     tasks: TaskOwner
     inflight: dict[str, int]
     wt_sem: anyio.Semaphore
+    flights: dict[bytes, Any]
 
     def pin(self, e: Entry) -> None: ...
     def unpin(self, e: Entry) -> None: ...
@@ -140,6 +142,48 @@ class ColdPath:
         t.c["bytes_out"] += len(obj)
         return data
 
+    async def read_to_tee(self, e: Entry, tee: Tee) -> tuple[bool, StoreTier | None]:
+        """Read ``e`` straight into ``tee`` (a get's own tensor, no top-tier slot in between)
+        where that applies: the top tier is host memory and does not hold ``e``, no
+        promotion of ``e`` is in flight (the caller joins it), ``e`` lives in a storage tier
+        that reads into runs (:attr:`StorageTier.reads_to`, the disk tier) with no write of
+        it queued, and ``tee`` is a native copy target. Returns whether every byte was
+        written, and the tier read (None: this did not apply). A read that missed is
+        counted, as :meth:`read` counts it; its tier is not to be asked again."""
+        eng = self.eng
+        top = eng.tiers[0]
+        copy = tee.native
+        if copy is None or e.key in eng.flights or e.dead \
+                or not isinstance(top, MemTier) or top.device.type != "cpu" or top.holds(e):
+            return False, None
+        src = next((t for t in eng.tiers if t.holds(e)), None)
+        if not isinstance(src, StoreTier) or not src.store.reads_to \
+                or src.pending_obj(e) is not None:
+            return False, None
+        if not await self.read_direct(src, e, copy):
+            return False, src
+        src.c["hits"] += 1
+        return True, src
+
+    async def read_direct(self, t: StoreTier, e: Entry, copy: ChunkCopy) -> bool:
+        """``e``'s chunk from ``t`` straight into ``copy``'s runs (a get's own tensor, no
+        top-tier slot in between). True when every byte was written, all of them verified;
+        False for a miss, counted as :meth:`read` counts it (the runs then hold only
+        verified bytes of this chunk, and none are written once the get closes its tee)."""
+        eng = self.eng
+        if e.stored_size(t.idx) is None:
+            return False
+        meta = t.meta(e)
+
+        def read_to() -> Awaitable[int | None]:
+            return t.store.read_to(meta, eng.fingerprint, copy)
+
+        size = await self._guarded(t, e, read_to, decodes=True)
+        if size is None:
+            return False
+        t.c["bytes_out"] += size
+        return copy.written == copy.nbytes
+
     async def _guarded(self, t: StoreTier, e: Entry, call: Callable[[], Awaitable[_R | None]],
                        *, decodes: bool) -> _R | None:
         """``await call()`` (a read of ``e`` from ``t``) under the tier's concurrency bound and
@@ -182,15 +226,18 @@ class ColdPath:
             self.schedule_delete(t, e.key)
 
     async def promote_decoding(self, e: Entry, tee: Tee | None = None,
+                               skip: tuple[Tier, ...] = (), *, counts_hit: bool = True,
                                ) -> tuple[torch.Tensor | None, str, Tier | None]:
         """When ``e`` lives only in storage and the top tier is host memory: decode it
         straight into a top-tier slot (one decode, no fresh tensor, no second copy). Returns
         the data and the tier it came from, or None and the tier whose read missed (not to be
         asked again; None if this did not apply). ``tee`` (the caller's tensor for this
-        chunk) is written by the same read, block by block."""
+        chunk) is written by the same read, block by block. Tiers in ``skip`` (a read
+        there missed already) are not asked; the read counts as a hit of its tier unless
+        ``counts_hit`` is False."""
         eng = self.eng
         top = eng.tiers[0]
-        src = next((t for t in eng.tiers if t.holds(e)), None)
+        src = next((t for t in eng.tiers if t.holds(e) and t not in skip), None)
         if not isinstance(top, MemTier) or top.device.type != "cpu" \
                 or not isinstance(src, StoreTier) or e.dead:
             return None, "", None
@@ -207,7 +254,8 @@ class ColdPath:
             view = eng.block_view(slot, e.num_tokens)
             if await self.read(src, e, out=view, tee=tee) is None:
                 return None, "", src
-            src.c["hits"] += 1
+            if counts_hit:
+                src.c["hits"] += 1
             if not e.dead and not top.holds(e):
                 top.commit(e, slot)
                 top.c["promotions"] += 1

@@ -155,6 +155,13 @@ class CacheConfig:
     #: process-wide: objects alive at a freeze that later become cyclic garbage are never
     #: collected (see docs/architecture.md, "The directory and the garbage collector").
     gc_freeze_every: int = 16384
+    #: How a chunk that ``get`` reads from a local storage tier (disk) reaches a host top
+    #: tier. ``"background"``: the read goes straight into the get's tensor (``out``, or the
+    #: one it returns: one pass over the bytes, the get returns sooner), and the chunk is
+    #: promoted by a second read after the get has returned (``flush()`` waits for it).
+    #: ``"sync"``: the read lands in a top-tier slot and is copied on into the get's tensor
+    #: in the same pass; the chunk is resident when the get returns.
+    promotion: Literal["background", "sync"] = "background"
 
     def __post_init__(self) -> None:
         if not isinstance(self.spec, KVSpec):
@@ -195,6 +202,9 @@ class CacheConfig:
                            non_negative_float(self.close_timeout, "close_timeout"))
         object.__setattr__(self, "gc_freeze_every",
                            non_negative_int(self.gc_freeze_every, "gc_freeze_every"))
+        if self.promotion not in ("background", "sync"):
+            raise ConfigError(f"promotion must be 'background' or 'sync', got "
+                              f"{self.promotion!r}")
 
     # -- loaders --------------------------------------------------------------------------
 

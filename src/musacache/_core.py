@@ -15,7 +15,7 @@ the one place that allocates, copies, re-checks ``dead`` and commits.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any, Protocol
@@ -31,9 +31,9 @@ from ._directory import Directory, Entry, Match
 from ._keys import Fingerprint, KeyChain
 from ._move import Mover, accelerator_of
 from ._placement import victims
+from ._reads import Flight, Reads
 from ._staging import STAGE_KEEP_BYTES, StagePool
 from ._tasks import TaskOwner
-from ._tee import Tee
 from ._tierstate import MemTier, StoreTier, Tier, counters
 from .tiers.memory import Slot
 from .transfer import Pages, _gather_checked
@@ -166,17 +166,7 @@ class _New:
     done: bool = False
 
 
-class Flight:
-    """A promotion in flight; gets and prefetches of the same chunk join it."""
-
-    def __init__(self) -> None:
-        self.done = anyio.Event()
-        self.tensor: torch.Tensor | None = None
-        self.source = ""
-        self.tee: Tee | None = None  # the starting get's tensor for this chunk (_tee)
-
-
-class Engine:
+class Engine(Reads):
     def __init__(self, config: CacheConfig, fingerprint: Fingerprint, chain: KeyChain,
                  tiers: list[Tier], mover: Mover, tasks: TaskOwner) -> None:
         self.config = config
@@ -535,120 +525,6 @@ class Engine:
                     t.pool.release(idx)
         done = {i for i, _ in got}
         return [i for i in todo if i not in done]
-
-    # -- reading ---------------------------------------------------------------------------
-
-    def top_view(self, e: Entry) -> tuple[torch.Tensor, str] | None:
-        """``e``'s block in the top tier, counted as a hit there; None (a miss there) if it
-        lives only lower down."""
-        t = self.tiers[0]
-        if not isinstance(t, MemTier):
-            return None  # a storage tier on top counts its own hits and misses as it reads
-        if t.holds(e):
-            t.c["hits"] += 1
-            return self.view(t, e), t.name
-        t.c["misses"] += 1
-        return None
-
-    async def sources(self, matches: Sequence[Match],
-                      tee_for: Callable[[int], Tee | None] | None = None,
-                      ) -> list[tuple[Match, torch.Tensor, str]]:
-        """The data of each match (the caller holds pins) up to the first that cannot be read;
-        those below the top tier fetched concurrently (promoting them, writing the tee
-        ``tee_for(i)`` makes for match ``i`` as its fetch starts)."""
-        found: list[tuple[torch.Tensor | None, str]] = []
-        slow: list[int] = []
-        for i, m in enumerate(matches):
-            top = self.top_view(m.entry)
-            found.append(top if top is not None else (None, ""))
-            if top is None:
-                slow.append(i)
-        if slow:
-            async def fetch(i: int) -> None:
-                found[i] = await self.fetch(matches[i].entry,
-                                           tee_for(i) if tee_for is not None else None)
-
-            async with anyio.create_task_group() as tg:
-                for i in slow:
-                    tg.start_soon(fetch, i)
-        out: list[tuple[Match, torch.Tensor, str]] = []
-        for m, (src, name) in zip(matches, found, strict=True):
-            if src is None:
-                break
-            out.append((m, src, name))
-        return out
-
-    async def fetch(self, e: Entry, tee: Tee | None = None) -> tuple[torch.Tensor | None, str]:
-        """Data of ``e`` from below the top tier, promoting it on the way (single-flight)."""
-        flight = self.promotion(e, tee)
-        await flight.done.wait()
-        return flight.tensor, flight.source
-
-    def promotion(self, e: Entry, tee: Tee | None = None) -> Flight:
-        """Join or start the promotion of ``e`` into the top tier (a started one also writes
-        ``tee``)."""
-        top = self.tiers[0]
-        if isinstance(top, MemTier) and top.holds(e):
-            f = Flight()
-            f.tensor, f.source = self.view(top, e), top.name
-            f.done.set()
-            return f
-        joined = self.flights.get(e.key)
-        if joined is not None:
-            return joined
-        f = Flight()
-        f.tee = tee
-        self.flights[e.key] = f
-        self.tasks.spawn(self._promote, e, f)
-        return f
-
-    async def _promote(self, e: Entry, f: Flight) -> None:
-        self.pin(e)
-        self.inflight["promotions"] += 1
-        try:
-            got, source, tried = await self.cold.promote_decoding(e, f.tee)
-            if got is not None:
-                f.tensor, f.source = got, source
-                return
-            data, src = await self.read_lower(e, skip=tried)
-            f.tensor = data
-            top = self.tiers[0]
-            if data is not None and isinstance(top, MemTier) and not e.dead \
-                    and not top.holds(e):
-                where = await self.relocate([(e, data)], 0, 1, counter="promotions")
-                if where[0] is top:
-                    f.tensor = self.view(top, e)
-            if src is not None:
-                src.c["hits"] += 1
-                f.source = src.name
-        except Exception as exc:  # a fault below the top tier is a miss, never a crash
-            self.cold.errlog.warn("engine", "promotion", repr(exc))
-            f.tensor = None
-        finally:
-            self.inflight["promotions"] -= 1
-            self.flights.pop(e.key, None)
-            f.done.set()
-            self.unpin(e)
-
-    async def read_lower(self, e: Entry, skip: Tier | None = None,
-                         ) -> tuple[torch.Tensor | None, Tier | None]:
-        """The data of ``e`` from the hottest tier that can produce it (other than
-        ``skip``)."""
-        for t in self.tiers:
-            if t is skip:
-                continue
-            if isinstance(t, MemTier):
-                if t.holds(e):
-                    return self.view(t, e), t
-            elif t.holds(e):
-                data = await self.cold.read(t, e)
-                if data is not None:
-                    return data, t
-        return None, None
-
-    async def read_entry(self, e: Entry) -> torch.Tensor | None:
-        top = self.top_view(e)
-        return top[0] if top is not None else (await self.fetch(e))[0]
 
     # -- matching, removal, persisting -----------------------------------------------------
 

@@ -46,6 +46,7 @@ __all__ = [
     "nib_encode",
     "nib_size",
     "raw_read",
+    "raw_read_runs",
     "runs_copy",
     "scatter_rows",
     "set_num_threads",
@@ -698,7 +699,7 @@ def runs_copy(copy: ChunkCopy, src: object, offset: int) -> None:
 
 
 def tagged_decode(payload: object, table: object, *, num_blocks: int, block_size: int,
-                  raw_len: int, itemsize: int, scratch: object, out: object,
+                  raw_len: int, itemsize: int, scratch: object, out: object | None,
                   copy: ChunkCopy | None = None, fd: int = -1, file_offset: int = 0) -> None:
     """Verify and decode a payload of tagged blocks (``codec.py``'s codec id 2) into ``out``
     (``raw_len`` bytes), unshuffled for ``itemsize`` > 1, and copy it on into ``copy`` a strip
@@ -711,6 +712,10 @@ def tagged_decode(payload: object, table: object, *, num_blocks: int, block_size
     at a time, each just before the first strip that needs it: an error then leaves the
     strips before it written, all from verified blocks.
 
+    ``out`` may be None when ``copy`` is given: the copy's runs are then the only
+    destination (a read straight into a caller's tensor), and the decode stops once the
+    copy's tee is closed; the caller tells a complete decode by ``copy.written``.
+
     Raises :class:`CorruptChunkError` naming the block whose checksum does not match or
     whose coding is invalid, or a file that ends early ("truncated"), and ``OSError`` for a
     failed read.
@@ -718,7 +723,12 @@ def tagged_decode(payload: object, table: object, *, num_blocks: int, block_size
     pay_ptr, pay_len, pay_addr = _buffer(payload, writable=fd >= 0, what="payload")
     tab_ptr, tab_len, _ = _buffer(table, writable=False, what="table")
     scr_ptr, scr_len, scr_addr = _buffer(scratch, writable=True, what="scratch")
-    out_ptr, out_len, out_addr = _buffer(out, writable=True, what="out")
+    if out is None:
+        if copy is None:
+            raise InvalidInputError("tagged_decode needs out or copy (or both)")
+        out_ptr, out_len, out_addr = ffi.NULL, raw_len, 0
+    else:
+        out_ptr, out_len, out_addr = _buffer(out, writable=True, what="out")
     if tab_len != 8 * num_blocks:
         raise InvalidInputError(f"table holds {tab_len} bytes, {num_blocks} blocks need "
                                 f"{8 * num_blocks}")
@@ -727,9 +737,9 @@ def tagged_decode(payload: object, table: object, *, num_blocks: int, block_size
                                 f"is {raw_len}")
     if copy is not None and copy.nbytes != raw_len:
         raise InvalidInputError(f"the copy takes {copy.nbytes} bytes, the chunk is {raw_len}")
-    if (_overlaps(pay_addr, pay_len, out_addr, out_len)
-            or _overlaps(scr_addr, scr_len, out_addr, out_len)
-            or _overlaps(pay_addr, pay_len, scr_addr, scr_len)):
+    if (out is not None and (_overlaps(pay_addr, pay_len, out_addr, out_len)
+                             or _overlaps(scr_addr, scr_len, out_addr, out_len))) \
+            or _overlaps(pay_addr, pay_len, scr_addr, scr_len):
         raise InvalidInputError("payload, scratch and out must not overlap")
     bad = ffi.new("int64_t *")
     err = ffi.new("int *")
@@ -758,6 +768,30 @@ def raw_read(fd: int, file_offset: int, table: object, *, num_blocks: int, block
     status = lib.mc_raw_read(fd, file_offset, tab_ptr, num_blocks, block_size, raw_len,
                              out_ptr, ffi.NULL if copy is None else copy._runs, bad, err)
     _check_decode_status(status, int(bad[0]), int(err[0]), "raw_read")
+
+
+def raw_read_runs(fd: int, file_offset: int, table: object, *, num_blocks: int,
+                  block_size: int, raw_len: int, scratch: object, copy: ChunkCopy) -> None:
+    """:func:`raw_read` with ``copy``'s runs as the only destination (a read straight into a
+    caller's tensor): each block is read into ``scratch`` (at least one block, or the whole
+    chunk if smaller), checked there, and copied on. Stops once the copy's tee is closed; the
+    caller tells a complete read by ``copy.written``. Raises what :func:`raw_read` raises;
+    ``copy`` then holds only verified blocks."""
+    tab_ptr, tab_len, _ = _buffer(table, writable=False, what="table")
+    scr_ptr, scr_len, _ = _buffer(scratch, writable=True, what="scratch")
+    if tab_len != 8 * num_blocks:
+        raise InvalidInputError(f"table holds {tab_len} bytes, {num_blocks} blocks need "
+                                f"{8 * num_blocks}")
+    if copy.nbytes != raw_len:
+        raise InvalidInputError(f"the copy takes {copy.nbytes} bytes, the chunk is {raw_len}")
+    if scr_len < min(block_size, raw_len):
+        raise InvalidInputError(f"scratch holds {scr_len} bytes, a block is "
+                                f"{min(block_size, raw_len)}")
+    bad = ffi.new("int64_t *")
+    err = ffi.new("int *")
+    status = lib.mc_raw_read_runs(fd, file_offset, tab_ptr, num_blocks, block_size, raw_len,
+                                  scr_ptr, scr_len, copy._runs, bad, err)
+    _check_decode_status(status, int(bad[0]), int(err[0]), "raw_read_runs")
 
 
 def _check_decode_status(status: int, bad: int, err: int, what: str) -> None:

@@ -57,6 +57,13 @@ class Tee:
         self._lock = threading.Lock()
         self._copy = _native_copy(dst)
 
+    @property
+    def native(self) -> ChunkCopy | None:
+        """``dst`` as a native copy target (its runs of contiguous bytes), or None where
+        only the Python copy can write it: what a read straight into ``dst`` writes through
+        (:meth:`~musacache._coldpath.ColdPath.read_direct`)."""
+        return self._copy
+
     def target(self, src: torch.Tensor) -> Callable[[int, int], None]:
         """What the codec's read of ``src`` (the contiguous chunk it fills) reports to: a
         callable of ``(start, end)`` that runs :meth:`put`, carrying the native copy into

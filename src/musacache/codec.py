@@ -102,6 +102,7 @@ __all__ = [
     "encode_chunk",
     "encode_chunks",
     "read_chunk_into",
+    "read_chunk_to",
     "read_header",
 ]
 
@@ -726,6 +727,56 @@ def read_chunk_into(fp: Fingerprint, fd: int, size: int, out: torch.Tensor, *,
             on_range(start, start + entries[i][0])
 
     _run_blocks(read_block, hdr.num_blocks, threads)
+    return hdr.meta(stored_bytes=size)
+
+
+def read_chunk_to(fp: Fingerprint, fd: int, size: int, copy: ChunkCopy, *,
+                  expect: ChunkMeta | None = None) -> ChunkMeta:
+    """Read, verify and decode the chunk object in the open file ``fd`` (``size`` bytes)
+    straight into ``copy``'s runs (a caller's tensor, :class:`~musacache._tee.Tee`), with no
+    chunk-sized destination in between: a raw object a block at a time through one reused
+    block buffer, a tagged one a 32 KiB strip at a time, each block checked before any of
+    its bytes is copied. The runs then hold only verified bytes, whatever happens.
+
+    The read stops early, without an error, once the copy's tee is closed: the caller tells
+    a complete read by ``copy.written``. Raises what :func:`read_chunk_into` raises, and
+    :class:`InvalidInputError` when ``copy`` does not take the chunk's bytes."""
+    head = bytearray(HEADER_SIZE)
+    _pread_into(fd, memoryview(head), 0)
+    hdr = read_header(head)
+    _check_header(fp, hdr, expect, size)
+    if copy.nbytes != hdr.raw_len or hdr.raw_len != fp.spec.nbytes(hdr.num_tokens):
+        raise InvalidInputError(f"the destination takes {copy.nbytes} bytes, the chunk holds "
+                                f"{hdr.raw_len} ({hdr.num_tokens} tokens)")
+    if hdr.codec_id not in (_ID_TAGGED, _ID_RAW):
+        # An older format version: decode into a chunk tensor, then copy (rare: no fast path).
+        tmp = torch.empty(fp.spec.shape(hdr.num_tokens), dtype=fp.spec.dtype)
+        read_chunk_into(fp, fd, size, tmp, expect=expect)
+        copy.copy(_as_bytes(tmp), 0)
+        return hdr.meta(stored_bytes=size)
+    table = bytearray(hdr.table_len)
+    _pread_into(fd, memoryview(table), HEADER_SIZE)
+    _, offsets = _block_layout(hdr, table)
+    native = _native()
+    if hdr.codec_id == _ID_RAW:
+        block = _take_scratch(min(hdr.block_size, hdr.raw_len))
+        try:
+            native.raw_read_runs(fd, offsets[0], table, num_blocks=hdr.num_blocks,
+                                 block_size=hdr.block_size, raw_len=hdr.raw_len,
+                                 scratch=block, copy=copy)
+        finally:
+            _give_scratch(block)
+        return hdr.meta(stored_bytes=size)
+    payload = _take_scratch(hdr.payload_len)
+    planes = _take_scratch(hdr.raw_len)
+    try:
+        native.tagged_decode(payload, table, num_blocks=hdr.num_blocks,
+                             block_size=hdr.block_size, raw_len=hdr.raw_len,
+                             itemsize=hdr.itemsize, scratch=planes, out=None, copy=copy,
+                             fd=fd, file_offset=offsets[0])
+    finally:
+        _give_scratch(planes)
+        _give_scratch(payload)
     return hdr.meta(stored_bytes=size)
 
 

@@ -1437,7 +1437,8 @@ int mc_tagged_decode(int fd, int64_t file_offset, uint8_t *payload, int64_t payl
         itemsize > MC_MAX_PLANES || scratch_len < raw_len || file_offset < 0)
         return MC_ERR_ARGUMENT;
     if (num_blocks != raw_len / block_size + (raw_len % block_size != 0)) return MC_ERR_ARGUMENT;
-    if (raw_len > 0 && (dst == NULL || table == NULL || scratch == NULL || payload == NULL))
+    if (raw_len > 0 && (table == NULL || scratch == NULL || payload == NULL ||
+                        (dst == NULL && copy == NULL)))
         return MC_ERR_ARGUMENT;
     if (copy != NULL && check_runs(copy, raw_len) != MC_OK) return MC_ERR_ARGUMENT;
     if (raw_len == 0) return payload_len == 0 ? MC_OK : MC_ERR_CORRUPT;
@@ -1488,7 +1489,9 @@ int mc_tagged_decode(int fd, int64_t file_offset, uint8_t *payload, int64_t payl
     const uint8_t *planes[MC_MAX_PLANES];
     for (size_t e0 = 0; e0 < n;) {
         size_t e1 = n - e0 < strip ? n : e0 + strip;
-        uint8_t *to = put == copy_cached ? dst + e0 * k : strip_buf;
+        /* Without dst (a read straight into the caller's runs) every strip goes through the
+         * buffer. */
+        uint8_t *to = put == copy_cached && dst != NULL ? dst + e0 * k : strip_buf;
         for (size_t e = e0; e < e1;) {
             size_t cnt = e1 - e;
             for (size_t j = 0; j < k; j++) {
@@ -1503,20 +1506,26 @@ int mc_tagged_decode(int fd, int64_t file_offset, uint8_t *payload, int64_t payl
             interleave(planes, k, to + (e - e0) * k, cnt);
             e += cnt;
         }
-        if (put != copy_cached) put((char *)(dst + e0 * k), (const char *)strip_buf, (e1 - e0) * k);
+        if (put != copy_cached && dst != NULL)
+            put((char *)(dst + e0 * k), (const char *)strip_buf, (e1 - e0) * k);
         if (copying)
             copying = runs_put(copy, to, (int64_t)(e0 * k), (int64_t)((e1 - e0) * k), put);
+        if (!copying && dst == NULL) goto done; /* the tee was closed: nothing left to write */
         e0 = e1;
     }
+    /* The bytes past the last whole element (fewer than itemsize): into dst, or without it
+     * into a small buffer for the runs. */
+    uint8_t tail[MC_MAX_PLANES];
+    uint8_t *tail_to = dst != NULL ? dst + whole : tail;
     for (size_t p = whole; p < (size_t)raw_len; p++) {
         if (base[p / bs] == NULL && (status = load_block(&t, (int64_t)(p / bs))) != MC_OK) {
             *bad_block = (int64_t)(p / bs);
             goto done;
         }
-        dst[p] = base[p / bs][p % bs];
+        tail_to[p - whole] = base[p / bs][p % bs];
     }
     if (copying && whole < (size_t)raw_len)
-        runs_put(copy, dst + whole, (int64_t)whole, raw_len - (int64_t)whole, copy_cached);
+        runs_put(copy, tail_to, (int64_t)whole, raw_len - (int64_t)whole, copy_cached);
     /* A block no strip needed (none, for a consistent table) is still read and checked. */
     for (int64_t i = 0; i < num_blocks; i++) {
         if (base[i] == NULL && (status = load_block(&t, i)) != MC_OK) {
@@ -1528,6 +1537,17 @@ done:
     store_fence(put);
     free(base);
     free(offs);
+    return status;
+}
+
+/* One block of a raw object (its table entry at entry: stored length, CRC-32C) read from the
+ * file at offset into buf and checked there. */
+static int raw_block_read(int fd, int64_t offset, const uint8_t *entry, int64_t len,
+                          uint8_t *buf, int *err) {
+    if ((int64_t)load_le32(entry) != len) return MC_ERR_CORRUPT;
+    int status = pread_full(fd, buf, len, offset, err);
+    if (status == MC_OK && crc32c_of(buf, (size_t)len) != load_le32(entry + 4))
+        status = MC_ERR_CHECKSUM;
     return status;
 }
 
@@ -1550,18 +1570,43 @@ int mc_raw_read(int fd, int64_t file_offset, const uint8_t *table, int64_t num_b
     for (int64_t i = 0; i < num_blocks; i++) {
         int64_t start = i * block_size;
         int64_t len = raw_len - start < block_size ? raw_len - start : block_size;
-        if ((int64_t)load_le32(table + 8 * i) != len) {
-            status = MC_ERR_CORRUPT;
-        } else {
-            status = pread_full(fd, dst + start, len, file_offset + start, err);
-            if (status == MC_OK && crc32c_of(dst + start, (size_t)len) != load_le32(table + 8 * i + 4))
-                status = MC_ERR_CHECKSUM;
-        }
+        status = raw_block_read(fd, file_offset + start, table + 8 * i, len, dst + start, err);
         if (status != MC_OK) {
             *bad_block = i;
             break;
         }
         if (copying) copying = runs_put(copy, dst + start, start, len, put);
+    }
+    store_fence(put);
+    return status;
+}
+
+int mc_raw_read_runs(int fd, int64_t file_offset, const uint8_t *table, int64_t num_blocks,
+                     int64_t block_size, int64_t raw_len, uint8_t *scratch, int64_t scratch_len,
+                     const mc_runs *copy, int64_t *bad_block, int *err) {
+    if (bad_block == NULL || err == NULL) return MC_ERR_ARGUMENT;
+    *bad_block = -1;
+    *err = 0;
+    if (fd < 0 || file_offset < 0 || num_blocks < 0 || block_size <= 0 || raw_len < 0)
+        return MC_ERR_ARGUMENT;
+    if (num_blocks != raw_len / block_size + (raw_len % block_size != 0)) return MC_ERR_ARGUMENT;
+    if (raw_len > 0 && (scratch == NULL || table == NULL || copy == NULL ||
+                        scratch_len < (block_size < raw_len ? block_size : raw_len)))
+        return MC_ERR_ARGUMENT;
+    if (copy != NULL && check_runs(copy, raw_len) != MC_OK) return MC_ERR_ARGUMENT;
+    /* Each block lands in the same scratch block, which stays in cache for its checksum and
+     * its copy on; only the copy into the runs, which nothing reads back soon, can stream. */
+    copy_fn put = raw_len >= MC_DECODE_STREAM_BYTES ? pick_copy(INT64_MAX) : copy_cached;
+    int status = MC_OK;
+    for (int64_t i = 0; i < num_blocks; i++) {
+        int64_t start = i * block_size;
+        int64_t len = raw_len - start < block_size ? raw_len - start : block_size;
+        status = raw_block_read(fd, file_offset + start, table + 8 * i, len, scratch, err);
+        if (status != MC_OK) {
+            *bad_block = i;
+            break;
+        }
+        if (!runs_put(copy, scratch, start, len, put)) break; /* closed: nothing left to do */
     }
     store_fence(put);
     return status;

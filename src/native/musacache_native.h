@@ -160,7 +160,8 @@ int mc_tee_close(mc_tee *tee);
  * lengths must add up to payload_len. Coded blocks are decoded into scratch (at least raw_len
  * bytes; a raw body is used in place). dst is written a strip at a time, and each strip is
  * copied on into copy's runs (when copy is not NULL and its tee is not closed) while it is in
- * cache.
+ * cache. dst may be NULL when copy is not: the runs are then the only destination, and the
+ * decode stops (MC_OK) once the tee is closed.
  *   fd < 0: payload holds the payload; every block is checked and decoded before the first
  *           byte of dst or of the runs is written.
  *   fd >= 0: payload (payload_len bytes, writable) receives the payload from the file at
@@ -183,6 +184,15 @@ int mc_tagged_decode(int fd, int64_t file_offset, uint8_t *payload, int64_t payl
 int mc_raw_read(int fd, int64_t file_offset, const uint8_t *table, int64_t num_blocks,
                 int64_t block_size, int64_t raw_len, uint8_t *dst, const mc_runs *copy,
                 int64_t *bad_block, int *err);
+
+/* mc_raw_read without a slot: each block is read into scratch (at least one block, or the
+ * whole chunk if it is smaller), checked there and copied on into copy's runs, the only
+ * destination. Stops, returning MC_OK, once the tee is closed (the caller tells a complete
+ * read by the tee's written count). Errors as mc_raw_read's; the runs then hold only
+ * verified blocks. */
+int mc_raw_read_runs(int fd, int64_t file_offset, const uint8_t *table, int64_t num_blocks,
+                     int64_t block_size, int64_t raw_len, uint8_t *scratch, int64_t scratch_len,
+                     const mc_runs *copy, int64_t *bad_block, int *err);
 
 /* Verified bytes [offset, offset + n) of a chunk, src, copied into copy's runs (the raw
  * codec's blocks, read straight into the slot); stops, as mc_tagged_decode does, once the tee

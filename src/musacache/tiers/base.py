@@ -20,7 +20,7 @@ import abc
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
@@ -28,6 +28,9 @@ from .._chunkmeta import ChunkMeta
 from .._keys import Fingerprint
 from .._listing import ChunkListing, ListingBuilder
 from .._spec import KVSpec
+
+if TYPE_CHECKING:
+    from .._native import ChunkCopy
 
 __all__ = ["ChunkListing", "ChunkMeta", "ListingBuilder", "StorageTier", "TierConfig",
            "TierContext"]
@@ -113,6 +116,9 @@ class StorageTier(abc.ABC):
     #: The tier implements :meth:`read_into` (the engine then reads chunks straight into
     #: their destination instead of calling :meth:`read` and decoding the bytes).
     reads_into: bool = False
+    #: The tier implements :meth:`read_to` (the engine then reads a chunk a get asked for
+    #: straight into the caller's tensor, and promotes it in the background).
+    reads_to: bool = False
 
     @abc.abstractmethod
     async def start(self, ctx: TierContext) -> ChunkListing | Sequence[ChunkMeta]:
@@ -160,6 +166,16 @@ class StorageTier(abc.ABC):
     def writing_into(self, out: torch.Tensor) -> bool:
         """Whether an abandoned :meth:`read_into` may still write into ``out``."""
         return False
+
+    async def read_to(self, meta: ChunkMeta, fingerprint: Fingerprint,
+                      copy: ChunkCopy) -> int | None:
+        """Optional (set :attr:`reads_to`): read, verify and decode the chunk under
+        ``meta.key`` straight into ``copy``'s runs (a caller's tensor), as
+        :func:`~musacache.codec.read_chunk_to` does from a file: only verified bytes are
+        ever copied, and nothing once the copy's tee is closed. Returns the object's size,
+        or ``None`` if there is none; the engine tells a complete read by ``copy.written``.
+        Raises as :meth:`read_into` does."""
+        raise NotImplementedError(f"{type(self).__name__} does not read into a caller's tensor")
 
     async def refresh(self, parent: bytes | None = None) -> list[ChunkMeta]:
         """Chunks stored now (under ``parent`` only, if given). Shared tiers override this."""

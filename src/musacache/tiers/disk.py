@@ -61,7 +61,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -75,9 +75,12 @@ from .._errors import (
 )
 from .._keys import KEY_BYTES, Fingerprint
 from .._validate import boolean, parse_size, positive_float, positive_int
-from ..codec import CODECS, HEADER_SIZE, read_chunk_into, read_header
+from ..codec import CODECS, HEADER_SIZE, read_chunk_into, read_chunk_to, read_header
 from ._ordering import KeyOrder
 from .base import ChunkListing, ChunkMeta, ListingBuilder, StorageTier, TierContext
+
+if TYPE_CHECKING:
+    from .._native import ChunkCopy
 
 __all__ = ["DiskStore", "DiskTier"]
 
@@ -135,6 +138,11 @@ def file_name(key: bytes, parent: bytes, num_tokens: int) -> str:
     return f"{key.hex()}.{parent.hex()}.{num_tokens}{_SUFFIX}"
 
 
+#: A read cancelled from outside after this share of the tier's timeout counts as hung (its
+#: file is quarantined), as one the tier's own timeout ended does.
+_HUNG_SHARE = 0.95
+
+
 class _ThreadRead:
     """The state of one read handed to a worker thread, shared under ``DiskStore._tlock``;
     ``out`` is the tensor it reads into (None when it returns bytes)."""
@@ -160,6 +168,7 @@ class DiskStore(StorageTier):
     shared = False
     kind = "disk"
     reads_into = True
+    reads_to = True
 
     def __init__(self, config: DiskTier) -> None:
         self.config = config
@@ -408,6 +417,24 @@ class DiskStore(StorageTier):
             self._c["bytes_out"] += size
         return size
 
+    async def read_to(self, meta: ChunkMeta, fingerprint: Fingerprint,
+                      copy: ChunkCopy) -> int | None:
+        """Read, verify and decode the chunk straight into ``copy``'s runs in one
+        worker-thread call (:func:`~musacache.codec.read_chunk_to`). Returns the object's
+        size, or None when it is absent; raises as :meth:`read_into` does. A read abandoned
+        by a timeout writes nothing once the copy's tee is closed."""
+        def read(path: Path) -> int | OSError | _NotAFile | None:
+            def to(fd: int, size: int) -> int:
+                read_chunk_to(fingerprint, fd, size, copy, expect=meta)
+                return size
+
+            return DiskStore._with_file(path, to)
+
+        size = await self._read_call(meta, read)
+        if size is not None:
+            self._c["bytes_out"] += size
+        return size
+
     def writing_into(self, out: torch.Tensor) -> bool:
         """Whether an abandoned read (one that timed out) may still write into ``out``."""
         with self._tlock:
@@ -430,6 +457,7 @@ class DiskStore(StorageTier):
             raise TierError(f"disk tier {self.name!r}: {self._stuck} reads are stuck in "
                             f"{self.config.path}; not reading {path.name}")
         call = call or _ThreadRead()
+        started = anyio.current_time()
         try:
             with anyio.fail_after(self.timeout):
                 # abandon_on_cancel: a hung disk (NFS) must not hold the caller past timeout.
@@ -444,10 +472,13 @@ class DiskStore(StorageTier):
             raise TierError(f"disk tier {self.name!r}: read of {path} took over "
                             f"{self.timeout} s") from e
         except BaseException:
-            # Cancelled from outside. When that is the caller's own deadline (the engine bounds
-            # the read too, and its deadline comes first), the file hung just the same.
-            expired = anyio.current_effective_deadline() <= anyio.current_time()
-            self._abandon(call, meta.key if expired else None)
+            # Cancelled from outside. When the read had run for the tier's whole timeout (the
+            # engine bounds it with the same timeout, and its deadline comes a moment
+            # first), the file hung just the same. A get's own earlier deadline (a read
+            # straight into the caller's tensor runs in the get's scope) says nothing
+            # about the file.
+            hung = anyio.current_time() - started >= _HUNG_SHARE * self.timeout
+            self._abandon(call, meta.key if hung else None)
             raise
         if isinstance(obj, _NotAFile):
             # Removed under the key's lock, so that a write renaming a new file into place

@@ -1,0 +1,222 @@
+"""The engine's reads from its tiers: the top tier's view of a chunk, the chunks of one request
+fetched concurrently from below it, and their promotion into it (single-flight per key; a get's
+own tensor written by the same read, or read into straight from disk and promoted after the get).
+
+A mixin of :class:`~musacache._core.Engine`, kept apart so that each class stays small: it
+uses only the engine state declared below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import anyio
+import torch
+
+from ._errors import CacheClosedError
+from ._tierstate import MemTier, Tier
+
+if TYPE_CHECKING:
+    from ._coldpath import ColdPath
+    from ._config import CacheConfig
+    from ._directory import Entry, Match
+    from ._tasks import TaskOwner
+    from ._tee import Tee
+
+__all__ = ["Flight", "Reads"]
+
+
+class Flight:
+    """A promotion in flight; gets and prefetches of the same chunk join it."""
+
+    def __init__(self) -> None:
+        self.done = anyio.Event()
+        self.tensor: torch.Tensor | None = None
+        self.source = ""
+        self.tee: Tee | None = None  # the starting get's tensor for this chunk (_tee)
+        # False for the promotion after a read straight into a get's tensor: that read was
+        # the hit, this one is not counted again.
+        self.counts_hit = True
+
+
+class Reads:
+    """Reading chunks for a request (see the module docstring)."""
+
+    config: CacheConfig
+    tiers: list[Tier]
+    cold: ColdPath
+    tasks: TaskOwner
+    flights: dict[bytes, Flight]
+    inflight: dict[str, int]
+
+    # The engine's, used here.
+    def view(self, t: MemTier, e: Entry) -> torch.Tensor:
+        raise NotImplementedError
+
+    def pin(self, e: Entry) -> None:
+        raise NotImplementedError
+
+    def unpin(self, e: Entry) -> None:
+        raise NotImplementedError
+
+    async def relocate(self, items: Sequence[tuple[Entry, torch.Tensor]], dest_from: int,
+                       dest_to: int | None = None, *, counter: str) -> list[Tier | None]:
+        raise NotImplementedError
+
+    def top_view(self, e: Entry) -> tuple[torch.Tensor, str] | None:
+        """``e``'s block in the top tier, counted as a hit there; None (a miss there) if it
+        lives only lower down."""
+        t = self.tiers[0]
+        if not isinstance(t, MemTier):
+            return None  # a storage tier on top counts its own hits and misses as it reads
+        if t.holds(e):
+            t.c["hits"] += 1
+            return self.view(t, e), t.name
+        t.c["misses"] += 1
+        return None
+
+    async def sources(self, matches: Sequence[Match],
+                      tee_for: Callable[[int], Tee | None] | None = None,
+                      ) -> list[tuple[Match, torch.Tensor, str]]:
+        """The data of each match (the caller holds pins) up to the first that cannot be read;
+        those below the top tier fetched concurrently (promoting them, writing the tee
+        ``tee_for(i)`` makes for match ``i`` as its fetch starts)."""
+        found: list[tuple[torch.Tensor | None, str]] = []
+        slow: list[int] = []
+        for i, m in enumerate(matches):
+            top = self.top_view(m.entry)
+            found.append(top if top is not None else (None, ""))
+            if top is None:
+                slow.append(i)
+        if slow:
+            # Chunks read straight into their tee are promoted once every read of this
+            # request is done: a promotion's second read would otherwise share the CPU with
+            # the reads the caller is waiting for.
+            promote: list[Entry] = []
+
+            async def fetch(i: int) -> None:
+                found[i] = await self.fetch(matches[i].entry,
+                                           tee_for(i) if tee_for is not None else None,
+                                           promote)
+
+            try:
+                async with anyio.create_task_group() as tg:
+                    for i in slow:
+                        tg.start_soon(fetch, i)
+            finally:
+                self._promote_read(promote)
+        out: list[tuple[Match, torch.Tensor, str]] = []
+        for m, (src, name) in zip(matches, found, strict=True):
+            if src is None:
+                break
+            out.append((m, src, name))
+        return out
+
+    async def fetch(self, e: Entry, tee: Tee | None = None,
+                    promote_later: list[Entry] | None = None) -> tuple[torch.Tensor | None, str]:
+        """Data of ``e`` from below the top tier, promoting it on the way (single-flight).
+
+        With ``tee`` and ``promotion="background"``, a chunk on disk is read straight into
+        the tee (:meth:`ColdPath.read_to_tee`) and promoted by a second read later: ``e`` is
+        appended to ``promote_later`` for the caller to promote, if given, else now."""
+        skip: tuple[Tier, ...] = ()
+        if tee is not None and self.config.promotion == "background":
+            served, tried = await self.cold.read_to_tee(e, tee)
+            if served and tried is not None:
+                if promote_later is not None:
+                    promote_later.append(e)
+                else:
+                    self._promote_read([e])
+                return tee.dst, tried.name
+            if tried is not None:
+                # A missed (or timed-out, still running) read: its tee is closed so that
+                # nothing more is written into it and it never counts as complete; the move
+                # copies the chunk from wherever the promotion below finds it.
+                tee.close()
+                tee, skip = None, (tried,)
+        flight = self.promotion(e, tee, skip)
+        await flight.done.wait()
+        return flight.tensor, flight.source
+
+    def _promote_read(self, entries: Sequence[Entry]) -> None:
+        """Start the promotion of chunks a get read straight into its tensor (their read was
+        the hit: not counted again). Skipped for a chunk deleted meanwhile, and once the
+        cache is closing (a promotion only saves a later read)."""
+        for e in entries:
+            if not e.dead:
+                try:
+                    self.promotion(e, counts_hit=False)
+                except CacheClosedError:
+                    return
+
+    def promotion(self, e: Entry, tee: Tee | None = None, skip: tuple[Tier, ...] = (), *,
+                  counts_hit: bool = True) -> Flight:
+        """Join or start the promotion of ``e`` into the top tier (a started one also writes
+        ``tee``, does not read from the tiers in ``skip``, and counts its read as a hit of
+        the tier it came from unless ``counts_hit`` is False)."""
+        top = self.tiers[0]
+        if isinstance(top, MemTier) and top.holds(e):
+            f = Flight()
+            f.tensor, f.source = self.view(top, e), top.name
+            f.done.set()
+            return f
+        joined = self.flights.get(e.key)
+        if joined is not None:
+            return joined
+        f = Flight()
+        f.tee = tee
+        f.counts_hit = counts_hit
+        self.flights[e.key] = f
+        self.tasks.spawn(self._promote, e, f, skip)
+        return f
+
+    async def _promote(self, e: Entry, f: Flight, skip: tuple[Tier, ...] = ()) -> None:
+        self.pin(e)
+        self.inflight["promotions"] += 1
+        try:
+            got, source, tried = await self.cold.promote_decoding(e, f.tee, skip,
+                                                                  counts_hit=f.counts_hit)
+            if got is not None:
+                f.tensor, f.source = got, source
+                return
+            data, src = await self.read_lower(e, skip=(*skip, tried) if tried else skip)
+            f.tensor = data
+            top = self.tiers[0]
+            if data is not None and isinstance(top, MemTier) and not e.dead \
+                    and not top.holds(e):
+                where = await self.relocate([(e, data)], 0, 1, counter="promotions")
+                if where[0] is top:
+                    f.tensor = self.view(top, e)
+            if src is not None:
+                if f.counts_hit:
+                    src.c["hits"] += 1
+                f.source = src.name
+        except Exception as exc:  # a fault below the top tier is a miss, never a crash
+            self.cold.errlog.warn("engine", "promotion", repr(exc))
+            f.tensor = None
+        finally:
+            self.inflight["promotions"] -= 1
+            self.flights.pop(e.key, None)
+            f.done.set()
+            self.unpin(e)
+
+    async def read_lower(self, e: Entry, skip: tuple[Tier, ...] = (),
+                         ) -> tuple[torch.Tensor | None, Tier | None]:
+        """The data of ``e`` from the hottest tier that can produce it (other than those in
+        ``skip``)."""
+        for t in self.tiers:
+            if t in skip:
+                continue
+            if isinstance(t, MemTier):
+                if t.holds(e):
+                    return self.view(t, e), t
+            elif t.holds(e):
+                data = await self.cold.read(t, e)
+                if data is not None:
+                    return data, t
+        return None, None
+
+    async def read_entry(self, e: Entry) -> torch.Tensor | None:
+        top = self.top_view(e)
+        return top[0] if top is not None else (await self.fetch(e))[0]
