@@ -357,3 +357,24 @@ async def test_a_slow_tier_times_out_and_the_next_one_serves_through_the_move(
         out.zero_()
         await anyio.sleep(0.05)
         assert not out.any()
+
+
+@pytest.mark.parametrize("runs", [1, 16, 300])
+def test_a_tee_over_many_or_few_runs_writes_exactly_its_view(runs: int) -> None:
+    """A tee's runs are worked out with plain ints up to a few hundred and with numpy above:
+    both must give every run of the view, and only those."""
+    big = torch.zeros(runs, 3, 32, dtype=torch.float32)  # a run: 32 floats, 128 bytes
+    dst = big[:, 1]  # one run of 128 bytes in every 384
+    tee = Tee(dst)
+    assert tee.native is not None and tee.native.nbytes == dst.numel() * 4
+    src = torch.arange(dst.numel(), dtype=torch.float32).reshape(dst.shape) + 1
+    tee.native.copy(src.reshape(-1).numpy().view(np.uint8), 0)
+    assert tee.complete and torch.equal(dst, src)
+    assert not big[:, 0].any() and not big[:, 2].any()
+
+
+@pytest.mark.parametrize("rows", [4, 300])
+def test_a_tee_over_overlapping_or_repeated_runs_has_no_native_copy(rows: int) -> None:
+    base = torch.zeros(16 * rows + 32)
+    assert Tee(base.as_strided((rows, 32), (16, 1))).native is None  # rows overlap
+    assert Tee(torch.zeros(1, 32).expand(rows, 32)).native is None  # all the same row

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from itertools import pairwise
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -39,6 +40,8 @@ __all__ = ["MIN_RUN_BYTES", "Tee", "fill_flat"]
 #: The shortest contiguous run of the destination the native copy takes; shorter runs (an
 #: innermost dimension that is not contiguous) go through the Python copy.
 MIN_RUN_BYTES = 64
+# Up to this many runs, their addresses are worked out with plain ints, else with numpy.
+_FEW_RUNS = 256
 
 
 class Tee:
@@ -129,14 +132,27 @@ def _native_copy(dst: torch.Tensor) -> ChunkCopy | None:
         run *= dims.pop()[0]
     if run * size < MIN_RUN_BYTES or any(st <= 0 for _n, st in dims):
         return None
+    count = 1
+    for n, _st in dims:
+        count *= n
+    base = dst.data_ptr()
+    if count <= _FEW_RUNS:
+        # A slice of a dense tensor has a few dozen runs: plain ints beat numpy's per-call
+        # cost here (a tee is made on the loop for each chunk a get reads from disk).
+        starts = [base]
+        for n, st in dims:
+            step = st * size
+            starts = [a + k * step for a in starts for k in range(n)]
+        ordered = sorted(starts)
+        if any(b - a < run * size for a, b in pairwise(ordered)):
+            return None  # runs that overlap (an expanded view): the Python copy's business
+        return ChunkCopy(np.array(starts, dtype=np.uint64), run * size)
     offsets = np.zeros(1, dtype=np.int64)
     for n, st in dims:
         offsets = (offsets[:, None] + np.arange(n, dtype=np.int64) * (st * size)).reshape(-1)
-    starts = np.sort(offsets)
-    if starts.size > 1 and int(np.diff(starts).min()) < run * size:
-        return None  # runs that overlap (an expanded view): the Python copy's business
-    addrs = (offsets + dst.data_ptr()).astype(np.uint64)
-    return ChunkCopy(addrs, run * size)
+    if int(np.diff(np.sort(offsets)).min()) < run * size:
+        return None
+    return ChunkCopy((offsets + base).astype(np.uint64), run * size)
 
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
