@@ -6,6 +6,7 @@ import asyncio
 import os
 import tracemalloc
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -123,3 +124,15 @@ def flip_byte(path: str | os.PathLike[str], at: int) -> None:
     raw[at] ^= 0x40
     with open(path, "wb") as fh:
         fh.write(raw)
+
+
+def slow_and_backup_disks(spec: mc.KVSpec, root: Any, chunk_size: int,
+                          **config: Any) -> mc.CacheConfig:
+    """A host tier over two raw disks under ``root``: ``slow`` (``root/d1``, a 0.2 s read
+    timeout) and ``backup`` (``root/d2``, written through), so every chunk is on both."""
+    slow = mc.DiskTier(path=os.path.join(root, "d1"), capacity_bytes="64MiB", codec="raw",
+                       timeout=0.2, name="slow")
+    backup = mc.DiskTier(path=os.path.join(root, "d2"), capacity_bytes="64MiB", codec="raw",
+                         name="backup", write_through=True)
+    return mc.CacheConfig(spec, "two-disks", chunk_size=chunk_size, tiers=(
+        mc.HostTier(capacity_bytes=spec.nbytes(chunk_size) * 4), slow, backup), **config)

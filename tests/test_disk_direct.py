@@ -20,7 +20,14 @@ import pytest
 import torch
 
 import musacache as mc
-from helpers import flip_byte, on_disk_only, prefix_kv, random_tokens, small_spec
+from helpers import (
+    flip_byte,
+    on_disk_only,
+    prefix_kv,
+    random_tokens,
+    slow_and_backup_disks,
+    small_spec,
+)
 from musacache import codec
 from musacache._errors import ConfigError, CorruptChunkError
 from musacache._keys import Fingerprint
@@ -335,13 +342,8 @@ async def test_a_slow_tier_times_out_and_the_next_one_serves_through_the_move(
     spec = small_spec()
     toks = random_tokens(CH, seed=9)
     kv = prefix_kv(spec, toks)
-    d1, d2 = tmp_path / "d1", tmp_path / "d2"
-    slow = mc.DiskTier(path=str(d1), capacity_bytes="64MiB", codec="raw", timeout=0.2,
-                       name="slow")
-    backup = mc.DiskTier(path=str(d2), capacity_bytes="64MiB", codec="raw", name="backup",
-                         write_through=True)
-    cfg = mc.CacheConfig(spec, "direct", chunk_size=CH, tiers=(
-        mc.HostTier(capacity_bytes=spec.nbytes(CH) * 4), slow, backup))
+    d1 = tmp_path / "d1"
+    cfg = slow_and_backup_disks(spec, tmp_path, CH)
     async with mc.Cache(cfg) as c:
         await c.put(toks, kv)
         await on_disk_only(c)

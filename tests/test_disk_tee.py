@@ -18,7 +18,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import musacache as mc
-from helpers import flip_byte, on_disk_only, prefix_kv, random_tokens, small_spec
+from helpers import (
+    flip_byte,
+    on_disk_only,
+    prefix_kv,
+    random_tokens,
+    slow_and_backup_disks,
+    small_spec,
+)
 from musacache import codec
 from musacache._keys import KEY_BYTES, Fingerprint, as_tokens
 from musacache._tee import Tee, _as_numpy, fill_flat
@@ -331,13 +338,8 @@ async def test_a_read_that_missed_cannot_complete_its_tee_later(
     spec = small_spec()
     toks = random_tokens(CH, seed=6)
     kv = prefix_kv(spec, toks)
-    d1, d2 = tmp_path / "d1", tmp_path / "d2"
-    slow = mc.DiskTier(path=str(d1), capacity_bytes="64MiB", codec="raw", timeout=0.2,
-                       name="slow")
-    backup = mc.DiskTier(path=str(d2), capacity_bytes="64MiB", codec="raw", name="backup",
-                         write_through=True)
-    cfg = mc.CacheConfig(spec, "tee", chunk_size=CH, promotion="sync", tiers=(
-        mc.HostTier(capacity_bytes=spec.nbytes(CH) * 4), slow, backup))
+    d1 = tmp_path / "d1"
+    cfg = slow_and_backup_disks(spec, tmp_path, CH, promotion="sync")
     async with mc.Cache(cfg) as c:
         await c.put(toks, kv)
         await on_disk_only(c)

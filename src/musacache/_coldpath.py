@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from ._directory import Directory
     from ._keys import Fingerprint
     from ._move import Mover
-    from ._native import ChunkCopy
     from ._spec import KVSpec
     from ._tasks import TaskOwner
     from ._tee import Tee
@@ -148,41 +147,43 @@ class ColdPath:
         promotion of ``e`` is in flight (the caller joins it), ``e`` lives in a storage tier
         that reads into runs (:attr:`StorageTier.reads_to`, the disk tier) with no write of
         it queued, and ``tee`` is a native copy target. Returns whether every byte was
-        written, and the tier read (None: this did not apply). A read that missed is
-        counted, as :meth:`read` counts it; its tier is not to be asked again."""
+        written (all of them verified; none once the get closes its tee), and the tier read
+        (None: this did not apply). A read that missed is counted, as :meth:`read` counts
+        it; its tier is not to be asked again."""
         eng = self.eng
-        top = eng.tiers[0]
         copy = tee.native
-        if copy is None or e.key in eng.flights or e.dead \
-                or not isinstance(top, MemTier) or top.device.type != "cpu" or top.holds(e):
+        below = self._stored_below_host(e)
+        if copy is None or below is None or e.key in eng.flights:
             return False, None
-        src = next((t for t in eng.tiers if t.holds(e)), None)
-        if not isinstance(src, StoreTier) or not src.store.reads_to \
-                or src.pending_obj(e) is not None:
+        src = below[1]
+        if not src.store.reads_to or src.pending_obj(e) is not None \
+                or e.stored_size(src.idx) is None:
             return False, None
-        if not await self.read_direct(src, e, copy):
+        meta = src.meta(e)
+
+        def read_to() -> Awaitable[int | None]:
+            return src.store.read_to(meta, eng.fingerprint, copy)
+
+        size = await self._guarded(src, e, read_to, decodes=True)
+        if size is None:
+            return False, src
+        src.c["bytes_out"] += size
+        if copy.written != copy.nbytes:
             return False, src
         src.c["hits"] += 1
         return True, src
 
-    async def read_direct(self, t: StoreTier, e: Entry, copy: ChunkCopy) -> bool:
-        """``e``'s chunk from ``t`` straight into ``copy``'s runs (a get's own tensor, no
-        top-tier slot in between). True when every byte was written, all of them verified;
-        False for a miss, counted as :meth:`read` counts it (the runs then hold only
-        verified bytes of this chunk, and none are written once the get closes its tee)."""
+    def _stored_below_host(self, e: Entry, skip: tuple[Tier, ...] = (),
+                           ) -> tuple[MemTier, StoreTier] | None:
+        """The host top tier and the hottest tier holding ``e`` (other than those in
+        ``skip``), when that is a storage tier: None for a top tier that is not host memory
+        or holds ``e``, a deleted entry, or one held nowhere but in tiers to skip."""
         eng = self.eng
-        if e.stored_size(t.idx) is None:
-            return False
-        meta = t.meta(e)
-
-        def read_to() -> Awaitable[int | None]:
-            return t.store.read_to(meta, eng.fingerprint, copy)
-
-        size = await self._guarded(t, e, read_to, decodes=True)
-        if size is None:
-            return False
-        t.c["bytes_out"] += size
-        return copy.written == copy.nbytes
+        top = eng.tiers[0]
+        if e.dead or not isinstance(top, MemTier) or top.device.type != "cpu":
+            return None
+        src = next((t for t in eng.tiers if t.holds(e) and t not in skip), None)
+        return (top, src) if isinstance(src, StoreTier) else None
 
     async def _guarded(self, t: StoreTier, e: Entry, call: Callable[[], Awaitable[_R | None]],
                        *, decodes: bool) -> _R | None:
@@ -236,11 +237,10 @@ class ColdPath:
         there missed already) are not asked; the read counts as a hit of its tier unless
         ``counts_hit`` is False."""
         eng = self.eng
-        top = eng.tiers[0]
-        src = next((t for t in eng.tiers if t.holds(e) and t not in skip), None)
-        if not isinstance(top, MemTier) or top.device.type != "cpu" \
-                or not isinstance(src, StoreTier) or e.dead:
+        below = self._stored_below_host(e, skip)
+        if below is None:
             return None, "", None
+        top, src = below
         self._release_parked()
         idx = top.pool.reserve()
         if idx is None and await eng.evict(top, 1):

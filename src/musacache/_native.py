@@ -758,11 +758,7 @@ def raw_read(fd: int, file_offset: int, table: object, *, num_blocks: int, block
     verified blocks."""
     tab_ptr, tab_len, _ = _buffer(table, writable=False, what="table")
     out_ptr, raw_len, _ = _buffer(out, writable=True, what="out")
-    if tab_len != 8 * num_blocks:
-        raise InvalidInputError(f"table holds {tab_len} bytes, {num_blocks} blocks need "
-                                f"{8 * num_blocks}")
-    if copy is not None and copy.nbytes != raw_len:
-        raise InvalidInputError(f"the copy takes {copy.nbytes} bytes, the chunk is {raw_len}")
+    _check_raw_table(tab_len, num_blocks, copy, raw_len)
     bad = ffi.new("int64_t *")
     err = ffi.new("int *")
     status = lib.mc_raw_read(fd, file_offset, tab_ptr, num_blocks, block_size, raw_len,
@@ -779,11 +775,7 @@ def raw_read_runs(fd: int, file_offset: int, table: object, *, num_blocks: int,
     ``copy`` then holds only verified blocks."""
     tab_ptr, tab_len, _ = _buffer(table, writable=False, what="table")
     scr_ptr, scr_len, _ = _buffer(scratch, writable=True, what="scratch")
-    if tab_len != 8 * num_blocks:
-        raise InvalidInputError(f"table holds {tab_len} bytes, {num_blocks} blocks need "
-                                f"{8 * num_blocks}")
-    if copy.nbytes != raw_len:
-        raise InvalidInputError(f"the copy takes {copy.nbytes} bytes, the chunk is {raw_len}")
+    _check_raw_table(tab_len, num_blocks, copy, raw_len)
     if scr_len < min(block_size, raw_len):
         raise InvalidInputError(f"scratch holds {scr_len} bytes, a block is "
                                 f"{min(block_size, raw_len)}")
@@ -792,6 +784,17 @@ def raw_read_runs(fd: int, file_offset: int, table: object, *, num_blocks: int,
     status = lib.mc_raw_read_runs(fd, file_offset, tab_ptr, num_blocks, block_size, raw_len,
                                   scr_ptr, scr_len, copy._runs, bad, err)
     _check_decode_status(status, int(bad[0]), int(err[0]), "raw_read_runs")
+
+
+def _check_raw_table(tab_len: int, num_blocks: int, copy: ChunkCopy | None,
+                     raw_len: int) -> None:
+    """A raw object's block table holds ``num_blocks`` entries, and ``copy`` (if any) takes
+    the chunk's ``raw_len`` bytes."""
+    if tab_len != 8 * num_blocks:
+        raise InvalidInputError(f"table holds {tab_len} bytes, {num_blocks} blocks need "
+                                f"{8 * num_blocks}")
+    if copy is not None and copy.nbytes != raw_len:
+        raise InvalidInputError(f"the copy takes {copy.nbytes} bytes, the chunk is {raw_len}")
 
 
 def _check_decode_status(status: int, bad: int, err: int, what: str) -> None:

@@ -117,17 +117,16 @@ class Reads:
                     promote_later: list[Entry] | None = None) -> tuple[torch.Tensor | None, str]:
         """Data of ``e`` from below the top tier, promoting it on the way (single-flight).
 
-        With ``tee`` and ``promotion="background"``, a chunk on disk is read straight into
-        the tee (:meth:`ColdPath.read_to_tee`) and promoted by a second read later: ``e`` is
-        appended to ``promote_later`` for the caller to promote, if given, else now."""
+        With ``tee``, ``promote_later`` and ``promotion="background"``, a chunk on disk is
+        read straight into the tee (:meth:`ColdPath.read_to_tee`) and appended to
+        ``promote_later``, for the caller to promote by a second read once its reads are
+        done."""
         skip: tuple[Tier, ...] = ()
-        if tee is not None and self.config.promotion == "background":
+        if tee is not None and promote_later is not None \
+                and self.config.promotion == "background":
             served, tried = await self.cold.read_to_tee(e, tee)
             if served and tried is not None:
-                if promote_later is not None:
-                    promote_later.append(e)
-                else:
-                    self._promote_read([e])
+                promote_later.append(e)
                 return tee.dst, tried.name
             if tried is not None:
                 # A missed (or timed-out, still running) read: its tee is closed so that

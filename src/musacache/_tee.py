@@ -64,7 +64,7 @@ class Tee:
     def native(self) -> ChunkCopy | None:
         """``dst`` as a native copy target (its runs of contiguous bytes), or None where
         only the Python copy can write it: what a read straight into ``dst`` writes through
-        (:meth:`~musacache._coldpath.ColdPath.read_direct`)."""
+        (:meth:`~musacache._coldpath.ColdPath.read_to_tee`)."""
         return self._copy
 
     def target(self, src: torch.Tensor) -> Callable[[int, int], None]:

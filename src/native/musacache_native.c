@@ -1540,6 +1540,13 @@ done:
     return status;
 }
 
+/* The arguments every read of a raw object's payload checks first. */
+static int raw_layout_ok(int fd, int64_t file_offset, int64_t num_blocks, int64_t block_size,
+                         int64_t raw_len) {
+    if (fd < 0 || file_offset < 0 || num_blocks < 0 || block_size <= 0 || raw_len < 0) return 0;
+    return num_blocks == raw_len / block_size + (raw_len % block_size != 0);
+}
+
 /* One block of a raw object (its table entry at entry: stored length, CRC-32C) read from the
  * file at offset into buf and checked there. */
 static int raw_block_read(int fd, int64_t offset, const uint8_t *entry, int64_t len,
@@ -1557,9 +1564,7 @@ int mc_raw_read(int fd, int64_t file_offset, const uint8_t *table, int64_t num_b
     if (bad_block == NULL || err == NULL) return MC_ERR_ARGUMENT;
     *bad_block = -1;
     *err = 0;
-    if (fd < 0 || file_offset < 0 || num_blocks < 0 || block_size <= 0 || raw_len < 0)
-        return MC_ERR_ARGUMENT;
-    if (num_blocks != raw_len / block_size + (raw_len % block_size != 0)) return MC_ERR_ARGUMENT;
+    if (!raw_layout_ok(fd, file_offset, num_blocks, block_size, raw_len)) return MC_ERR_ARGUMENT;
     if (raw_len > 0 && (dst == NULL || table == NULL)) return MC_ERR_ARGUMENT;
     if (copy != NULL && check_runs(copy, raw_len) != MC_OK) return MC_ERR_ARGUMENT;
     /* The slot is written by the kernel's copy, so it is in cache for the checksum and the
@@ -1587,9 +1592,7 @@ int mc_raw_read_runs(int fd, int64_t file_offset, const uint8_t *table, int64_t 
     if (bad_block == NULL || err == NULL) return MC_ERR_ARGUMENT;
     *bad_block = -1;
     *err = 0;
-    if (fd < 0 || file_offset < 0 || num_blocks < 0 || block_size <= 0 || raw_len < 0)
-        return MC_ERR_ARGUMENT;
-    if (num_blocks != raw_len / block_size + (raw_len % block_size != 0)) return MC_ERR_ARGUMENT;
+    if (!raw_layout_ok(fd, file_offset, num_blocks, block_size, raw_len)) return MC_ERR_ARGUMENT;
     if (raw_len > 0 && (scratch == NULL || table == NULL || copy == NULL ||
                         scratch_len < (block_size < raw_len ? block_size : raw_len)))
         return MC_ERR_ARGUMENT;
