@@ -380,3 +380,35 @@ def test_a_tee_over_overlapping_or_repeated_runs_has_no_native_copy(rows: int) -
     base = torch.zeros(16 * rows + 32)
     assert Tee(base.as_strided((rows, 32), (16, 1))).native is None  # rows overlap
     assert Tee(torch.zeros(1, 32).expand(rows, 32)).native is None  # all the same row
+
+
+def test_native_reads_into_runs_refuse_bad_arguments_before_writing(tmp_path: Path) -> None:
+    """The native reads without a slot check their buffers first: nothing is read or
+    written for a scratch smaller than a block, a table of the wrong size, or a
+    tagged decode given neither a destination nor a copy."""
+    from musacache import _native
+
+    path, fp, _data, _meta = _encoded_file(tmp_path, "raw", block_size=4096)
+    raw = path.read_bytes()
+    hdr = codec.read_header(raw[: codec.HEADER_SIZE])
+    table = raw[codec.HEADER_SIZE : codec.HEADER_SIZE + hdr.table_len]
+    dst = torch.zeros(fp.spec.shape(64), dtype=fp.spec.dtype)
+    tee = Tee(dst)
+    assert tee.native is not None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(mc.InvalidInputError, match="scratch"):
+            _native.raw_read_runs(fd, codec.HEADER_SIZE + hdr.table_len, table,
+                                  num_blocks=hdr.num_blocks, block_size=hdr.block_size,
+                                  raw_len=hdr.raw_len, scratch=bytearray(100), copy=tee.native)
+        with pytest.raises(mc.InvalidInputError, match="table"):
+            _native.raw_read_runs(fd, codec.HEADER_SIZE + hdr.table_len, table[:-8],
+                                  num_blocks=hdr.num_blocks, block_size=hdr.block_size,
+                                  raw_len=hdr.raw_len, scratch=bytearray(4096),
+                                  copy=tee.native)
+    finally:
+        os.close(fd)
+    with pytest.raises(mc.InvalidInputError, match="out or copy"):
+        _native.tagged_decode(bytearray(16), b"", num_blocks=0, block_size=4096, raw_len=0,
+                              itemsize=2, scratch=bytearray(16), out=None)
+    assert not dst.any() and tee.native.written == 0
