@@ -101,7 +101,7 @@ async def _read_into(eng: Engine, matches: list[Match],
     order), or None: a chunk promoted from disk is written there by its read, block by block
     (:mod:`musacache._tee`), and left out of the move."""
     # A tee only for a chunk fetched from below the top tier (the only reads that write the
-    # caller's tensor), made when ``sources`` starts that fetch: one costs 20 to 55 µs, too
+    # caller's tensor), made when ``sources`` starts that fetch: one costs 15 to 20 µs, too
     # much to make for every chunk of a get served from memory.
     tees: dict[int, Tee] = {}
 
