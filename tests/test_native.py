@@ -768,3 +768,30 @@ def test_nib_decode_checks_the_length_before_c(monkeypatch: pytest.MonkeyPatch) 
     for bad in (coded[:10], coded[:-1], coded + b"\0"):
         with pytest.raises(CorruptChunkError):
             _native.nib_decode(bad, bytearray(len(data)))
+
+
+def test_crc32c_fold_path_matches_the_scalar_one_at_every_edge() -> None:
+    # On a CPU with AVX-512 VPCLMULQDQ, 256 bytes and more are folded 64 bytes at a time by
+    # carry-less multiplies and finished by crc32 instructions (16-byte steps, then bytes);
+    # every length around those steps, at every alignment mod 64, from any register, must
+    # give the scalar path's bits. Elsewhere both sides take the same crc32 path.
+    rng = np.random.default_rng(7)
+    data = rng.integers(0, 256, 4096 + 64, dtype=np.uint8).tobytes()
+    lengths = sorted({*range(240, 600), 1023, 1024, 1025, 4095, 4096}
+                     | {256 * k + d for k in range(1, 16) for d in (-17, -16, -1, 0, 1, 15, 16, 63, 64)})
+    best = _native.max_simd_level()
+    for length in lengths:
+        start = int(rng.integers(0, 64))
+        piece = data[start : start + length]
+        value = int(rng.integers(0, 1 << 32))
+        _native.set_simd_level(best)
+        fast = (_native.crc32c(piece), _native.crc32c(piece, value))
+        _native.set_simd_level("none")
+        assert fast == (_native.crc32c(piece), _native.crc32c(piece, value)), (length, start)
+    _native.set_simd_level(best)
+    # A flipped bit anywhere changes the checksum (what the fold must still catch).
+    base = _native.crc32c(data[:2048])
+    for bit in (0, 7, 8 * 255, 8 * 256, 8 * 1000 + 3, 8 * 2047 + 7):
+        flipped = bytearray(data[:2048])
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        assert _native.crc32c(bytes(flipped)) != base

@@ -749,6 +749,10 @@ int mc_unshuffle(const uint8_t *src, uint8_t *dst, int64_t nbytes, int64_t items
 static pthread_once_t crc_once = PTHREAD_ONCE_INIT;
 static uint32_t crc_table[8][256];
 static int have_sse42 = 0;
+static int have_vpclmul = 0; /* AVX-512 with the 512-bit carry-less multiply */
+#if MC_X86
+static void init_fold_constants(void); /* at the end */
+#endif
 
 static void init_crc(void) {
     for (uint32_t i = 0; i < 256; i++) {
@@ -763,6 +767,9 @@ static void init_crc(void) {
 #if MC_X86
     __builtin_cpu_init();
     have_sse42 = __builtin_cpu_supports("sse4.2") ? 1 : 0;
+    have_vpclmul = have_sse42 && __builtin_cpu_supports("avx512f") &&
+                   __builtin_cpu_supports("vpclmulqdq");
+    if (have_vpclmul) init_fold_constants();
 #endif
 }
 
@@ -804,21 +811,29 @@ __attribute__((target("sse4.2"))) static uint32_t crc32c_hw(uint32_t crc, const 
 #endif
 
 #if MC_X86
-static uint32_t crc32c_hw3(uint32_t crc, const uint8_t *p, size_t n); /* at the end */
+/* Both at the end. */
+static uint32_t crc32c_hw3(uint32_t crc, const uint8_t *p, size_t n);
+static uint32_t crc32c_fold512(uint32_t crc, const uint8_t *p, size_t n);
+#define MC_CRC_FOLD_MIN 256 /* bytes: the fold's first load; shorter buffers take crc32 */
 #endif
+
+/* The raw register update over p[0..n): the fastest path this CPU and the SIMD level allow.
+ * Every path gives the same bits. */
+static uint32_t crc32c_update(uint32_t crc, const uint8_t *p, size_t n) {
+    ensure_settings();
+    pthread_once(&crc_once, init_crc);
+#if MC_X86
+    int level = MC_LOAD(&simd_level);
+    if (n >= MC_CRC_FOLD_MIN && have_vpclmul && level >= MC_SIMD_AVX512)
+        return crc32c_fold512(crc, p, n);
+    if (have_sse42 && level >= MC_SIMD_SSE2) return crc32c_hw3(crc, p, n);
+#endif
+    return crc32c_soft(crc, p, n);
+}
 
 int mc_crc32c(const uint8_t *src, int64_t nbytes, uint32_t seed, uint32_t *out) {
     if (out == NULL || nbytes < 0 || (nbytes > 0 && src == NULL)) return MC_ERR_ARGUMENT;
-    ensure_settings();
-    pthread_once(&crc_once, init_crc);
-    uint32_t crc = ~seed;
-#if MC_X86
-    if (have_sse42 && MC_LOAD(&simd_level) >= MC_SIMD_SSE2)
-        crc = crc32c_hw3(crc, src, (size_t)nbytes);
-    else
-#endif
-        crc = crc32c_soft(crc, src, (size_t)nbytes);
-    *out = ~crc;
+    *out = ~crc32c_update(~seed, src, (size_t)nbytes);
     return MC_OK;
 }
 
@@ -1355,18 +1370,7 @@ int mc_runs_copy(const mc_runs *copy, const uint8_t *src, int64_t offset, int64_
     return MC_OK;
 }
 
-static uint32_t crc32c_of(const uint8_t *p, size_t n) {
-    ensure_settings();
-    pthread_once(&crc_once, init_crc);
-    uint32_t crc = ~0u;
-#if MC_X86
-    if (have_sse42 && MC_LOAD(&simd_level) >= MC_SIMD_SSE2)
-        crc = crc32c_hw3(crc, p, n);
-    else
-#endif
-        crc = crc32c_soft(crc, p, n);
-    return ~crc;
-}
+static uint32_t crc32c_of(const uint8_t *p, size_t n) { return ~crc32c_update(~0u, p, n); }
 
 /* Reads, checks and decodes block b (once): its stored bytes come from the file when fd >= 0
  * (into payload at the block's offset), else they are in payload already. */
@@ -1614,3 +1618,117 @@ int mc_raw_read_runs(int fd, int64_t file_offset, const uint8_t *table, int64_t 
     store_fence(put);
     return status;
 }
+
+/* ---------------------------------------------------------------------------------------- */
+/* CRC-32C by carry-less multiplication (AVX-512 VPCLMULQDQ)                                 */
+/* ---------------------------------------------------------------------------------------- */
+
+/* The crc32 instruction takes 8 bytes a cycle at best (three chains, above: about 18 GiB/s
+ * here, a fifth of the L2 cache's bandwidth, and a quarter of a disk read's CPU time). A
+ * 512-bit carry-less multiply folds 64 bytes at a time instead:
+ *
+ * In the reflected bit order of this CRC, a 16-byte lane loaded little-endian holds a
+ * polynomial A = H * x^64 + L (H: its first 8 bytes, the higher degrees). The message's
+ * remainder mod P does not change when A, S bits ahead of a later lane B, is replaced by
+ * H * (x^(S+64) mod P) + L * (x^S mod P): a polynomial of under 96 bits, XORed into B. A
+ * reflected 64x64 carry-less multiply returns the product times x, so the constants are
+ * x^(S+63) and x^(S-1) mod P. What is left at the end is one lane F congruent to the
+ * message (the incoming register XORed into its first 4 bytes), and two crc32 instructions
+ * from a zero register turn F into the register, F * x^32 mod P. Bit-identical to crc32c_hw.
+ */
+
+#if MC_X86
+
+/* x^n mod P, P the Castagnoli polynomial in normal bit order (bit d: x^d). */
+static uint32_t crc_xpow(unsigned n) {
+    uint64_t r = 1;
+    while (n--) {
+        r <<= 1;
+        if (r >> 32) r ^= 0x11EDC6F41ull;
+    }
+    return (uint32_t)r;
+}
+
+/* The reflected multiply operand for x^(n-1) mod P: bit d of the remainder at bit 63 - d. */
+static uint64_t crc_fold_operand(unsigned n) {
+    uint32_t r = crc_xpow(n - 1);
+    uint64_t k = 0;
+    for (int d = 0; d < 32; d++)
+        if (r >> d & 1) k |= 1ull << (63 - d);
+    return k;
+}
+
+/* Per fold distance S in bits: {operand for the lane's first 8 bytes, for its last 8}. */
+enum { FOLD_2048, FOLD_512, FOLD_384, FOLD_256, FOLD_128, FOLD_COUNT };
+static uint64_t fold_k[FOLD_COUNT][2];
+
+static void init_fold_constants(void) {
+    static const unsigned dist[FOLD_COUNT] = {2048, 512, 384, 256, 128};
+    for (int i = 0; i < FOLD_COUNT; i++) {
+        fold_k[i][0] = crc_fold_operand(dist[i] + 64);
+        fold_k[i][1] = crc_fold_operand(dist[i]);
+    }
+}
+
+#define MC_FOLD_TARGET __attribute__((target("avx512f,avx512vl,vpclmulqdq,pclmul,sse4.2")))
+
+MC_FOLD_TARGET static inline __m512i fold512(__m512i a, __m512i k, __m512i into) {
+    /* 0x96: a ^ b ^ c */
+    return _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(a, k, 0x00),
+                                     _mm512_clmulepi64_epi128(a, k, 0x11), into, 0x96);
+}
+
+MC_FOLD_TARGET static inline __m128i fold128(__m128i a, __m128i k, __m128i into) {
+    return _mm_ternarylogic_epi64(_mm_clmulepi64_si128(a, k, 0x00),
+                                  _mm_clmulepi64_si128(a, k, 0x11), into, 0x96);
+}
+
+MC_FOLD_TARGET static __m128i fold_k128(int which) {
+    return _mm_set_epi64x((long long)fold_k[which][1], (long long)fold_k[which][0]);
+}
+
+/* n >= MC_CRC_FOLD_MIN (256). Four 64-byte accumulators, each folded 256 bytes on per step:
+ * four independent chains keep the multiplier busy through its latency. */
+MC_FOLD_TARGET static uint32_t crc32c_fold512(uint32_t crc, const uint8_t *p, size_t n) {
+    __m512i x0 = _mm512_loadu_si512((const void *)p);
+    __m512i x1 = _mm512_loadu_si512((const void *)(p + 64));
+    __m512i x2 = _mm512_loadu_si512((const void *)(p + 128));
+    __m512i x3 = _mm512_loadu_si512((const void *)(p + 192));
+    x0 = _mm512_xor_si512(
+        x0, _mm512_inserti32x4(_mm512_setzero_si512(), _mm_cvtsi32_si128((int)crc), 0));
+    p += 256;
+    n -= 256;
+    __m512i k = _mm512_broadcast_i32x4(fold_k128(FOLD_2048));
+    while (n >= 256) {
+        x0 = fold512(x0, k, _mm512_loadu_si512((const void *)p));
+        x1 = fold512(x1, k, _mm512_loadu_si512((const void *)(p + 64)));
+        x2 = fold512(x2, k, _mm512_loadu_si512((const void *)(p + 128)));
+        x3 = fold512(x3, k, _mm512_loadu_si512((const void *)(p + 192)));
+        p += 256;
+        n -= 256;
+    }
+    k = _mm512_broadcast_i32x4(fold_k128(FOLD_512));
+    x1 = fold512(x0, k, x1);
+    x2 = fold512(x1, k, x2);
+    x3 = fold512(x2, k, x3);
+    while (n >= 64) {
+        x3 = fold512(x3, k, _mm512_loadu_si512((const void *)p));
+        p += 64;
+        n -= 64;
+    }
+    /* The four lanes of x3 into its last one: 384, 256 and 128 bits ahead of it. */
+    __m128i r = _mm512_extracti32x4_epi32(x3, 3);
+    r = fold128(_mm512_extracti32x4_epi32(x3, 0), fold_k128(FOLD_384), r);
+    r = fold128(_mm512_extracti32x4_epi32(x3, 1), fold_k128(FOLD_256), r);
+    r = fold128(_mm512_extracti32x4_epi32(x3, 2), fold_k128(FOLD_128), r);
+    __m128i k128 = fold_k128(FOLD_128);
+    while (n >= 16) {
+        r = fold128(r, k128, _mm_loadu_si128((const __m128i *)p));
+        p += 16;
+        n -= 16;
+    }
+    uint64_t c = __builtin_ia32_crc32di(0, (uint64_t)_mm_cvtsi128_si64(r));
+    c = __builtin_ia32_crc32di(c, (uint64_t)_mm_extract_epi64(r, 1));
+    return crc32c_hw((uint32_t)c, p, n);
+}
+#endif
