@@ -152,6 +152,10 @@ def _prompts(rng: np.random.Generator, count: int, chunks: int) -> np.ndarray:
 
 # -- the curves: 1k to 1M cached chunks ------------------------------------------------------
 
+# Timed samples of 200 put + delete pairs per repeat, at each size of the curves.
+_PUT_SAMPLES = 4
+
+
 async def curve(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
     """At each directory size: lookup hit and miss, one-chunk put and get, memory/entry."""
     rng = np.random.default_rng(1)
@@ -184,7 +188,10 @@ async def _curve_at(n: int, rng: np.random.Generator, repeats: int) -> dict[str,
         miss[3 * CH + 5] += 1  # diverges inside chunk 4: three chunks and a prefix match
         one = torch.zeros(TINY.shape(CH), dtype=TINY.dtype)
         out = torch.empty(TINY.shape(CH), dtype=TINY.dtype)
-        fresh = iter(_prompts(rng, repeats * inner, 1))
+        # put + delete is the one curve with a goal (flat from 1k to 1M); at about 50 µs an op,
+        # 50 of them are a 2.5 ms sample that one preemption doubles: more and longer samples.
+        put_inner, put_samples = 200, repeats * _PUT_SAMPLES
+        fresh = iter(_prompts(rng, put_samples * put_inner, 1))
         first = kept[:CH]
 
         async def put_one() -> None:
@@ -195,13 +202,13 @@ async def _curve_at(n: int, rng: np.random.Generator, repeats: int) -> dict[str,
         hits = await _timed(lambda: _loop(lambda: c.lookup(hit), inner), repeats)
         misses = await _timed(lambda: _loop(lambda: c.lookup(miss), inner), repeats)
         gets = await _timed(lambda: _loop(lambda: c.get(first, out=out), inner), repeats)
-        puts = await _timed(lambda: _loop(put_one, inner), repeats)
+        puts = await _timed(lambda: _loop(put_one, put_inner), put_samples)
     return {
         "entries": entries, "build_s": build_s,
         "lookup_hit_us": {k: v / inner * 1e6 for k, v in _stats(hits).items()},
         "lookup_miss_us": {k: v / inner * 1e6 for k, v in _stats(misses).items()},
         "get_us": {k: v / inner * 1e6 for k, v in _stats(gets).items()},
-        "put_delete_us": {k: v / inner * 1e6 for k, v in _stats(puts).items()},
+        "put_delete_us": {k: v / put_inner * 1e6 for k, v in _stats(puts).items()},
         "bytes_per_entry": mem,
         "bytes_per_entry_beyond_tokens": mem - 4 * CH,
         "object_bytes_per_entry": objects / entries,
