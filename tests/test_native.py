@@ -358,6 +358,13 @@ def test_bad_row_calls_raise_before_writing(change: dict[str, object], error: ty
     assert call.unchanged()
 
 
+def test_slot_check_tells_whether_a_token_has_no_slot() -> None:
+    assert _native.check_slots(np.array([0, 7, 3], dtype=np.int64), 8) is False
+    assert _native.check_slots(np.array([0, -1, 3], dtype=np.int64), 8) is True
+    assert _native.check_slots(np.array([-1], dtype=np.int64), 1) is True
+    assert _native.check_slots(np.array([], dtype=np.int64), 8) is False
+
+
 def test_slot_range_error_names_the_first_bad_index() -> None:
     with pytest.raises(SlotRangeError, match=r"slot_mapping\[2\] = 9 "):
         _native.check_slots(np.array([0, -1, 9, 10, -5], dtype=np.int64), 8)

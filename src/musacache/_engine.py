@@ -424,9 +424,9 @@ class Cache:
         eng.inflight["puts"] += 1
         head: Match | None = None
         try:
-            toks, slots, paged = await _paged_args(self, tokens, kv_caches, slot_mapping,
-                                                   layout, skip_prefix, ready, ready_timeout)
-            valid = _first_skip(slots, skip_prefix)
+            toks, slots, paged, holes = await _paged_args(
+                self, tokens, kv_caches, slot_mapping, layout, skip_prefix, ready, ready_timeout)
+            valid = _first_skip(slots, skip_prefix) if holes else len(slots)
             head_data: torch.Tensor | None = None
             if skip_prefix % self.config.chunk_size:
                 # The skipped prefix ends inside a chunk. The pages must not be read there, but
@@ -464,8 +464,8 @@ class Cache:
         eng.inflight["gets"] += 1
         td = self.spec.token_dim
         try:
-            toks, slots, paged = await _paged_args(self, tokens, kv_caches, slot_mapping,
-                                                   layout, skip_prefix, ready, ready_timeout)
+            toks, slots, paged, _holes = await _paged_args(
+                self, tokens, kv_caches, slot_mapping, layout, skip_prefix, ready, ready_timeout)
             matches = await eng.match(toks)
             total = sum(m.num_tokens for m in matches)
             self._count_request(len(toks), total)
@@ -615,10 +615,11 @@ class Cache:
 async def _paged_args(cache: Cache, tokens: Any, kv_caches: Any, slot_mapping: Any,
                       layout: str | None, skip_prefix: int, ready: Any,
                       ready_timeout: float | None) -> tuple[np.ndarray, torch.Tensor,
-                                                            transfer.Pages]:
-    """Check a store/retrieve call and await ``ready``. Tokens or slots on a device are
-    brought to the host in a worker thread *after* ``ready``: reading them on the loop
-    would block it until the engine's stream has produced them."""
+                                                            transfer.Pages, bool]:
+    """Check a store/retrieve call and await ``ready``; also return whether a slot is -1.
+    Tokens or slots on a device are brought to the host in a worker thread *after*
+    ``ready``: reading them on the loop would block it until the engine's stream has
+    produced them."""
     ready_timeout = _validate.timeout(ready_timeout, "ready_timeout")
     paged = transfer.as_pages(kv_caches, layout)
     if paged.spec != cache.spec:
@@ -635,13 +636,13 @@ async def _paged_args(cache: Cache, tokens: Any, kv_caches: Any, slot_mapping: A
                           for x in (tokens, slot_mapping)))
     toks = as_tokens(tokens)
     slots = transfer._as_slots(slot_mapping, len(toks))
-    transfer._check_slot_range(slots, paged.num_slots)
+    holes = transfer._check_slot_range(slots, paged.num_slots)
     if skip_prefix > len(toks):
         raise InvalidInputError(f"skip_prefix must be an int in [0, {len(toks)}], "
                                 f"got {skip_prefix!r}")
     if not on_device:
         await devices.wait_ready(ready, ready_timeout)
-    return toks, slots, paged
+    return toks, slots, paged, holes
 
 
 

@@ -235,8 +235,10 @@ def _check_nonneg(name: str, value: object, *, minimum: int = 0) -> int:
     return value
 
 
-def check_slots(slots: np.ndarray[Any, Any], num_slots: int) -> None:
+def check_slots(slots: np.ndarray[Any, Any], num_slots: int) -> bool:
     """Check a slot array: 1-D C-contiguous int64 with every entry -1 or in [0, num_slots).
+    Returns whether any entry is -1 (a token with no slot), which the check's minimum tells
+    for free.
 
     Raises SlotRangeError naming the first bad index and its value.
     """
@@ -248,9 +250,10 @@ def check_slots(slots: np.ndarray[Any, Any], num_slots: int) -> None:
     if not slots.flags.c_contiguous:
         raise InvalidInputError("slots must be C-contiguous")
     if slots.size == 0:
-        return
-    if int(slots.min()) >= -1 and int(slots.max()) < num_slots:
-        return
+        return False
+    lo = int(slots.min())
+    if lo >= -1 and int(slots.max()) < num_slots:
+        return lo == -1
     bad = np.flatnonzero((slots < -1) | (slots >= num_slots))
     first = int(bad[0])
     raise SlotRangeError(

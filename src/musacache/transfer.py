@@ -551,15 +551,17 @@ def _as_slots(slot_mapping: object, num_tokens: int, *,
     return slots
 
 
-def _check_slot_range(slots: torch.Tensor, num_slots: int) -> None:
+def _check_slot_range(slots: torch.Tensor, num_slots: int) -> bool:
+    """Raise :class:`SlotRangeError` for a slot outside [0, num_slots) other than -1; return
+    whether any slot is -1."""
     if slots.numel() == 0:
-        return
+        return False
     if slots.device.type == "cpu":
-        _native.check_slots(slots.contiguous().numpy(), num_slots)  # faster than torch ops
-        return
+        return _native.check_slots(slots.contiguous().numpy(), num_slots)  # faster than torch
+    lo, hi = torch.stack((slots.min(), slots.max())).tolist()  # one synchronization
+    if lo >= -1 and hi < num_slots:
+        return bool(lo == -1)
     bad = (slots < -1) | (slots >= num_slots)
-    if not bool(bad.any()):
-        return
     first = int(bad.nonzero()[0, 0])
     raise SlotRangeError(f"slot_mapping[{first}] = {int(slots[first])} is outside the paged "
                          f"cache [0, {num_slots}) (only -1 may mean skip)")
