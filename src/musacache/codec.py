@@ -686,10 +686,7 @@ def read_chunk_into(fp: Fingerprint, fd: int, size: int, out: torch.Tensor, *,
     :func:`decode_chunk`, a failed read of a raw object leaves part of it in ``out``: pass a
     destination that is discarded on failure (a reserved slot), never a caller's tensor.
     """
-    head = bytearray(HEADER_SIZE)
-    _pread_into(fd, memoryview(head), 0)
-    hdr = read_header(head)
-    _check_header(fp, hdr, expect, size)
+    hdr = _file_header(fp, fd, size, expect)
     _check_out(out, fp, hdr.num_tokens)
     on_range = _range_sink(on_block, out)
     if hdr.codec_id == _ID_LZ4_V1:
@@ -741,10 +738,7 @@ def read_chunk_to(fp: Fingerprint, fd: int, size: int, copy: ChunkCopy, *,
     The read stops early, without an error, once the copy's tee is closed: the caller tells
     a complete read by ``copy.written``. Raises what :func:`read_chunk_into` raises, and
     :class:`InvalidInputError` when ``copy`` does not take the chunk's bytes."""
-    head = bytearray(HEADER_SIZE)
-    _pread_into(fd, memoryview(head), 0)
-    hdr = read_header(head)
-    _check_header(fp, hdr, expect, size)
+    hdr = _file_header(fp, fd, size, expect)
     if copy.nbytes != hdr.raw_len or hdr.raw_len != fp.spec.nbytes(hdr.num_tokens):
         raise InvalidInputError(f"the destination takes {copy.nbytes} bytes, the chunk holds "
                                 f"{hdr.raw_len} ({hdr.num_tokens} tokens)")
@@ -757,26 +751,16 @@ def read_chunk_to(fp: Fingerprint, fd: int, size: int, copy: ChunkCopy, *,
     table = bytearray(hdr.table_len)
     _pread_into(fd, memoryview(table), HEADER_SIZE)
     _, offsets = _block_layout(hdr, table)
-    native = _native()
     if hdr.codec_id == _ID_RAW:
         block = _take_scratch(min(hdr.block_size, hdr.raw_len))
         try:
-            native.raw_read_runs(fd, offsets[0], table, num_blocks=hdr.num_blocks,
-                                 block_size=hdr.block_size, raw_len=hdr.raw_len,
-                                 scratch=block, copy=copy)
+            _native().raw_read_runs(fd, offsets[0], table, num_blocks=hdr.num_blocks,
+                                    block_size=hdr.block_size, raw_len=hdr.raw_len,
+                                    scratch=block, copy=copy)
         finally:
             _give_scratch(block)
         return hdr.meta(stored_bytes=size)
-    payload = _take_scratch(hdr.payload_len)
-    planes = _take_scratch(hdr.raw_len)
-    try:
-        native.tagged_decode(payload, table, num_blocks=hdr.num_blocks,
-                             block_size=hdr.block_size, raw_len=hdr.raw_len,
-                             itemsize=hdr.itemsize, scratch=planes, out=None, copy=copy,
-                             fd=fd, file_offset=offsets[0])
-    finally:
-        _give_scratch(planes)
-        _give_scratch(payload)
+    _tagged_from_file(fd, hdr, table, offsets[0], None, copy)
     return hdr.meta(stored_bytes=size)
 
 
@@ -819,21 +803,39 @@ def _read_tagged_into(fd: int, hdr: ChunkHeader, table: bytearray, payload_at: i
     each block is read (into a reused buffer), checked and decoded (coded planes into another
     one, raw ones used in place) just before the first strip that needs it, so the bytes are
     touched while they are in cache. Every strip written comes from verified blocks."""
-    native = _native()
     copy = _copy_of(on_block)
-    payload = _take_scratch(hdr.payload_len)
-    planes = _take_scratch(hdr.raw_len)
-    try:
-        native.tagged_decode(payload, table, num_blocks=hdr.num_blocks,
-                             block_size=hdr.block_size, raw_len=hdr.raw_len,
-                             itemsize=hdr.itemsize, scratch=planes, out=_as_bytes(out),
-                             copy=copy, fd=fd, file_offset=payload_at)
-    finally:
-        _give_scratch(planes)
-        _give_scratch(payload)
+    _tagged_from_file(fd, hdr, table, payload_at, _as_bytes(out), copy)
     if copy is None:
         # The unshuffle wrote all of ``out`` at once: its ranges are final only now.
         _ranges_done(on_range, hdr.raw_len, hdr.block_size)
+
+
+def _file_header(fp: Fingerprint, fd: int, size: int,
+                 expect: ChunkMeta | None) -> ChunkHeader:
+    """The header of the chunk object in the open file ``fd`` (``size`` bytes), checked
+    against ``fp``, ``expect`` and the size."""
+    head = bytearray(HEADER_SIZE)
+    _pread_into(fd, memoryview(head), 0)
+    hdr = read_header(head)
+    _check_header(fp, hdr, expect, size)
+    return hdr
+
+
+def _tagged_from_file(fd: int, hdr: ChunkHeader, table: bytearray, payload_at: int,
+                      out: np.ndarray | None, copy: ChunkCopy | None) -> None:
+    """One native call (:func:`~musacache._native.tagged_decode`) over the tagged payload at
+    ``payload_at`` of the file ``fd``, into ``out`` (bytes) and/or ``copy``, with reused
+    buffers for the read blocks and the decoded planes."""
+    payload = _take_scratch(hdr.payload_len)
+    planes = _take_scratch(hdr.raw_len)
+    try:
+        _native().tagged_decode(payload, table, num_blocks=hdr.num_blocks,
+                                block_size=hdr.block_size, raw_len=hdr.raw_len,
+                                itemsize=hdr.itemsize, scratch=planes, out=out, copy=copy,
+                                fd=fd, file_offset=payload_at)
+    finally:
+        _give_scratch(planes)
+        _give_scratch(payload)
 
 
 def _decode_blocks(view: memoryview, hdr: ChunkHeader, offsets: list[int],
