@@ -696,7 +696,7 @@ async def _disk(tokens: int, repeats: int, codec: str) -> dict[str, Any]:
             "get": _stats(get_s), "raw_read": _stats(raw_s), "promotion": _stats(promote_s),
             "ratio": min(raw_s) / min(get_s),
             "ratio_median": statistics.median(raw_s) / statistics.median(get_s),
-            "samples_get": get_s, "parts": parts, **put}
+            "samples": len(get_s), "parts": parts, **put}
 
 
 def _read_chunk_files(folder: str) -> list[bytes]:
@@ -910,7 +910,7 @@ def report(res: dict[str, Any]) -> None:
         print(f"  raw read {_fmt_stats({k: v * 1e3 for k, v in dk['raw_read'].items()}, ' ms')};"
               f" get {_fmt_stats({k: v * 1e3 for k, v in dk['get'].items()}, ' ms')}; ratio "
               f"{dk['ratio']:.2f} (min), {dk['ratio_median']:.2f} (median); "
-              f"{len(dk['samples_get'])} alternated samples")
+              f"{dk['samples']} alternated samples")
         promote_ms = {k: v * 1e3 for k, v in dk["promotion"].items()}
         print("  then the chunks' promotion to the host tier, after the get returned (the "
               f"flush that waits for it): {_fmt_stats(promote_ms, ' ms')}")
