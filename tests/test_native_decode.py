@@ -16,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import musacache as mc
 from musacache import _native, codec
 from musacache._errors import CorruptChunkError
 from musacache._keys import Fingerprint
@@ -296,10 +297,155 @@ def test_a_failed_block_read_is_an_oserror_with_its_errno(tmp_path: Path) -> Non
     dirfd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)  # pread fails: EISDIR
     try:
         with pytest.raises(OSError) as info:
-            _native.tagged_decode(bytearray(hdr.payload_len), table, num_blocks=hdr.num_blocks,
-                                  block_size=hdr.block_size, raw_len=hdr.raw_len,
-                                  itemsize=hdr.itemsize, scratch=bytearray(hdr.raw_len),
-                                  out=bytearray(hdr.raw_len), fd=dirfd, file_offset=0)
+            _native.tagged_read(dirfd, 0, table, payload_len=hdr.payload_len,
+                                num_blocks=hdr.num_blocks, block_size=hdr.block_size,
+                                raw_len=hdr.raw_len, itemsize=hdr.itemsize,
+                                ring=bytearray(hdr.raw_len + 4096), out=bytearray(hdr.raw_len))
         assert info.value.errno == errno.EISDIR
     finally:
         os.close(dirfd)
+
+
+# -- the ring a file read goes through ----------------------------------------------------------
+
+
+def _tagged_payload(data: bytes, itemsize: int, block_size: int, tags: list[int],
+                    ) -> tuple[bytes, bytes]:
+    """A tagged payload of ``data`` built here, independently of the encoder: planes (byte j of
+    each whole element), then the bytes past the last whole element, cut into blocks each
+    stored raw or coded as ``tags`` asks (0 raw, 1 lz4, 2 nibble; a coding that does not
+    make the block smaller falls back to raw), and its table."""
+    n = len(data) // itemsize
+    whole = np.frombuffer(data[: n * itemsize], dtype=np.uint8).reshape(n, itemsize)
+    shuffled = whole.T.tobytes() + data[n * itemsize :]
+    payload, table = bytearray(), bytearray()
+    for b, start in enumerate(range(0, len(shuffled), block_size)):
+        raw = shuffled[start : start + block_size]
+        stored = b"\0" + raw
+        tag = tags[b % len(tags)]
+        if tag == 1:
+            coded = lz4.block.compress(raw, store_size=False)
+            if len(coded) < len(raw):
+                stored = b"\1" + coded
+        elif tag == 2 and len(raw) <= _native.NIB_MAX_BYTES:
+            out = bytearray(len(raw))
+            size = _native.nib_encode(raw, out)
+            if size is not None:
+                stored = b"\2" + bytes(out[:size])
+        payload += stored
+        table += len(stored).to_bytes(4, "little") + _native.crc32c(stored).to_bytes(4, "little")
+    return bytes(payload), bytes(table)
+
+
+# Data whose blocks code in every way: runs and repeats (lz4), small bytes (nibble), noise.
+_chunk_bytes = st.builds(
+    lambda parts: b"".join(parts),
+    st.lists(st.one_of(st.binary(max_size=700),
+                       st.builds(lambda b, n: bytes([b]) * n, st.integers(0, 255),
+                                 st.integers(1, 900)),
+                       st.builds(lambda xs: bytes(x & 15 for x in xs), st.binary(max_size=800))),
+             min_size=1, max_size=8))
+
+
+@settings(max_examples=250, deadline=None)
+@given(data=_chunk_bytes, itemsize=st.sampled_from([1, 2, 3, 4, 8, 16]),
+       block_size=st.integers(16, 700), tags=st.lists(st.integers(0, 2), min_size=1,
+                                                      max_size=5),
+       bad=st.one_of(st.none(), st.integers(0, 1 << 20)), with_copy=st.booleans())
+def test_a_read_through_the_ring_gives_what_a_decode_from_memory_gives(
+        tmp_path_factory: pytest.TempPathFactory, data: bytes, itemsize: int, block_size: int,
+        tags: list[int], bad: int | None, with_copy: bool) -> None:
+    """The file read reuses a ring of itemsize + 1 block slots, so with many blocks every slot
+    is taken over again and again, and a block holding the end of one plane and the start of
+    the next is read twice. Whatever the geometry, it must give the bytes of the decode from
+    memory (every block held at once), write nothing outside out and the ring, and on a
+    damaged block raise naming it, with only verified bytes written before."""
+    payload, table = _tagged_payload(data, itemsize, block_size, tags)
+    num_blocks = len(table) // 8
+    geometry = {"num_blocks": num_blocks, "block_size": block_size, "raw_len": len(data),
+                "itemsize": itemsize}
+    mem_buf, mem_out = _guarded(len(data))
+    _native.tagged_decode(payload, table, **geometry, scratch=bytearray(len(data)),
+                          out=mem_out)
+    assert mem_out.tobytes() == data and _guards_intact(mem_buf)
+    damaged = bytearray(payload)
+    bad_block = None
+    if bad is not None and num_blocks:
+        bad_block = bad % num_blocks
+        start = sum(int.from_bytes(table[8 * i : 8 * i + 4], "little") for i in range(bad_block))
+        damaged[start + bad % int.from_bytes(table[8 * bad_block : 8 * bad_block + 4],
+                                               "little")] ^= 0x20
+    lead = b"header bytes before the payload"
+    path = tmp_path_factory.mktemp("ring") / "chunk"
+    path.write_bytes(lead + bytes(damaged))
+    ring_len = _native.tagged_ring_bytes(num_blocks=num_blocks, block_size=block_size,
+                                         itemsize=itemsize)
+    assert ring_len <= (itemsize + 1) * (2 * block_size + 128)
+    ring_buf, ring = _guarded(ring_len)
+    out_buf, out = _guarded(len(data))
+    out[:] = 0x5A
+    copy_buf, copy_dst = _guarded(len(data))
+    copy_dst[:] = 0x5A
+    copy = None
+    if with_copy and data:
+        copy = _native.ChunkCopy(np.array([copy_dst.ctypes.data], dtype=np.uint64), len(data))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if bad_block is None:
+            _native.tagged_read(fd, len(lead), table, payload_len=len(payload), **geometry,
+                                ring=ring, out=out, copy=copy)
+        else:
+            with pytest.raises(CorruptChunkError, match=f"block {bad_block}"):
+                _native.tagged_read(fd, len(lead), table, payload_len=len(payload),
+                                    **geometry, ring=ring, out=out, copy=copy)
+    finally:
+        os.close(fd)
+    assert _guards_intact(ring_buf) and _guards_intact(out_buf) and _guards_intact(copy_buf)
+    want = np.frombuffer(data, dtype=np.uint8)
+    for got in [out] + ([copy_dst] if copy is not None else []):
+        if bad_block is None:
+            assert got.tobytes() == data
+        else:
+            # Written strips came from verified blocks only: the data's own bytes.
+            assert bool(((got == 0x5A) | (got == want)).all())
+    if copy is not None:
+        assert (copy.written == len(data)) == (bad_block is None)
+
+
+def test_the_ring_is_a_few_blocks_whatever_the_chunk() -> None:
+    mib = 1 << 20
+    for itemsize in (1, 2, 4):
+        ring = _native.tagged_ring_bytes(num_blocks=32, block_size=mib, itemsize=itemsize)
+        assert ring == (itemsize + 1) * (mib + 64 + mib)
+    # No more slots than blocks: a one-block chunk needs one.
+    assert _native.tagged_ring_bytes(num_blocks=1, block_size=mib, itemsize=4) == 2 * mib + 64
+    with pytest.raises(mc.InvalidInputError):
+        _native.tagged_ring_bytes(num_blocks=1, block_size=0, itemsize=2)
+
+
+def test_a_ring_too_small_or_a_payload_too_long_for_its_slot_is_refused(tmp_path: Path) -> None:
+    data = bytes(range(256)) * 40
+    payload, table = _tagged_payload(data, 2, 1000, [0])
+    geometry = {"num_blocks": len(table) // 8, "block_size": 1000, "raw_len": len(data),
+                "itemsize": 2}
+    fd = _file(tmp_path, payload)
+    try:
+        need = _native.tagged_ring_bytes(num_blocks=len(table) // 8, block_size=1000,
+                                         itemsize=2)
+        out = bytearray(len(data))
+        with pytest.raises(mc.InvalidInputError, match="ring"):
+            _native.tagged_read(fd, 0, table, payload_len=len(payload), **geometry,
+                                ring=bytearray(need - 1), out=out)
+        assert not any(out)
+        # A table whose first block claims more than a block and its tag (the lengths still
+        # add up: the second claims only its tag): corrupt, and nothing read into the ring.
+        long_table = bytearray(table)
+        first = int.from_bytes(table[:4], "little") + int.from_bytes(table[8:12], "little") - 1
+        long_table[:4] = first.to_bytes(4, "little")
+        long_table[8:12] = (1).to_bytes(4, "little")
+        with pytest.raises(CorruptChunkError):
+            _native.tagged_read(fd, 0, bytes(long_table), payload_len=len(payload),
+                                **geometry, ring=bytearray(need), out=out)
+        assert not any(out)
+    finally:
+        os.close(fd)

@@ -55,6 +55,8 @@ __all__ = [
     "set_thread_min_bytes",
     "shuffle",
     "tagged_decode",
+    "tagged_read",
+    "tagged_ring_bytes",
     "unshuffle",
     "ChunkCopy",
 ]
@@ -701,55 +703,97 @@ def runs_copy(copy: ChunkCopy, src: object, offset: int) -> None:
     copy.copy(src, offset)
 
 
-def tagged_decode(payload: object, table: object, *, num_blocks: int, block_size: int,
-                  raw_len: int, itemsize: int, scratch: object, out: object | None,
-                  copy: ChunkCopy | None = None, fd: int = -1, file_offset: int = 0) -> None:
-    """Verify and decode a payload of tagged blocks (``codec.py``'s codec id 2) into ``out``
-    (``raw_len`` bytes), unshuffled for ``itemsize`` > 1, and copy it on into ``copy`` a strip
-    at a time. ``table`` is the object's block table as stored; ``scratch`` (at least
-    ``raw_len`` bytes, overlapping nothing else) receives the coded blocks' decoded planes.
-
-    Without ``fd``, ``payload`` holds the payload and every block is checked before ``out``
-    or ``copy`` is written, so on an error neither was touched. With ``fd`` (an open file),
-    ``payload`` is a writable buffer the payload is read into from ``file_offset``, a block
-    at a time, each just before the first strip that needs it: an error then leaves the
-    strips before it written, all from verified blocks.
-
-    ``out`` may be None when ``copy`` is given: the copy's runs are then the only
-    destination (a read straight into a caller's tensor), and the decode stops once the
-    copy's tee is closed; the caller tells a complete decode by ``copy.written``.
-
-    Raises :class:`CorruptChunkError` naming the block whose checksum does not match or
-    whose coding is invalid, or a file that ends early ("truncated"), and ``OSError`` for a
-    failed read.
-    """
-    pay_ptr, pay_len, pay_addr = _buffer(payload, writable=fd >= 0, what="payload")
-    tab_ptr, tab_len, _ = _buffer(table, writable=False, what="table")
-    scr_ptr, scr_len, scr_addr = _buffer(scratch, writable=True, what="scratch")
+def _tagged_dests(out: object | None, copy: ChunkCopy | None, raw_len: int, tab_len: int,
+                  num_blocks: int) -> tuple[Any, int]:
+    """The checks ``tagged_decode`` and ``tagged_read`` share: ``out`` (its pointer and
+    address) and ``copy`` against the chunk, and the table's length."""
     if out is None:
         if copy is None:
-            raise InvalidInputError("tagged_decode needs out or copy (or both)")
+            raise InvalidInputError("a tagged decode needs out or copy (or both)")
         out_ptr, out_len, out_addr = ffi.NULL, raw_len, 0
     else:
         out_ptr, out_len, out_addr = _buffer(out, writable=True, what="out")
     if tab_len != 8 * num_blocks:
         raise InvalidInputError(f"table holds {tab_len} bytes, {num_blocks} blocks need "
                                 f"{8 * num_blocks}")
-    if out_len != raw_len or scr_len < raw_len:
-        raise InvalidInputError(f"out holds {out_len} bytes and scratch {scr_len}, the chunk "
-                                f"is {raw_len}")
+    if out_len != raw_len:
+        raise InvalidInputError(f"out holds {out_len} bytes, the chunk is {raw_len}")
     if copy is not None and copy.nbytes != raw_len:
         raise InvalidInputError(f"the copy takes {copy.nbytes} bytes, the chunk is {raw_len}")
-    if (out is not None and (_overlaps(pay_addr, pay_len, out_addr, out_len)
-                             or _overlaps(scr_addr, scr_len, out_addr, out_len))) \
+    return out_ptr, out_addr
+
+
+def tagged_decode(payload: object, table: object, *, num_blocks: int, block_size: int,
+                  raw_len: int, itemsize: int, scratch: object, out: object | None,
+                  copy: ChunkCopy | None = None) -> None:
+    """Verify and decode a payload of tagged blocks (``codec.py``'s codec id 2) into ``out``
+    (``raw_len`` bytes), unshuffled for ``itemsize`` > 1, and copy it on into ``copy`` a strip
+    at a time. ``table`` is the object's block table as stored; ``scratch`` (at least
+    ``raw_len`` bytes, overlapping nothing else) receives the coded blocks' decoded planes.
+    Every block is checked before ``out`` or ``copy`` is written, so on an error neither was
+    touched.
+
+    ``out`` may be None when ``copy`` is given: the copy's runs are then the only
+    destination (a read straight into a caller's tensor), and the decode stops once the
+    copy's tee is closed; the caller tells a complete decode by ``copy.written``.
+
+    Raises :class:`CorruptChunkError` naming the block whose checksum does not match or
+    whose coding is invalid.
+    """
+    pay_ptr, pay_len, pay_addr = _buffer(payload, writable=False, what="payload")
+    tab_ptr, tab_len, _ = _buffer(table, writable=False, what="table")
+    scr_ptr, scr_len, scr_addr = _buffer(scratch, writable=True, what="scratch")
+    out_ptr, out_addr = _tagged_dests(out, copy, raw_len, tab_len, num_blocks)
+    if scr_len < raw_len:
+        raise InvalidInputError(f"scratch holds {scr_len} bytes, the chunk is {raw_len}")
+    if (out is not None and (_overlaps(pay_addr, pay_len, out_addr, raw_len)
+                             or _overlaps(scr_addr, scr_len, out_addr, raw_len))) \
             or _overlaps(pay_addr, pay_len, scr_addr, scr_len):
         raise InvalidInputError("payload, scratch and out must not overlap")
     bad = ffi.new("int64_t *")
+    status = lib.mc_tagged_decode(pay_ptr, pay_len, tab_ptr, num_blocks, block_size, raw_len,
+                                  itemsize, scr_ptr, scr_len, out_ptr,
+                                  ffi.NULL if copy is None else copy._runs, bad)
+    _check_decode_status(status, int(bad[0]), 0, "tagged_decode")
+
+
+def tagged_ring_bytes(*, num_blocks: int, block_size: int, itemsize: int) -> int:
+    """The size of the ring :func:`tagged_read` reads through: a few blocks (one more than
+    ``itemsize``'s planes, no more than the chunk's blocks), whatever the chunk's size."""
+    need = int(lib.mc_tagged_ring_bytes(num_blocks, block_size, itemsize))
+    if need < 0:
+        raise InvalidInputError(f"no tagged payload has {num_blocks} blocks of {block_size} "
+                                f"bytes and itemsize {itemsize}")
+    return need
+
+
+def tagged_read(fd: int, file_offset: int, table: object, *, payload_len: int,
+                num_blocks: int, block_size: int, raw_len: int, itemsize: int, ring: object,
+                out: object | None, copy: ChunkCopy | None = None) -> None:
+    """:func:`tagged_decode` of the payload (``payload_len`` bytes) at ``file_offset`` of the
+    open file ``fd``: each block is read into a slot of ``ring`` (at least
+    :func:`tagged_ring_bytes`), checked and decoded there just before the first strip that
+    needs it, so the chunk's bytes pass through a few blocks of cache and never through a
+    chunk-sized buffer. An error leaves the strips before it written (in ``out`` and
+    ``copy``), all from verified blocks.
+
+    Raises what :func:`tagged_decode` raises, :class:`CorruptChunkError` for a file that ends
+    early ("truncated"), and ``OSError`` for a failed read.
+    """
+    tab_ptr, tab_len, _ = _buffer(table, writable=False, what="table")
+    ring_ptr, ring_len, ring_addr = _buffer(ring, writable=True, what="ring")
+    out_ptr, out_addr = _tagged_dests(out, copy, raw_len, tab_len, num_blocks)
+    need = tagged_ring_bytes(num_blocks=num_blocks, block_size=block_size, itemsize=itemsize)
+    if ring_len < need:
+        raise InvalidInputError(f"ring holds {ring_len} bytes, {need} are needed")
+    if out is not None and _overlaps(ring_addr, ring_len, out_addr, raw_len):
+        raise InvalidInputError("ring and out must not overlap")
+    bad = ffi.new("int64_t *")
     err = ffi.new("int *")
-    status = lib.mc_tagged_decode(fd, file_offset, pay_ptr, pay_len, tab_ptr, num_blocks,
-                                  block_size, raw_len, itemsize, scr_ptr, scr_len, out_ptr,
-                                  ffi.NULL if copy is None else copy._runs, bad, err)
-    _check_decode_status(status, int(bad[0]), int(err[0]), "tagged_decode")
+    status = lib.mc_tagged_read(fd, file_offset, payload_len, tab_ptr, num_blocks, block_size,
+                                raw_len, itemsize, ring_ptr, ring_len, out_ptr,
+                                ffi.NULL if copy is None else copy._runs, bad, err)
+    _check_decode_status(status, int(bad[0]), int(err[0]), "tagged_read")
 
 
 def raw_read(fd: int, file_offset: int, table: object, *, num_blocks: int, block_size: int,
@@ -757,7 +801,7 @@ def raw_read(fd: int, file_offset: int, table: object, *, num_blocks: int, block
     """Read a raw chunk object's payload (``codec.py``'s codec id 3) from ``fd`` at
     ``file_offset`` straight into ``out``, a block at a time, checking each block's CRC-32C
     right after its read and copying the verified block on into ``copy``. Raises what
-    :func:`tagged_decode` raises; ``out`` then holds part of the chunk, ``copy`` only
+    :func:`tagged_read` raises; ``out`` then holds part of the chunk, ``copy`` only
     verified blocks."""
     tab_ptr, tab_len, _ = _buffer(table, writable=False, what="table")
     out_ptr, raw_len, _ = _buffer(out, writable=True, what="out")

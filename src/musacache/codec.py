@@ -798,11 +798,11 @@ def _read_tagged_into(fd: int, hdr: ChunkHeader, table: bytearray, payload_at: i
                       out: torch.Tensor, on_block: Callable[[int, int], None] | None,
                       on_range: Callable[[int, int], None] | None) -> None:
     """The tagged payload of a file in one native call
-    (:func:`~musacache._native.tagged_decode`): the unshuffle into ``out`` goes a 32 KiB
+    (:func:`~musacache._native.tagged_read`): the unshuffle into ``out`` goes a 32 KiB
     strip at a time, each strip copied on into a :class:`ChunkCopy` while it is in cache, and
-    each block is read (into a reused buffer), checked and decoded (coded planes into another
-    one, raw ones used in place) just before the first strip that needs it, so the bytes are
-    touched while they are in cache. Every strip written comes from verified blocks."""
+    each block is read into a slot of a ring of a few blocks, checked and decoded there (raw
+    ones used in place) just before the first strip that needs it, so the bytes are touched
+    while they are in cache. Every strip written comes from verified blocks."""
     copy = _copy_of(on_block)
     _tagged_from_file(fd, hdr, table, payload_at, _as_bytes(out), copy)
     if copy is None:
@@ -823,19 +823,19 @@ def _file_header(fp: Fingerprint, fd: int, size: int,
 
 def _tagged_from_file(fd: int, hdr: ChunkHeader, table: bytearray, payload_at: int,
                       out: np.ndarray | None, copy: ChunkCopy | None) -> None:
-    """One native call (:func:`~musacache._native.tagged_decode`) over the tagged payload at
-    ``payload_at`` of the file ``fd``, into ``out`` (bytes) and/or ``copy``, with reused
-    buffers for the read blocks and the decoded planes."""
-    payload = _take_scratch(hdr.payload_len)
-    planes = _take_scratch(hdr.raw_len)
+    """One native call (:func:`~musacache._native.tagged_read`) over the tagged payload at
+    ``payload_at`` of the file ``fd``, into ``out`` (bytes) and/or ``copy``, through a reused
+    ring of a few blocks."""
+    n = _native()
+    ring = _take_scratch(n.tagged_ring_bytes(num_blocks=hdr.num_blocks,
+                                             block_size=hdr.block_size, itemsize=hdr.itemsize))
     try:
-        _native().tagged_decode(payload, table, num_blocks=hdr.num_blocks,
-                                block_size=hdr.block_size, raw_len=hdr.raw_len,
-                                itemsize=hdr.itemsize, scratch=planes, out=out, copy=copy,
-                                fd=fd, file_offset=payload_at)
+        n.tagged_read(fd, payload_at, table, payload_len=hdr.payload_len,
+                      num_blocks=hdr.num_blocks, block_size=hdr.block_size,
+                      raw_len=hdr.raw_len, itemsize=hdr.itemsize, ring=ring, out=out,
+                      copy=copy)
     finally:
-        _give_scratch(planes)
-        _give_scratch(payload)
+        _give_scratch(ring)
 
 
 def _decode_blocks(view: memoryview, hdr: ChunkHeader, offsets: list[int],

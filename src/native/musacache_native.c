@@ -1372,17 +1372,35 @@ int mc_runs_copy(const mc_runs *copy, const uint8_t *src, int64_t offset, int64_
 
 static uint32_t crc32c_of(const uint8_t *p, size_t n) { return ~crc32c_update(~0u, p, n); }
 
-/* Reads, checks and decodes block b (once): its stored bytes come from the file when fd >= 0
- * (into payload at the block's offset), else they are in payload already. */
+/* The blocks of one tagged payload, as the strip loop asks for them.
+ *
+ * From memory (ring == NULL) block i's stored bytes are payload[offs[i]:offs[i+1]] and a
+ * coded block decodes into scratch at i * block_size; each is loaded once and kept.
+ *
+ * From a file (ring != NULL) each block is read into a slot of a small ring (its stored bytes,
+ * then its decoded planes), checked and decoded there, and the slot is reused once no piece of
+ * the strip loop in progress needs it. A chunk's bytes then pass through a few MiB that stay
+ * in cache: through chunk-sized buffers every byte would be a round trip to memory (a read
+ * for ownership of each line written, then its write-back), which is most of a decode's
+ * memory traffic on a machine whose memory bus is its limit. A block needed again after its
+ * slot was reused (one holding the end of a plane and the start of the next) is read, checked
+ * and decoded again. */
 typedef struct tagged_blocks {
     int fd;
     int64_t file_offset;
-    uint8_t *payload;
+    const uint8_t *payload;
     const uint8_t *table;
     const int64_t *offs;
     int64_t block_size, raw_len;
     uint8_t *scratch;
-    const uint8_t **base;
+    const uint8_t **base; /* per block: its raw bytes while they are held, else NULL */
+    uint8_t *checked;     /* per block: read and verified at least once */
+    uint8_t *ring;
+    int64_t ring_slots, stored_cap, slot_bytes;
+    int64_t *owner;   /* per slot: the block it holds, or -1 */
+    int64_t *used;    /* per slot: the last piece (stamp) that used it */
+    int64_t *slot_of; /* per block: its slot while it is held */
+    int64_t stamp;    /* the piece of the strip loop in progress */
     int *err;
 } tagged_blocks;
 
@@ -1402,20 +1420,25 @@ static int pread_full(int fd, uint8_t *buf, int64_t n, int64_t off, int *err) {
     return MC_OK;
 }
 
-static int load_block(const tagged_blocks *t, int64_t i) {
+/* Block i's stored bytes (from the file into st_buf, or in the payload), checked, then
+ * decoded into out (a raw body is used where it is). */
+static int load_block(tagged_blocks *t, int64_t i, uint8_t *st_buf, uint8_t *out) {
     int64_t stored = t->offs[i + 1] - t->offs[i];
     uint32_t crc = load_le32(t->table + 8 * i + 4);
     int64_t raw_block = t->raw_len - i * t->block_size < t->block_size
                             ? t->raw_len - i * t->block_size : t->block_size;
-    uint8_t *st = t->payload + t->offs[i];
-    if (t->fd >= 0) {
-        int status = pread_full(t->fd, st, stored, t->file_offset + t->offs[i], t->err);
+    const uint8_t *st = t->payload + t->offs[i];
+    if (t->ring != NULL) {
+        /* Longer than a raw block and its tag: no valid block is, and it would not fit. */
+        if (stored > t->stored_cap) return MC_ERR_CORRUPT;
+        int status = pread_full(t->fd, st_buf, stored, t->file_offset + t->offs[i], t->err);
         if (status != MC_OK) return status;
+        st = st_buf;
     }
     const uint8_t *body = st + 1;
     int64_t body_len = stored - 1;
-    uint8_t *out = t->scratch + i * t->block_size;
     if (crc32c_of(st, (size_t)stored) != crc) return MC_ERR_CHECKSUM;
+    t->checked[i] = 1;
     if (st[0] == MC_TAG_RAW && body_len == raw_block) {
         t->base[i] = body;
         return MC_OK;
@@ -1430,67 +1453,71 @@ static int load_block(const tagged_blocks *t, int64_t i) {
     return MC_OK;
 }
 
-int mc_tagged_decode(int fd, int64_t file_offset, uint8_t *payload, int64_t payload_len,
-                     const uint8_t *table, int64_t num_blocks, int64_t block_size,
-                     int64_t raw_len, int64_t itemsize, uint8_t *scratch, int64_t scratch_len,
-                     uint8_t *dst, const mc_runs *copy, int64_t *bad_block, int *err) {
-    if (bad_block == NULL || err == NULL) return MC_ERR_ARGUMENT;
-    *bad_block = -1;
-    *err = 0;
-    if (payload_len < 0 || num_blocks < 0 || block_size <= 0 || raw_len < 0 || itemsize < 1 ||
-        itemsize > MC_MAX_PLANES || scratch_len < raw_len || file_offset < 0)
-        return MC_ERR_ARGUMENT;
-    if (num_blocks != raw_len / block_size + (raw_len % block_size != 0)) return MC_ERR_ARGUMENT;
-    if (raw_len > 0 && (table == NULL || scratch == NULL || payload == NULL ||
-                        (dst == NULL && copy == NULL)))
-        return MC_ERR_ARGUMENT;
-    if (copy != NULL && check_runs(copy, raw_len) != MC_OK) return MC_ERR_ARGUMENT;
-    if (raw_len == 0) return payload_len == 0 ? MC_OK : MC_ERR_CORRUPT;
-    ensure_settings();
-    const uint8_t **base = calloc((size_t)num_blocks, sizeof *base);
-    int64_t *offs = malloc(((size_t)num_blocks + 1) * sizeof *offs);
-    if (base == NULL || offs == NULL) {
-        free(base);
-        free(offs);
-        return MC_ERR_NO_MEMORY;
+/* Block i's raw bytes, loaded first if they are not held. In a ring, the slot taken is an
+ * empty one, else the least recently used one that the current piece (t->stamp) does not use:
+ * a piece uses at most one block per plane, and the ring has a slot more than planes. */
+static int block_at(tagged_blocks *t, int64_t i, const uint8_t **got) {
+    if (t->base[i] != NULL) {
+        if (t->ring != NULL) t->used[t->slot_of[i]] = t->stamp;
+        *got = t->base[i];
+        return MC_OK;
     }
+    if (t->ring == NULL) {
+        int status = load_block(t, i, NULL, t->scratch + i * t->block_size);
+        *got = t->base[i];
+        return status;
+    }
+    int64_t s = -1;
+    for (int64_t c = 0; c < t->ring_slots; c++) {
+        if (t->owner[c] < 0) {
+            s = c;
+            break;
+        }
+        if (t->used[c] < t->stamp && (s < 0 || t->used[c] < t->used[s])) s = c;
+    }
+    if (s < 0) return MC_ERR_ARGUMENT; /* a ring smaller than mc_tagged_ring_bytes says */
+    if (t->owner[s] >= 0) t->base[t->owner[s]] = NULL;
+    t->owner[s] = -1; /* until block i has loaded: a failure leaves the slot empty */
+    uint8_t *st = t->ring + s * t->slot_bytes;
+    int status = load_block(t, i, st, st + t->stored_cap);
+    if (status != MC_OK) {
+        t->base[i] = NULL;
+        return status;
+    }
+    t->owner[s] = i;
+    t->used[s] = t->stamp;
+    t->slot_of[i] = s;
+    *got = t->base[i];
+    return MC_OK;
+}
+
+/* The byte offsets of the blocks in the payload from the table's stored lengths, which must
+ * add up to payload_len. */
+static int tagged_offsets(const uint8_t *table, int64_t num_blocks, int64_t payload_len,
+                          int64_t *offs, int64_t *bad_block) {
     offs[0] = 0;
-    int status = MC_OK;
     for (int64_t i = 0; i < num_blocks; i++) {
         int64_t stored = (int64_t)load_le32(table + 8 * i);
         if (stored < 1 || stored > payload_len - offs[i]) {
             *bad_block = i;
-            status = MC_ERR_CORRUPT;
-            break;
+            return MC_ERR_CORRUPT;
         }
         offs[i + 1] = offs[i] + stored;
     }
-    if (status == MC_OK && offs[num_blocks] != payload_len) status = MC_ERR_CORRUPT;
-    tagged_blocks t = {fd, file_offset, payload, table, offs, block_size, raw_len, scratch,
-                       base, err};
-    /* From memory every block is checked before dst is written (decode_chunk leaves its out
-     * untouched on any error). From a file each block is read, checked and decoded right
-     * before its first use, so it is still in cache when it is unshuffled. */
-    for (int64_t i = 0; fd < 0 && status == MC_OK && i < num_blocks; i++) {
-        status = load_block(&t, i);
-        if (status != MC_OK) *bad_block = i;
-    }
-    if (status != MC_OK) {
-        free(base);
-        free(offs);
-        return status;
-    }
-    size_t k = (size_t)itemsize, n = (size_t)raw_len / k, whole = n * k;
-    size_t bs = (size_t)block_size;
+    return offs[num_blocks] == payload_len ? MC_OK : MC_ERR_CORRUPT;
+}
+
+/* The strip loop (see mc_tagged_decode) over the blocks of t, writing with put. */
+static int tagged_strips(tagged_blocks *t, int64_t num_blocks, int64_t itemsize, uint8_t *dst,
+                         const mc_runs *copy, copy_fn put, int64_t *bad_block) {
+    int status = MC_OK;
+    size_t k = (size_t)itemsize, n = (size_t)t->raw_len / k, whole = n * k;
+    size_t bs = (size_t)t->block_size;
     size_t strip = MC_STRIP_BYTES / k ? MC_STRIP_BYTES / k : 1;
     int copying = copy != NULL;
-    /* A chunk of MC_DECODE_STREAM_BYTES or more takes streaming stores (no read for ownership
-     * of lines that are only written; nothing reads them back soon: they are a tier's slot and
-     * the caller's tensor): the strip is unshuffled into a buffer that stays in L1 and
-     * streamed from there to dst and to the runs. A smaller one is unshuffled into dst. */
-    copy_fn put = raw_len >= MC_DECODE_STREAM_BYTES ? pick_copy(INT64_MAX) : copy_cached;
     static _Thread_local uint8_t strip_buf[MC_STRIP_BYTES] __attribute__((aligned(64)));
     const uint8_t *planes[MC_MAX_PLANES];
+    const uint8_t *b;
     for (size_t e0 = 0; e0 < n;) {
         size_t e1 = n - e0 < strip ? n : e0 + strip;
         /* Without dst (a read straight into the caller's runs) every strip goes through the
@@ -1498,14 +1525,15 @@ int mc_tagged_decode(int fd, int64_t file_offset, uint8_t *payload, int64_t payl
         uint8_t *to = put == copy_cached && dst != NULL ? dst + e0 * k : strip_buf;
         for (size_t e = e0; e < e1;) {
             size_t cnt = e1 - e;
+            t->stamp++; /* a piece: elements [e, e + cnt), one block per plane */
             for (size_t j = 0; j < k; j++) {
                 size_t p = j * n + e, off = p % bs;
                 if (bs - off < cnt) cnt = bs - off;
-                if (base[p / bs] == NULL && (status = load_block(&t, (int64_t)(p / bs))) != MC_OK) {
+                if ((status = block_at(t, (int64_t)(p / bs), &b)) != MC_OK) {
                     *bad_block = (int64_t)(p / bs);
-                    goto done;
+                    return status;
                 }
-                planes[j] = base[p / bs] + off;
+                planes[j] = b + off;
             }
             interleave(planes, k, to + (e - e0) * k, cnt);
             e += cnt;
@@ -1514,33 +1542,149 @@ int mc_tagged_decode(int fd, int64_t file_offset, uint8_t *payload, int64_t payl
             put((char *)(dst + e0 * k), (const char *)strip_buf, (e1 - e0) * k);
         if (copying)
             copying = runs_put(copy, to, (int64_t)(e0 * k), (int64_t)((e1 - e0) * k), put);
-        if (!copying && dst == NULL) goto done; /* the tee was closed: nothing left to write */
+        if (!copying && dst == NULL) return MC_OK; /* the tee was closed: nothing left to write */
         e0 = e1;
     }
     /* The bytes past the last whole element (fewer than itemsize): into dst, or without it
      * into a small buffer for the runs. */
     uint8_t tail[MC_MAX_PLANES];
     uint8_t *tail_to = dst != NULL ? dst + whole : tail;
-    for (size_t p = whole; p < (size_t)raw_len; p++) {
-        if (base[p / bs] == NULL && (status = load_block(&t, (int64_t)(p / bs))) != MC_OK) {
+    for (size_t p = whole; p < (size_t)t->raw_len; p++) {
+        t->stamp++;
+        if ((status = block_at(t, (int64_t)(p / bs), &b)) != MC_OK) {
             *bad_block = (int64_t)(p / bs);
-            goto done;
+            return status;
         }
-        tail_to[p - whole] = base[p / bs][p % bs];
+        tail_to[p - whole] = b[p % bs];
     }
-    if (copying && whole < (size_t)raw_len)
-        runs_put(copy, tail_to, (int64_t)whole, raw_len - (int64_t)whole, copy_cached);
+    if (copying && whole < (size_t)t->raw_len)
+        runs_put(copy, tail_to, (int64_t)whole, t->raw_len - (int64_t)whole, copy_cached);
     /* A block no strip needed (none, for a consistent table) is still read and checked. */
     for (int64_t i = 0; i < num_blocks; i++) {
-        if (base[i] == NULL && (status = load_block(&t, i)) != MC_OK) {
+        t->stamp++;
+        if (!t->checked[i] && (status = block_at(t, i, &b)) != MC_OK) {
             *bad_block = i;
-            break;
+            return status;
         }
     }
-done:
+    return MC_OK;
+}
+
+static int tagged_run(tagged_blocks *t, int64_t num_blocks, int64_t itemsize, uint8_t *dst,
+                      const mc_runs *copy, int64_t *bad_block) {
+    /* A chunk of MC_DECODE_STREAM_BYTES or more takes streaming stores (no read for ownership
+     * of lines that are only written; nothing reads them back soon: they are a tier's slot and
+     * the caller's tensor): the strip is unshuffled into a buffer that stays in L1 and
+     * streamed from there to dst and to the runs. A smaller one is unshuffled into dst. */
+    copy_fn put = t->raw_len >= MC_DECODE_STREAM_BYTES ? pick_copy(INT64_MAX) : copy_cached;
+    int status = tagged_strips(t, num_blocks, itemsize, dst, copy, put, bad_block);
     store_fence(put);
-    free(base);
-    free(offs);
+    return status;
+}
+
+/* The per-block and per-slot arrays of t, in one allocation (free t->base). */
+static int tagged_arrays(tagged_blocks *t, int64_t num_blocks, int64_t **offs) {
+    size_t nb = (size_t)num_blocks, ns = (size_t)t->ring_slots;
+    size_t words = nb + (nb + 1) + nb + 2 * ns; /* base, offs, slot_of, owner, used */
+    void *mem = calloc(words * sizeof(int64_t) + nb, 1);
+    if (mem == NULL) return MC_ERR_NO_MEMORY;
+    t->base = (const uint8_t **)mem;
+    int64_t *w = (int64_t *)mem + nb;
+    *offs = w;
+    t->offs = w;
+    t->slot_of = w + nb + 1;
+    t->owner = t->slot_of + nb;
+    t->used = t->owner + ns;
+    t->checked = (uint8_t *)(t->used + ns);
+    for (size_t s = 0; s < ns; s++) t->owner[s] = -1;
+    return MC_OK;
+}
+
+static int tagged_args_ok(int64_t payload_len, int64_t num_blocks, int64_t block_size,
+                          int64_t raw_len, int64_t itemsize) {
+    if (payload_len < 0 || num_blocks < 0 || block_size <= 0 || raw_len < 0 || itemsize < 1 ||
+        itemsize > MC_MAX_PLANES)
+        return 0;
+    return num_blocks == raw_len / block_size + (raw_len % block_size != 0);
+}
+
+int mc_tagged_decode(const uint8_t *payload, int64_t payload_len, const uint8_t *table,
+                     int64_t num_blocks, int64_t block_size, int64_t raw_len, int64_t itemsize,
+                     uint8_t *scratch, int64_t scratch_len, uint8_t *dst, const mc_runs *copy,
+                     int64_t *bad_block) {
+    if (bad_block == NULL) return MC_ERR_ARGUMENT;
+    *bad_block = -1;
+    if (!tagged_args_ok(payload_len, num_blocks, block_size, raw_len, itemsize) ||
+        scratch_len < raw_len)
+        return MC_ERR_ARGUMENT;
+    if (raw_len > 0 && (table == NULL || scratch == NULL || payload == NULL ||
+                        (dst == NULL && copy == NULL)))
+        return MC_ERR_ARGUMENT;
+    if (copy != NULL && check_runs(copy, raw_len) != MC_OK) return MC_ERR_ARGUMENT;
+    if (raw_len == 0) return payload_len == 0 ? MC_OK : MC_ERR_CORRUPT;
+    ensure_settings();
+    int err = 0;
+    tagged_blocks t = {-1, 0, payload, table, NULL, block_size, raw_len, scratch, NULL, NULL,
+                       NULL, 0, 0, 0, NULL, NULL, NULL, 0, &err};
+    int64_t *offs;
+    if (tagged_arrays(&t, num_blocks, &offs) != MC_OK) return MC_ERR_NO_MEMORY;
+    int status = tagged_offsets(table, num_blocks, payload_len, offs, bad_block);
+    /* Every block is checked before dst is written (decode_chunk leaves its out untouched on
+     * any error). */
+    const uint8_t *b;
+    for (int64_t i = 0; status == MC_OK && i < num_blocks; i++) {
+        status = block_at(&t, i, &b);
+        if (status != MC_OK) *bad_block = i;
+    }
+    if (status == MC_OK) status = tagged_run(&t, num_blocks, itemsize, dst, copy, bad_block);
+    free(t.base);
+    return status;
+}
+
+/* The ring of mc_tagged_read: a slot more than the planes (no more than the blocks), each
+ * slot a block's stored bytes (its tag included) then its decoded planes, 64-byte aligned. */
+static int64_t ring_slots_for(int64_t num_blocks, int64_t itemsize) {
+    return num_blocks < itemsize + 1 ? num_blocks : itemsize + 1;
+}
+
+static int64_t round64(int64_t n) { return (n + 63) / 64 * 64; }
+
+int64_t mc_tagged_ring_bytes(int64_t num_blocks, int64_t block_size, int64_t itemsize) {
+    if (num_blocks < 0 || block_size <= 0 || block_size > (INT64_MAX >> 8) || itemsize < 1 ||
+        itemsize > MC_MAX_PLANES)
+        return -1;
+    return ring_slots_for(num_blocks, itemsize) *
+           (round64(block_size + 1) + round64(block_size));
+}
+
+int mc_tagged_read(int fd, int64_t file_offset, int64_t payload_len, const uint8_t *table,
+                   int64_t num_blocks, int64_t block_size, int64_t raw_len, int64_t itemsize,
+                   uint8_t *ring, int64_t ring_len, uint8_t *dst, const mc_runs *copy,
+                   int64_t *bad_block, int *err) {
+    if (bad_block == NULL || err == NULL) return MC_ERR_ARGUMENT;
+    *bad_block = -1;
+    *err = 0;
+    if (fd < 0 || file_offset < 0 ||
+        !tagged_args_ok(payload_len, num_blocks, block_size, raw_len, itemsize))
+        return MC_ERR_ARGUMENT;
+    int64_t need = mc_tagged_ring_bytes(num_blocks, block_size, itemsize);
+    if (need < 0 || ring_len < need) return MC_ERR_ARGUMENT;
+    if (raw_len > 0 && (table == NULL || ring == NULL || (dst == NULL && copy == NULL)))
+        return MC_ERR_ARGUMENT;
+    if (copy != NULL && check_runs(copy, raw_len) != MC_OK) return MC_ERR_ARGUMENT;
+    if (raw_len == 0) return payload_len == 0 ? MC_OK : MC_ERR_CORRUPT;
+    ensure_settings();
+    tagged_blocks t = {fd, file_offset, NULL, table, NULL, block_size, raw_len, NULL, NULL, NULL,
+                       ring, ring_slots_for(num_blocks, itemsize), round64(block_size + 1),
+                       round64(block_size + 1) + round64(block_size), NULL, NULL, NULL, 0, err};
+    int64_t *offs;
+    if (tagged_arrays(&t, num_blocks, &offs) != MC_OK) return MC_ERR_NO_MEMORY;
+    int status = tagged_offsets(table, num_blocks, payload_len, offs, bad_block);
+    /* Each block is read, checked and decoded right before its first use, so it is still in
+     * cache when it is unshuffled: a failure leaves the strips before it written, every one
+     * of them from verified blocks. */
+    if (status == MC_OK) status = tagged_run(&t, num_blocks, itemsize, dst, copy, bad_block);
+    free(t.base);
     return status;
 }
 

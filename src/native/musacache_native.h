@@ -20,9 +20,9 @@ typedef enum mc_status {
     MC_ERR_NO_MEMORY = 3,  /* the run table could not be allocated; nothing was written */
     MC_ERR_NO_GAIN = 4,    /* mc_nib_encode: the coded block would not be smaller; dst unused */
     MC_ERR_CORRUPT = 5,    /* a coded block is inconsistent (nibble, lz4, tagged); dst is garbage */
-    MC_ERR_CHECKSUM = 6,   /* mc_tagged_decode: a block's CRC-32C does not match its table entry */
-    MC_ERR_IO = 7,         /* mc_tagged_decode: a read failed; *err is its errno */
-    MC_ERR_TRUNCATED = 8   /* mc_tagged_decode: the file ends before the payload does */
+    MC_ERR_CHECKSUM = 6,   /* a tagged or raw block's CRC-32C does not match its table entry */
+    MC_ERR_IO = 7,         /* a read from a file failed; *err is its errno */
+    MC_ERR_TRUNCATED = 8   /* a read from a file: the file ends before the payload does */
 } mc_status;
 
 /* SIMD levels for mc_set_simd_level(); a level above what the CPU has is clamped down. */
@@ -158,28 +158,38 @@ int mc_tee_close(mc_tee *tee);
  * covers both) into dst[0:raw_len], unshuffled for itemsize > 1. table holds num_blocks
  * little-endian (stored_len u32, crc u32) pairs, as the object stores them; the stored
  * lengths must add up to payload_len. Coded blocks are decoded into scratch (at least raw_len
- * bytes; a raw body is used in place). dst is written a strip at a time, and each strip is
+ * bytes; a raw body is used in place). Every block is checked and decoded before the first
+ * byte of dst or of the runs is written. dst is written a strip at a time, and each strip is
  * copied on into copy's runs (when copy is not NULL and its tee is not closed) while it is in
  * cache. dst may be NULL when copy is not: the runs are then the only destination, and the
  * decode stops (MC_OK) once the tee is closed.
- *   fd < 0: payload holds the payload; every block is checked and decoded before the first
- *           byte of dst or of the runs is written.
- *   fd >= 0: payload (payload_len bytes, writable) receives the payload from the file at
- *           file_offset, a block at a time, each read, checked and decoded just before the
- *           first strip that needs it: a failure leaves the strips before it written (in dst
- *           and the runs), every one of them from verified blocks.
  * On MC_ERR_CHECKSUM or MC_ERR_CORRUPT, *bad_block is the failing block (-1: the table's
- * lengths). MC_ERR_TRUNCATED: the file ended inside block *bad_block. MC_ERR_IO: *err is the
- * errno of the failed read. */
-int mc_tagged_decode(int fd, int64_t file_offset, uint8_t *payload, int64_t payload_len,
-                     const uint8_t *table, int64_t num_blocks, int64_t block_size,
-                     int64_t raw_len, int64_t itemsize, uint8_t *scratch, int64_t scratch_len,
-                     uint8_t *dst, const mc_runs *copy, int64_t *bad_block, int *err);
+ * lengths). */
+int mc_tagged_decode(const uint8_t *payload, int64_t payload_len, const uint8_t *table,
+                     int64_t num_blocks, int64_t block_size, int64_t raw_len, int64_t itemsize,
+                     uint8_t *scratch, int64_t scratch_len, uint8_t *dst, const mc_runs *copy,
+                     int64_t *bad_block);
+
+/* The bytes of the ring mc_tagged_read needs (-1 for arguments no payload has): a few blocks'
+ * worth, however large the chunk. */
+int64_t mc_tagged_ring_bytes(int64_t num_blocks, int64_t block_size, int64_t itemsize);
+
+/* mc_tagged_decode of the payload (payload_len bytes) at file_offset of the file fd: each
+ * block is read into a slot of ring (at least mc_tagged_ring_bytes), checked and decoded there
+ * just before the first strip that needs it, so a chunk's bytes pass through a few blocks of
+ * cache instead of chunk-sized buffers. A failure leaves the strips before it written (in dst
+ * and the runs), every one of them from verified blocks. Errors as mc_tagged_decode's, and:
+ * MC_ERR_TRUNCATED: the file ended inside block *bad_block; MC_ERR_IO: *err is the errno of
+ * the failed read. */
+int mc_tagged_read(int fd, int64_t file_offset, int64_t payload_len, const uint8_t *table,
+                   int64_t num_blocks, int64_t block_size, int64_t raw_len, int64_t itemsize,
+                   uint8_t *ring, int64_t ring_len, uint8_t *dst, const mc_runs *copy,
+                   int64_t *bad_block, int *err);
 
 /* A raw chunk object's payload (codec id 3: every block stored as it is, table as stored) from
  * the file at file_offset straight into dst[0:raw_len], a block at a time: each block's
  * CRC-32C is checked right after its read, and the verified block is then copied on into
- * copy's runs. Errors as mc_tagged_decode's (MC_ERR_CORRUPT: a block's stored length is not
+ * copy's runs. Errors as mc_tagged_read's (MC_ERR_CORRUPT: a block's stored length is not
  * its raw length); dst then holds part of the chunk, the runs only verified blocks. */
 int mc_raw_read(int fd, int64_t file_offset, const uint8_t *table, int64_t num_blocks,
                 int64_t block_size, int64_t raw_len, uint8_t *dst, const mc_runs *copy,
