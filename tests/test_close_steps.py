@@ -6,11 +6,15 @@ and the thread that frees the memory pool. Speed is shown by
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import weakref
+from collections import deque
 
 import numpy as np
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import musacache as mc
 from helpers import StepMemory
@@ -18,6 +22,7 @@ from musacache._core import BATCH
 from musacache._directory import Entry
 from musacache._listing import ListingBuilder
 from musacache._lru import PAGE, SlotLRU
+from musacache._placement import EntryQueue
 from musacache.bench.scale import _Listing
 
 CH = 16
@@ -144,6 +149,69 @@ async def test_persisting_on_close_writes_parents_first():
                                         .astype(np.int32)]), kv)
         seen_keys = set(c._engine.dir.entries.keys())
     assert sorted(order) == sorted(seen_keys)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(st.one_of(st.tuples(st.just("extend"), st.integers(0, 40)),
+                              st.tuples(st.just("take"), st.integers(0, 40)),
+                              st.tuples(st.just("drop"), st.just(0))), max_size=40),
+       block=st.integers(1, 9))
+def test_the_persist_queue_is_first_in_first_out_and_lets_go_of_what_it_gave(ops, block):
+    """``EntryQueue`` against a deque, over blocks of any size: the same entries in the same
+    order, the same length, and nothing it gave out or dropped still referenced by it."""
+    q = EntryQueue(block)
+    model: deque[object] = deque()
+    made = 0
+    for op, n in ops:
+        if op == "extend":
+            items = [_Item(made + i) for i in range(n)]
+            made += n
+            q.extend(items)  # type: ignore[arg-type]
+            model.extend(items)
+        elif op == "take":
+            got = q.take(n)
+            assert got == [model.popleft() for _ in range(min(n, len(model)))]
+            held = {id(y) for b in q._blocks for y in b if y is not None}
+            assert not any(id(x) in held for x in got)  # given out: no longer held
+        else:
+            before = len(q)
+            left = q.drop_block()
+            # The oldest block (a partly taken one included) is let go of, from the front.
+            assert before - len(q) <= block and (before == 0 or len(q) < before)
+            while len(model) > len(q):
+                gone = model.popleft()
+                assert all(y is not gone for b in q._blocks for y in b)
+            assert left == bool(model)
+        assert len(q) == len(model)
+    assert q.take(len(model) + 5) == list(model)
+    assert len(q) == 0 and not q.drop_block()
+
+
+class _Item:
+    __slots__ = ("__weakref__", "n")
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __repr__(self) -> str:
+        return f"_Item({self.n})"
+
+
+def test_no_collection_walks_the_entries_a_close_has_yet_to_persist():
+    """A million queued references in lists cost a cache miss each time a young collection
+    walked them: 4 to 9 ms per collection on the loop, a hundred collections during one
+    close. The queue's blocks are not tracked by the collector: it sees no reference to the
+    entries in them."""
+    q = EntryQueue(64)
+    items = [_Item(i) for i in range(1000)]
+    q.extend(items)  # type: ignore[arg-type]
+    reachable = [r for b in q._blocks for r in gc.get_referents(b)]
+    assert not any(gc.is_tracked(b) for b in q._blocks) and reachable == []
+    assert all(not isinstance(r, _Item) for r in gc.get_referents(q._blocks))
+    del items
+    ref = weakref.ref(q.take(1)[0])
+    assert ref() is None  # taken and let go of: the queue held the last reference
+    assert len(q) == 999
 
 
 async def test_closing_frees_the_memory_pool_off_the_loop():

@@ -22,7 +22,7 @@ from ._directory import Entry
 from ._errors import MusaCacheError
 from ._listing import ChunkListing, ListingBuilder
 from ._log import RateLimitedLog
-from ._placement import memory_only_batches, victims
+from ._placement import EntryQueue, memory_only_batches, victims
 from ._tierstate import MemTier, StoreTier, Tier
 from .tiers.base import ChunkMeta
 
@@ -431,29 +431,21 @@ class ColdPath:
         so the chain a restarted cache rebuilds is whole. ``progress`` counts as it goes.
 
         What to write is found first, ``batch`` entries of the directory per loop turn, and
-        kept in lists of ``_PERSIST_BATCH`` (no list of every chunk grows by copying); it is
-        all counted in ``to_persist`` before the first write, so a close cut short by its
-        deadline still reports what it left."""
+        queued where the cyclic collector does not walk it (``EntryQueue``); it is all counted
+        in ``to_persist`` before the first write, so a close cut short by its deadline still
+        reports what it left."""
         eng = self.eng
         if not eng.stores:
             return
         first = eng.stores[0]
-        todo: list[list[Entry]] = []
-        cur: list[Entry] = []
+        todo = EntryQueue()
         for part in memory_only_batches(eng.dir, eng.stores, batch):
-            for e in part:
-                cur.append(e)
-                if len(cur) == _PERSIST_BATCH:
-                    todo.append(cur)
-                    cur = []
+            todo.extend(part)
             progress["to_persist"] += len(part)
             await anyio.lowlevel.checkpoint()
-        if cur:
-            todo.append(cur)
-        todo.reverse()  # taken from the end, parents first
         try:
             while todo:
-                batch_ = [(e, mt) for e in todo.pop()
+                batch_ = [(e, mt) for e in todo.take(_PERSIST_BATCH)
                           if not e.dead and (mt := eng.hottest_mem(e)) is not None]
                 for e, _ in batch_:
                     eng.pin(e)
@@ -465,11 +457,10 @@ class ColdPath:
                         eng.unpin(e)
                 progress["persisted"] += sum(w is not None for w in where)
         finally:
-            # Cut short by close_timeout: what is left (a million references in 60,000
-            # lists, say) is let go of a batch of lists per loop turn, not in one step.
+            # Cut short by close_timeout: what is left (a million references) is let go of a
+            # block per loop turn, not in one step.
             with anyio.CancelScope(shield=True):
-                while todo:
-                    del todo[-batch:]
+                while todo.drop_block():
                     await anyio.lowlevel.checkpoint()
 
     # -- what storage already holds ----------------------------------------------------------
