@@ -20,6 +20,7 @@ import torch
 from . import _errors
 from ._directory import Entry
 from ._errors import MusaCacheError
+from ._gcfreeze import collect_young
 from ._listing import ChunkListing, ListingBuilder
 from ._log import RateLimitedLog
 from ._placement import EntryQueue, memory_only_batches, victims
@@ -67,6 +68,8 @@ __all__ = ["ColdPath"]
 
 # Chunks encoded per batch when persisting on close (bounds the encoded bytes held at once).
 _PERSIST_BATCH = 16
+# Loop turns of a restart's learning between two collections of the young generations.
+_COLLECT_TURNS = 8
 
 # Objects that are intact but not for this cache: another model, layout or chunk size
 # (FingerprintMismatchError), or another format version (ForeignFormatError). Unreadable here,
@@ -519,8 +522,10 @@ class ColdPath:
             self.eng.dir.freeze_listing()
         else:
             compact = make()  # a batch or less: no thread hop for it
-        for i in range(0, len(compact), batch):
+        for turn, i in enumerate(range(0, len(compact), batch)):
             self._learn_rows(st, compact.rows(i, i + batch))
+            if turn % _COLLECT_TURNS == _COLLECT_TURNS - 1:
+                collect_young()  # a short collection every few turns, not a long one
             await anyio.lowlevel.checkpoint()
 
     @staticmethod

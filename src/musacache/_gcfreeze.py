@@ -28,13 +28,23 @@ import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["freeze_heap", "full_collections_held"]
+__all__ = ["collect_young", "freeze_heap", "full_collections_held"]
 
 # A threshold the oldest generation's counter (young collections since the last full one)
 # never reaches.
 _NEVER = 2**31 - 1
 _held = 0
 _saved_threshold = 0
+
+
+def collect_young() -> None:
+    """Collect the young generations now. A loop that makes tracked objects at a high rate
+    for a long time (a restart learning a million entries, a batch per loop turn) calls this
+    every few turns: each collection then walks a few turns' objects, where the collector's
+    own schedule would let about 7,000 of them pile up in the middle generation and walk
+    them in one pause (2 to 6 ms on the loop here, a cache miss per reference)."""
+    if gc.isenabled():
+        gc.collect(1)
 
 
 def freeze_heap() -> None:
