@@ -333,7 +333,7 @@ def _tagged_payload(data: bytes, itemsize: int, block_size: int, tags: list[int]
             if size is not None:
                 stored = b"\2" + bytes(out[:size])
         payload += stored
-        table += len(stored).to_bytes(4, "little") + _native.crc32c(stored).to_bytes(4, "little")
+        table += codec._BLOCK_ENTRY.pack(len(stored), _native.crc32c(stored))
     return bytes(payload), bytes(table)
 
 
@@ -437,6 +437,20 @@ def test_a_ring_too_small_or_a_payload_too_long_for_its_slot_is_refused(tmp_path
             _native.tagged_read(fd, 0, table, payload_len=len(payload), **geometry,
                                 ring=bytearray(need - 1), out=out)
         assert not any(out)
+        # The ring inside out, a table of another length, an out of another length, neither
+        # out nor copy: each refused before a byte is read or written.
+        both = np.zeros(need + len(data), dtype=np.uint8)
+        with pytest.raises(mc.InvalidInputError, match="must not overlap"):
+            _native.tagged_read(fd, 0, table, payload_len=len(payload), **geometry,
+                                ring=both[:need], out=both[need // 2 : need // 2 + len(data)])
+        assert not both.any()
+        for bad_table, bad_out, match in ((table[:-8], out, "table holds"),
+                                          (table, bytearray(len(data) - 1), "out holds"),
+                                          (table, None, "out or copy")):
+            with pytest.raises(mc.InvalidInputError, match=match):
+                _native.tagged_read(fd, 0, bad_table, payload_len=len(payload), **geometry,
+                                    ring=bytearray(need), out=bad_out)
+            assert bad_out is None or not any(bad_out)
         # A table whose first block claims more than a block and its tag (the lengths still
         # add up: the second claims only its tag): corrupt, and nothing read into the ring.
         long_table = bytearray(table)

@@ -42,7 +42,7 @@ def collect_young() -> None:
     for a long time (a restart learning a million entries, a batch per loop turn) calls this
     every few turns: each collection then walks a few turns' objects, where the collector's
     own schedule would let about 7,000 of them pile up in the middle generation and walk
-    them in one pause (2 to 6 ms on the loop here, a cache miss per reference)."""
+    them in one pause (2 to 7 ms on the loop here, a cache miss per reference)."""
     if gc.isenabled():
         gc.collect(1)
 

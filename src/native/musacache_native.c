@@ -1624,8 +1624,8 @@ int mc_tagged_decode(const uint8_t *payload, int64_t payload_len, const uint8_t 
     if (raw_len == 0) return payload_len == 0 ? MC_OK : MC_ERR_CORRUPT;
     ensure_settings();
     int err = 0;
-    tagged_blocks t = {-1, 0, payload, table, NULL, block_size, raw_len, scratch, NULL, NULL,
-                       NULL, 0, 0, 0, NULL, NULL, NULL, 0, &err};
+    tagged_blocks t = {.fd = -1, .payload = payload, .table = table, .block_size = block_size,
+                       .raw_len = raw_len, .scratch = scratch, .err = &err};
     int64_t *offs;
     if (tagged_arrays(&t, num_blocks, &offs) != MC_OK) return MC_ERR_NO_MEMORY;
     int status = tagged_offsets(table, num_blocks, payload_len, offs, bad_block);
@@ -1649,12 +1649,18 @@ static int64_t ring_slots_for(int64_t num_blocks, int64_t itemsize) {
 
 static int64_t round64(int64_t n) { return (n + 63) / 64 * 64; }
 
+/* A slot's stored area: the largest valid block (a raw one and its tag). */
+static int64_t ring_stored_cap(int64_t block_size) { return round64(block_size + 1); }
+
+static int64_t ring_slot_bytes(int64_t block_size) {
+    return ring_stored_cap(block_size) + round64(block_size);
+}
+
 int64_t mc_tagged_ring_bytes(int64_t num_blocks, int64_t block_size, int64_t itemsize) {
     if (num_blocks < 0 || block_size <= 0 || block_size > (INT64_MAX >> 8) || itemsize < 1 ||
         itemsize > MC_MAX_PLANES)
         return -1;
-    return ring_slots_for(num_blocks, itemsize) *
-           (round64(block_size + 1) + round64(block_size));
+    return ring_slots_for(num_blocks, itemsize) * ring_slot_bytes(block_size);
 }
 
 int mc_tagged_read(int fd, int64_t file_offset, int64_t payload_len, const uint8_t *table,
@@ -1674,9 +1680,11 @@ int mc_tagged_read(int fd, int64_t file_offset, int64_t payload_len, const uint8
     if (copy != NULL && check_runs(copy, raw_len) != MC_OK) return MC_ERR_ARGUMENT;
     if (raw_len == 0) return payload_len == 0 ? MC_OK : MC_ERR_CORRUPT;
     ensure_settings();
-    tagged_blocks t = {fd, file_offset, NULL, table, NULL, block_size, raw_len, NULL, NULL, NULL,
-                       ring, ring_slots_for(num_blocks, itemsize), round64(block_size + 1),
-                       round64(block_size + 1) + round64(block_size), NULL, NULL, NULL, 0, err};
+    tagged_blocks t = {.fd = fd, .file_offset = file_offset, .table = table,
+                       .block_size = block_size, .raw_len = raw_len, .ring = ring,
+                       .ring_slots = ring_slots_for(num_blocks, itemsize),
+                       .stored_cap = ring_stored_cap(block_size),
+                       .slot_bytes = ring_slot_bytes(block_size), .err = err};
     int64_t *offs;
     if (tagged_arrays(&t, num_blocks, &offs) != MC_OK) return MC_ERR_NO_MEMORY;
     int status = tagged_offsets(table, num_blocks, payload_len, offs, bad_block);
