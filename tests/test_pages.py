@@ -203,3 +203,131 @@ def test_torch_ops_path_reads_the_plane_table_as_the_native_path_does(layout):
     transfer.scatter(src, a, slots[:21])
     transfer._staged_transfer(transfer._prepare_chunks(b, [src], "srcs", slots[:21]), False)
     assert all(torch.equal(x, y) for x, y in zip(a.tensors, b.tensors, strict=True))
+
+
+# -- raw caches passed again and again: PagesMemo ------------------------------------------
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_memo_reuses_the_description_of_the_same_tensors(layout):
+    spec = small_spec(mla=layout.endswith("mla"))
+    caches = make_pages(spec, layout, 8)
+    memo = transfer.PagesMemo()
+    first = memo.open(caches, layout)
+    again = memo.open(caches, layout)
+    assert again.info is first.info and again.spans is first.spans
+    assert again.tensors == first.tensors and again.layout == layout
+    # A new container of the same tensors is the same caches.
+    copy = (list(caches[0]), list(caches[1])) if layout == "sglang" else list(caches)
+    assert memo.open(copy, layout).info is first.info
+    assert memo.open(copy, None if layout == "vllm" else layout).info is first.info
+
+
+def _swapped(layout, caches, change):
+    """caches with the first tensor changed by change(tensor) -> tensor."""
+    if layout == "sglang":
+        k, v = list(caches[0]), list(caches[1])
+        k[0] = change(k[0])
+        return (k, v)
+    out = list(caches)
+    out[0] = change(out[0])
+    return out
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("change", ["another tensor", "data swapped", "set_ to new memory",
+                                    "fewer layers"])
+def test_the_memo_describes_changed_caches_anew(layout, change):
+    spec = small_spec(mla=layout.endswith("mla"))
+    caches = make_pages(spec, layout, 8)
+    memo = transfer.PagesMemo()
+    first = memo.open(caches, layout)
+    if change == "another tensor":
+        changed = _swapped(layout, caches, lambda t: t.clone())
+    elif change == "data swapped":
+        changed = caches
+
+        def swap(t):
+            t.data = torch.zeros_like(t)
+            return t
+        _swapped(layout, caches, swap)
+    elif change == "set_ to new memory":
+        changed = caches
+        _swapped(layout, caches, lambda t: t.set_(torch.zeros_like(t)))
+    else:
+        changed = ((caches[0][:-1], caches[1][:-1]) if layout == "sglang"
+                   else caches[:-1])
+    again = memo.open(changed, layout)
+    assert again.info is not first.info
+    assert again.info == transfer.Pages.open(changed, layout).info
+    assert again.spans == transfer.Pages.open(changed, layout).spans
+    assert again.spans != first.spans
+
+
+def test_the_memo_holds_no_tensor():
+    """An engine that drops its caches gets their memory back: the memo, and a cache that
+    stored from them, keep only weak references."""
+    import gc
+    import weakref
+
+    spec = small_spec()
+    caches = make_pages(spec, "vllm", 8)
+    memo = transfer.PagesMemo()
+    memo.open(caches, "vllm")
+    refs = [weakref.ref(t) for t in caches]
+    del caches
+    gc.collect()
+    assert all(r() is None for r in refs)
+    # A new list at whatever addresses is described anew, not matched against the dead.
+    fresh = make_pages(spec, "vllm", 8)
+    assert memo.open(fresh, "vllm").tensors == tuple(fresh)
+
+
+async def test_a_cache_storing_from_raw_caches_lets_them_go():
+    import gc
+    import weakref
+
+    spec = small_spec()
+    toks = list(range(2 * CH))
+    caches = make_pages(spec, "vllm", 16)
+    async with mc.Cache(config(spec)) as c:
+        assert await c.store(toks, caches, torch.arange(2 * CH)) == 2 * CH
+        assert await c.retrieve(toks, caches, torch.arange(2 * CH)) == 2 * CH
+        refs = [weakref.ref(t) for t in caches]
+        del caches
+        gc.collect()
+        assert all(r() is None for r in refs)
+
+
+async def test_raw_caches_changed_between_stores_are_read_where_they_are_now():
+    """The same list object, its first layer moved to new memory with new contents: the next
+    store reads the new memory (a stale description would read freed memory)."""
+    spec = small_spec()
+    rng = random.Random(5)
+    toks_a = [rng.randrange(1000) for _ in range(2 * CH)]
+    toks_b = [t + 1000 for t in toks_a]
+    caches = make_pages(spec, "vllm", 16)
+    slots = random_slots(2 * CH, 16, rng)
+    write_dense(spec, "vllm", caches, slots, prefix_kv(spec, toks_a))
+    async with mc.Cache(config(spec)) as c:
+        assert await c.store(toks_a, caches, slots) == 2 * CH
+        moved = caches[0].clone()
+        caches[0].set_(moved.untyped_storage(), 0, moved.shape, moved.stride())
+        write_dense(spec, "vllm", caches, slots, prefix_kv(spec, toks_b))
+        assert await c.store(toks_b, caches, slots) == 2 * CH
+        assert torch.equal((await c.get(toks_b)).kv, prefix_kv(spec, toks_b))
+        assert torch.equal((await c.get(toks_a)).kv, prefix_kv(spec, toks_a))
+
+
+async def test_a_wrong_spec_is_refused_on_every_call_not_only_the_first():
+    spec = small_spec()
+    wrong = make_pages(small_spec(dtype=torch.float16), "vllm", 8)
+    right = make_pages(spec, "vllm", 8)
+    toks = list(range(CH))
+    async with mc.Cache(config(spec)) as c:
+        for caches in (wrong, right, wrong, wrong):
+            if caches is wrong:
+                with pytest.raises(ShapeError, match="this cache stores"):
+                    await c.store(toks, caches, torch.arange(CH))
+            else:
+                assert await c.store(toks, caches, torch.arange(CH)) == CH

@@ -35,7 +35,7 @@ from ._reads import Flight, Reads
 from ._staging import STAGE_KEEP_BYTES, StagePool
 from ._tasks import TaskOwner
 from ._tierstate import MemTier, StoreTier, Tier, counters
-from .tiers.memory import Slot
+from .tiers.memory import MemoryPool, Slot
 from .transfer import Pages, _gather_checked
 
 __all__ = ["ChunkSource", "DenseSource", "Engine", "PagedSource"]
@@ -368,15 +368,16 @@ class Engine(Reads):
                 it.tier, it.index = mt, idx
         for mt in self.put_mem:
             self.grow_ahead(mt)
-        parts: list[tuple[int, int, torch.Tensor]] = []
         overflow: list[_New] = []  # no memory tier has room: staged on the host for storage
+        in_mem: list[tuple[_New, MemoryPool, int]] = []
         for it in items:
-            n = it.end - it.start
             if it.tier is not None and it.index is not None:
-                it.slot = await it.tier.pool.materialize(it.index)
-                parts.append((it.start, n, self.block_view(it.slot, n)))
+                pool = it.tier.pool
+                it.slot = pool.ready(it.index) or await pool.materialize(it.index)
+                in_mem.append((it, pool, it.index))
             else:
                 overflow.append(it)
+        parts = self._dests(in_mem)
         # Staging for storage is bounded: a prompt far larger than memory is moved, encoded and
         # queued a batch at a time (the first batch rides in the memory chunks' move).
         batches: list[list[_New]] = []
@@ -404,6 +405,26 @@ class Engine(Reads):
                 if placed < len(staged):
                     return staged[placed][0].start
         return None
+
+    def _dests(self, placed: list[tuple[_New, MemoryPool, int]],
+               ) -> list[tuple[int, int, torch.Tensor]]:
+        """``(start, tokens, view of its slot)`` per placed chunk: the whole chunks in each
+        pool viewed together (:meth:`MemoryPool.views`), a short tail alone."""
+        cs, dtype = self.config.chunk_size, self.spec.dtype
+        views: list[torch.Tensor | None] = [None] * len(placed)
+        whole: dict[int, list[int]] = {}  # id(pool) -> positions in placed
+        for k, (it, pool, index) in enumerate(placed):
+            if it.end - it.start == cs:
+                whole.setdefault(id(pool), []).append(k)
+            else:
+                views[k] = pool.view(index, dtype, self.spec.shape(it.end - it.start))
+        for ks in whole.values():
+            pool = placed[ks[0]][1]
+            got = pool.views([placed[k][2] for k in ks], dtype, self.spec.shape(cs))
+            for k, v in zip(ks, got, strict=True):
+                views[k] = v
+        return [(it.start, it.end - it.start, v)
+                for (it, _, _), v in zip(placed, views, strict=True) if v is not None]
 
     def _commit_new(self, it: _New, held: list[Entry]) -> None:
         e = it.entry

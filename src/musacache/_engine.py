@@ -151,6 +151,10 @@ class Cache:
         self._close = dict.fromkeys(("to_persist", "persisted", "not_persisted",
                                      "writes_abandoned", "timed_out"), 0)
         self._device = torch.device("cpu")
+        # store/retrieve: the engine's raw caches, described once while they stay the same,
+        # and the last description found to hold this cache's spec (neither holds a tensor).
+        self._pages_memo = transfer.PagesMemo()
+        self._pages_fit: transfer.PagedKV | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -621,10 +625,12 @@ async def _paged_args(cache: Cache, tokens: Any, kv_caches: Any, slot_mapping: A
     ``ready``: reading them on the loop would block it until the engine's stream has
     produced them."""
     ready_timeout = _validate.timeout(ready_timeout, "ready_timeout")
-    paged = transfer.as_pages(kv_caches, layout)
-    if paged.spec != cache.spec:
-        raise ShapeError(f"kv_caches hold {paged.spec.describe()}, this cache stores "
-                         f"{cache.spec.describe()}")
+    paged = cache._pages_memo.open(kv_caches, layout)
+    if paged.info is not cache._pages_fit:
+        if paged.spec != cache.spec:
+            raise ShapeError(f"kv_caches hold {paged.spec.describe()}, this cache stores "
+                             f"{cache.spec.describe()}")
+        cache._pages_fit = paged.info
     if isinstance(skip_prefix, bool) or not isinstance(skip_prefix, int) or skip_prefix < 0:
         raise InvalidInputError(f"skip_prefix must be an int >= 0, got {skip_prefix!r}")
     on_device = [x for x in (tokens, slot_mapping)

@@ -15,6 +15,8 @@ keeps the pool free of fragmentation.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import anyio
 import torch
 
@@ -124,6 +126,55 @@ class MemoryPool:
             self._typed[(seg_no, dtype)] = typed
         start = off * self.slot_bytes // dtype.itemsize  # an attribute: no 0-d tensor
         return typed[start : start + n].view(shape)
+
+    def views(self, indices: Sequence[int], dtype: torch.dtype,
+              shape: tuple[int, ...]) -> list[torch.Tensor]:
+        """:meth:`view` of each slot in ``indices`` (all materialized), in their order.
+
+        A run of consecutive indices within one segment (rising or falling: the free list
+        hands back a deleted prompt's slots in reverse) is one view of the run, split by
+        ``unbind``: about 0.9 us a slot instead of 4.8 for a slice and a view each, which a
+        256-chunk store would otherwise spend on the loop before its copy starts."""
+        out: list[torch.Tensor] = []
+        per = self.slot_bytes // dtype.itemsize
+        if per * dtype.itemsize != self.slot_bytes:  # slots not aligned to dtype: one by one
+            return [self.view(i, dtype, shape) for i in indices]
+        n = 1
+        for s in shape:
+            n *= s
+        sps = self.slots_per_segment
+        i, count = 0, len(indices)
+        while i < count:
+            first = indices[i]
+            seg_no = first // sps
+            step = 0
+            if i + 1 < count and abs(indices[i + 1] - first) == 1:
+                step = indices[i + 1] - first
+            j = i + 1
+            if step:
+                while (j < count and indices[j] - indices[j - 1] == step
+                       and indices[j] // sps == seg_no):
+                    j += 1
+            if j - i == 1:
+                out.append(self.view(first, dtype, shape))
+                i = j
+                continue
+            low = min(first, indices[j - 1])
+            typed = self._typed.get((seg_no, dtype))
+            if typed is None:
+                typed = self._segments[seg_no].view(dtype)
+                self._typed[(seg_no, dtype)] = typed
+            start = (low - seg_no * sps) * per
+            run = typed[start : start + (j - i) * per].view(j - i, per)[:, :n]
+            parts = run.unflatten(1, shape).unbind(0)
+            out.extend(parts if step > 0 else reversed(parts))
+            i = j
+        return out
+
+    def ready(self, index: int) -> Slot | None:
+        """The slot of reserved ``index`` if its segment is allocated (no await), else None:
+        then :meth:`materialize` allocates it."""
+        return Slot(index, self) if index // self.slots_per_segment in self._segments else None
 
     def slot_bytes_view(self, index: int, nbytes: int) -> torch.Tensor:
         """The first ``nbytes`` of slot ``index`` (materialized) as a uint8 tensor."""
