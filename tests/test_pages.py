@@ -220,7 +220,11 @@ def test_the_memo_reuses_the_description_of_the_same_tensors(layout):
     # A new container of the same tensors is the same caches.
     copy = (list(caches[0]), list(caches[1])) if layout == "sglang" else list(caches)
     assert memo.open(copy, layout).info is first.info
-    assert memo.open(copy, None if layout == "vllm" else layout).info is first.info
+    if layout == "vllm":  # the default layout
+        assert memo.open(copy, None).info is first.info
+    else:  # None means the default layout, not the one opened last
+        with pytest.raises(LayoutError):
+            memo.open(copy, None if layout == "sglang" else "sglang")
 
 
 def _swapped(layout, caches, change):

@@ -527,7 +527,8 @@ class PagesMemo:
         if isinstance(kv_caches, Pages):
             return as_pages(kv_caches, layout)
         last = self._last
-        if last is not None and (layout is None or layout == last.layout):
+        # (None is as_pages' default layout, not "whatever was passed last".)
+        if last is not None and (layout or "vllm") == last.layout:
             flat = self._same(kv_caches, last.row.pair)
             if flat is not None:
                 return last._with_tensors(flat)

@@ -299,7 +299,7 @@ async def _siblings_at(n: int, rng: np.random.Generator, system: np.ndarray,
 # Timed puts of each kind per repeat (eviction), and timed gather/store pairs per repeat
 # (paged): both sides of a ratio get the same number of samples, taken alternately.
 _EVICT_SAMPLES = 3
-_PAGED_SAMPLES = 5
+_PAGED_SAMPLES = 20
 # Timed get/raw-read pairs per repeat (disk).
 _DISK_SAMPLES = 4
 
