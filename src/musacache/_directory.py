@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ._children import Siblings, common_tokens
-from ._gcfreeze import freeze_heap
+from ._gcfreeze import collect_young, freeze_heap
 from ._keys import KEY_BYTES, KeyChain
 
 __all__ = ["Directory", "Entry", "KeyTable", "Match"]
@@ -291,6 +291,24 @@ class KeyTable:
         self._cursor = 0
 
 
+# Puts that grow the directory also collect the young generations themselves, about 8 times
+# per freeze (gc_freeze_every), never more often than every _YOUNG_MIN new entries: left to
+# the collector's own schedule, about 7,000 objects piled up in the middle generation and one
+# collection walked them all (2.3 to 5.6 ms on the loop while puts grew a million entries by a
+# quarter; with these, at most 1.6 ms). Not more than 8 times: each one also counts towards
+# the next full collection, which walks everything since the last freeze.
+_YOUNG_MIN = 256
+
+
+def _young_mask(gc_freeze_every: int) -> int:
+    """The mask of the countdown to the freeze at which a put collects the young
+    generations: a power of two of about gc_freeze_every / 8."""
+    every = _YOUNG_MIN
+    while every * 16 <= gc_freeze_every:
+        every *= 2
+    return every - 1
+
+
 class Directory:
     def __init__(self, chain: KeyChain, gc_freeze_every: int = 0) -> None:
         self.chain = chain
@@ -298,6 +316,7 @@ class Directory:
         # ``gc_freeze_every`` after it; 0: never (a countdown from -1 never reaches 0).
         self.gc_freeze_every = gc_freeze_every
         self._freeze_in = 1 if gc_freeze_every else -1
+        self._young_mask = _young_mask(gc_freeze_every)
         self.entries = KeyTable()
         # The children of a parent are kept on the parent's entry (``Entry.kids``): a chain
         # of chunks needs no dict entry per link. Here only those of parents without an
@@ -349,6 +368,8 @@ class Directory:
         if not self._freeze_in:
             freeze_heap()
             self._freeze_in = self.gc_freeze_every
+        elif self._freeze_in > 0 and not self._freeze_in & self._young_mask:
+            collect_young()
         if old is not None:
             self._unlink(old)
             e.kids, old.kids = old.kids, None
