@@ -17,7 +17,7 @@ import musacache as mc
 from helpers import StepMemory
 from musacache import _gcfreeze
 from musacache._core import BATCH
-from musacache._directory import Entry
+from musacache._directory import Entry, KeyTable
 from musacache._errors import ConfigError
 from musacache._listing import ChunkListing
 from musacache.bench.scale import _Listing, _listing
@@ -74,6 +74,30 @@ async def test_clearing_a_wide_directory_frees_it_a_batch_per_step():
         assert (await c.stats())["tiers"]["host"]["bytes_used"] == 0
         assert m.grew < STEP_BYTES, m.grew
         assert m.shrank < STEP_BYTES, m.shrank
+
+
+def test_a_key_table_taken_apart_lets_go_of_each_shard_as_it_empties():
+    """A dict keeps its table when emptied: the 256 tables of a directory taken apart by
+    ``popitem`` (clear, close) were all freed in the one step that dropped the directory
+    (2.7 to 4.9 ms at 1.25M entries). Each shard's table now goes in the step that emptied
+    it."""
+    import sys
+
+    t = KeyTable()
+    rng = random.Random(8)
+    for i in range(20000):
+        t[rng.randbytes(16)] = i  # type: ignore[assignment]
+    empty = sys.getsizeof({})
+    big = [sys.getsizeof(d) for d in t._shards]
+    assert min(big) > 4 * empty
+    popped = 0
+    while len(t):
+        t.popitem()
+        popped += 1
+        # every shard before the cursor is empty, and holds no table any more
+        assert all(sys.getsizeof(d) == empty for d in t._shards[: t._cursor])
+    assert popped == 20000
+    assert all(sys.getsizeof(d) == empty for d in t._shards)
 
 
 async def test_closing_a_large_cache_frees_its_directory_a_batch_per_step():

@@ -282,7 +282,14 @@ class KeyTable:
         while not shards[self._cursor]:
             self._cursor = (self._cursor + 1) & 0xFF
         self._n -= 1
-        return shards[self._cursor].popitem()
+        shard = shards[self._cursor]
+        item = shard.popitem()
+        if not shard:
+            # A dict keeps its table when emptied: dropping the 256 tables of a directory
+            # taken apart (clear) at once was a step of 2.7 to 4.9 ms at 1.25M entries;
+            # each goes here, in the step that emptied it.
+            shards[self._cursor] = {}
+        return item
 
     def clear(self) -> None:
         for d in self._shards:
