@@ -109,10 +109,25 @@ class MemoryPool:
 
     async def materialize(self, index: int) -> Slot:
         """The memory of a reserved slot, allocating its segment on first use."""
-        seg_no = index // self.slots_per_segment
-        if seg_no not in self._segments:
-            await self.ensure_segment(seg_no)
-        return Slot(index, self)
+        slot = self.ready(index)
+        if slot is None:
+            await self.ensure_segment(index // self.slots_per_segment)
+            slot = Slot(index, self)
+        return slot
+
+    def ready(self, index: int) -> Slot | None:
+        """The slot of reserved ``index`` if its segment is allocated (no await), else None:
+        then :meth:`materialize` allocates it."""
+        return Slot(index, self) if index // self.slots_per_segment in self._segments else None
+
+    def _typed_segment(self, seg_no: int, dtype: torch.dtype) -> torch.Tensor:
+        """Segment ``seg_no`` as a ``dtype`` tensor: made once per segment and dtype, not
+        once per slot."""
+        typed = self._typed.get((seg_no, dtype))
+        if typed is None:
+            typed = self._segments[seg_no].view(dtype)
+            self._typed[(seg_no, dtype)] = typed
+        return typed
 
     def view(self, index: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """Slot ``index`` (materialized) as a ``dtype`` tensor of ``shape``."""
@@ -120,12 +135,8 @@ class MemoryPool:
         for s in shape:
             n *= s
         seg_no, off = divmod(index, self.slots_per_segment)
-        typed = self._typed.get((seg_no, dtype))
-        if typed is None:  # each segment is viewed as each dtype once, not once per slot
-            typed = self._segments[seg_no].view(dtype)
-            self._typed[(seg_no, dtype)] = typed
         start = off * self.slot_bytes // dtype.itemsize  # an attribute: no 0-d tensor
-        return typed[start : start + n].view(shape)
+        return self._typed_segment(seg_no, dtype)[start : start + n].view(shape)
 
     def views(self, indices: Sequence[int], dtype: torch.dtype,
               shape: tuple[int, ...]) -> list[torch.Tensor]:
@@ -160,21 +171,13 @@ class MemoryPool:
                 i = j
                 continue
             low = min(first, indices[j - 1])
-            typed = self._typed.get((seg_no, dtype))
-            if typed is None:
-                typed = self._segments[seg_no].view(dtype)
-                self._typed[(seg_no, dtype)] = typed
             start = (low - seg_no * sps) * per
+            typed = self._typed_segment(seg_no, dtype)
             run = typed[start : start + (j - i) * per].view(j - i, per)[:, :n]
             parts = run.unflatten(1, shape).unbind(0)
             out.extend(parts if step > 0 else reversed(parts))
             i = j
         return out
-
-    def ready(self, index: int) -> Slot | None:
-        """The slot of reserved ``index`` if its segment is allocated (no await), else None:
-        then :meth:`materialize` allocates it."""
-        return Slot(index, self) if index // self.slots_per_segment in self._segments else None
 
     def slot_bytes_view(self, index: int, nbytes: int) -> torch.Tensor:
         """The first ``nbytes`` of slot ``index`` (materialized) as a uint8 tensor."""
