@@ -430,14 +430,17 @@ class Pages:
         for key, value in values.items():
             object.__setattr__(self, key, value)
 
+    def _replaced(self, **changes: object) -> Pages:
+        """A copy with ``changes`` (no new checks: each caller derives them from this one)."""
+        pages = Pages.__new__(Pages)
+        for key in Pages.__slots__:
+            object.__setattr__(pages, key, changes.get(key, getattr(self, key)))
+        return pages
+
     def _with_tensors(self, tensors: Sequence[torch.Tensor]) -> Pages:
         """This description over ``tensors`` (the same ones, as PagesMemo has checked; or
         none, for the memo to keep without holding them)."""
-        pages = Pages.__new__(Pages)
-        for key in Pages.__slots__:
-            object.__setattr__(pages, key, getattr(self, key))
-        object.__setattr__(pages, "tensors", tuple(tensors))
-        return pages
+        return self._replaced(tensors=tuple(tensors))
 
     def __setattr__(self, key: str, value: object) -> None:
         raise dataclasses.FrozenInstanceError(f"Pages is frozen: cannot set {key!r}")
@@ -478,17 +481,12 @@ class Pages:
                                     f"of the {n} layers")
         index = ([*range(start, stop), *range(n + start, n + stop)] if self.row.pair
                  else list(range(start, stop)))
-        pages = Pages.__new__(Pages)
-        for key, value in {
-            "layout": self.layout, "row": self.row,
-            "tensors": tuple(self.tensors[i] for i in index),
-            "info": dataclasses.replace(self.info, num_layers=stop - start),
-            "spans": tuple(self.spans[i] for i in index),
-            "geometry": tuple(self.geometry[i] for i in index),
-            "plane_table": _plane_table(self.row, stop - start),
-        }.items():
-            object.__setattr__(pages, key, value)
-        return pages
+        return self._replaced(
+            tensors=tuple(self.tensors[i] for i in index),
+            info=dataclasses.replace(self.info, num_layers=stop - start),
+            spans=tuple(self.spans[i] for i in index),
+            geometry=tuple(self.geometry[i] for i in index),
+            plane_table=_plane_table(self.row, stop - start))
 
 
 def as_pages(kv_caches: object, layout: str | None = None, *, default: str = "vllm") -> Pages:
