@@ -10,10 +10,10 @@ import sys
 import time
 
 import numpy as np
-import torch
 
 import musacache._core as core
-from musacache import Cache, CacheConfig, HostTier, KVSpec, transfer
+from musacache import Cache, transfer
+from musacache.bench.scale import paged_setup
 
 marks: dict[str, list[float]] = {}
 
@@ -36,19 +36,7 @@ core._gather_checked = timed_gather
 
 async def main() -> None:
     pairs = int(sys.argv[1]) if len(sys.argv) > 1 else 40
-    tokens, block = 4096, 16
-    spec = KVSpec(8, 8, 128, torch.bfloat16)
-    nblocks = 2 * tokens // block
-    caches = [torch.empty((2, nblocks, block, 8, 128), dtype=spec.dtype) for _ in range(8)]
-    for t in caches:
-        t.view(torch.int16).random_()
-    gen = torch.Generator().manual_seed(7)
-    blocks = torch.randperm(nblocks, generator=gen)[: tokens // block]
-    slots = (blocks[:, None] * block + torch.arange(block)).reshape(-1).to(torch.int64)
-    dense = torch.empty(spec.shape(tokens), dtype=spec.dtype)
-    toks = np.arange(tokens, dtype=np.int32)
-    cfg = CacheConfig(spec, "bench-paged", chunk_size=256,
-                      tiers=(HostTier(capacity_bytes=spec.nbytes(tokens) + spec.nbytes(256)),))
+    _spec, caches, slots, dense, toks, cfg = paged_setup(4096)
     bare = []
     async with Cache(cfg) as c:
         await c.store(toks, caches, slots)

@@ -584,9 +584,11 @@ async def small_ops(repeats: int) -> dict[str, Any]:
 
 # -- paged store vs a bare native gather --------------------------------------------------------
 
-async def paged(tokens: int, repeats: int) -> dict[str, Any]:
-    from .. import transfer
-
+def paged_setup(tokens: int) -> tuple[KVSpec, list[torch.Tensor], torch.Tensor, torch.Tensor,
+                                      np.ndarray, CacheConfig]:
+    """The paged part's request: 8 layers of random vLLM pages with ``tokens`` in randomly
+    chosen blocks, their slots, a dense tensor to gather them into, the tokens, and a cache
+    with room for them (``docs/scripts/store_overhead.py`` times the same)."""
     spec = KVSpec(8, 8, 128, torch.bfloat16)
     block = 16
     nblocks = 2 * tokens // block
@@ -597,10 +599,17 @@ async def paged(tokens: int, repeats: int) -> dict[str, Any]:
     blocks = torch.randperm(nblocks, generator=gen)[: tokens // block]
     slots = (blocks[:, None] * block + torch.arange(block)).reshape(-1).to(torch.int64)
     dense = torch.empty(spec.shape(tokens), dtype=spec.dtype)
-    transfer.gather(caches, slots, dense, "vllm")
     toks = np.arange(tokens, dtype=np.int32)
     cfg = CacheConfig(spec, "bench-paged", chunk_size=256,
                       tiers=(HostTier(capacity_bytes=spec.nbytes(tokens) + spec.nbytes(256)),))
+    return spec, caches, slots, dense, toks, cfg
+
+
+async def paged(tokens: int, repeats: int) -> dict[str, Any]:
+    from .. import transfer
+
+    spec, caches, slots, dense, toks, cfg = paged_setup(tokens)
+    transfer.gather(caches, slots, dense, "vllm")
     gather_s: list[float] = []
     store_s: list[float] = []
     async with Cache(cfg) as c:
