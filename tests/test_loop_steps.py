@@ -79,8 +79,8 @@ async def test_clearing_a_wide_directory_frees_it_a_batch_per_step():
 def test_a_key_table_taken_apart_lets_go_of_each_shard_as_it_empties():
     """A dict keeps its table when emptied: the 256 tables of a directory taken apart by
     ``popitem`` (clear, close) were all freed in the one step that dropped the directory
-    (2.7 to 4.9 ms at 1.25M entries). Each shard's table now goes in the step that emptied
-    it."""
+    (0.22 to 0.24 ms in a clear of 1.25M entries, up to 4.9 ms in a bare loop of pops). Each
+    shard's table now goes in the step that emptied it."""
     import sys
 
     t = KeyTable()

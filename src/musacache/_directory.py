@@ -285,9 +285,10 @@ class KeyTable:
         shard = shards[self._cursor]
         item = shard.popitem()
         if not shard:
-            # A dict keeps its table when emptied: dropping the 256 tables of a directory
-            # taken apart (clear) at once was a step of 2.7 to 4.9 ms at 1.25M entries;
-            # each goes here, in the step that emptied it.
+            # A dict keeps its table when emptied: the 256 tables of a directory taken
+            # apart (clear) were all freed in the step that dropped it (0.22 to 0.24 ms in
+            # a clear of 1.25M entries, up to 4.9 ms in a bare loop of pops); each goes
+            # here, in the step that emptied it.
             shards[self._cursor] = {}
         return item
 
