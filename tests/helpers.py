@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import tracemalloc
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
 
@@ -136,3 +139,33 @@ def slow_and_backup_disks(spec: mc.KVSpec, root: Any, chunk_size: int,
                          name="backup", write_through=True)
     return mc.CacheConfig(spec, "two-disks", chunk_size=chunk_size, tiers=(
         mc.HostTier(capacity_bytes=spec.nbytes(chunk_size) * 4), slow, backup), **config)
+
+
+async def until_set(flag: threading.Event, timeout: float = 30) -> None:
+    """Wait (polling, without blocking the loop) until a worker thread sets ``flag``."""
+    with anyio.fail_after(timeout):
+        while not flag.is_set():  # noqa: ASYNC110
+            await anyio.sleep(0.01)
+
+
+def hang_direct_reads(monkeypatch: pytest.MonkeyPatch, *, under: Path | None = None,
+                      ) -> tuple[threading.Event, threading.Event, threading.Event]:
+    """Make the disk tier's direct reads (of files under ``under``, or all) wait for
+    ``release`` before reading; returns ``(started, release, returned)``."""
+    from musacache.tiers import disk as disk_mod
+
+    started, release, returned = threading.Event(), threading.Event(), threading.Event()
+    read = disk_mod.read_chunk_to
+
+    def hung(fp: Any, fd: int, size: int, copy: Any, **kw: Any) -> Any:
+        if under is not None and not os.readlink(f"/proc/self/fd/{fd}").startswith(str(under)):
+            return read(fp, fd, size, copy, **kw)
+        started.set()
+        release.wait(30)
+        try:
+            return read(fp, fd, size, copy, **kw)
+        finally:
+            returned.set()
+
+    monkeypatch.setattr(disk_mod, "read_chunk_to", hung)
+    return started, release, returned

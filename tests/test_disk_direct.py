@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Literal
@@ -22,11 +21,13 @@ import torch
 import musacache as mc
 from helpers import (
     flip_byte,
+    hang_direct_reads,
     on_disk_only,
     prefix_kv,
     random_tokens,
     slow_and_backup_disks,
     small_spec,
+    until_set,
 )
 from musacache import codec
 from musacache._errors import ConfigError, CorruptChunkError
@@ -74,17 +75,22 @@ def _spy_reads(c: mc.Cache) -> dict[str, int]:
     into a top-tier slot (``into``)."""
     store = c._engine.stores[0].store
     counts = {"to": 0, "into": 0}
-    read_to, read_into = store.read_to, store.read_into
+    read_to, read_into, read_to_many = store.read_to, store.read_into, store.read_to_many
 
     async def spy_to(*a: Any, **kw: Any) -> Any:
         counts["to"] += 1
         return await read_to(*a, **kw)
+
+    async def spy_to_many(items: Any, *a: Any, **kw: Any) -> Any:
+        counts["to"] += len(items)
+        return await read_to_many(items, *a, **kw)
 
     async def spy_into(*a: Any, **kw: Any) -> Any:
         counts["into"] += 1
         return await read_into(*a, **kw)
 
     store.read_to = spy_to  # type: ignore[method-assign]
+    store.read_to_many = spy_to_many  # type: ignore[method-assign]
     store.read_into = spy_into  # type: ignore[method-assign]
     return counts
 
@@ -273,46 +279,17 @@ def test_read_chunk_to_writes_nothing_once_the_tee_is_closed(tmp_path: Path,
 # -- reads that hang, time out or outlive their get ----------------------------------------------
 
 
-def _hang_reads(monkeypatch: pytest.MonkeyPatch, *, under: Path | None = None,
-                ) -> tuple[threading.Event, threading.Event, threading.Event]:
-    """Make the disk tier's direct reads (of files under ``under``, or all) wait for
-    ``release`` before reading; returns ``(started, release, returned)``."""
-    from musacache.tiers import disk as disk_mod
-
-    started, release, returned = threading.Event(), threading.Event(), threading.Event()
-    read = disk_mod.read_chunk_to
-
-    def hung(fp: Any, fd: int, size: int, copy: Any, **kw: Any) -> Any:
-        if under is not None and not os.readlink(f"/proc/self/fd/{fd}").startswith(str(under)):
-            return read(fp, fd, size, copy, **kw)
-        started.set()
-        release.wait(30)
-        try:
-            return read(fp, fd, size, copy, **kw)
-        finally:
-            returned.set()
-
-    monkeypatch.setattr(disk_mod, "read_chunk_to", hung)
-    return started, release, returned
-
-
-async def _until(flag: threading.Event) -> None:
-    with anyio.fail_after(30):
-        while not flag.is_set():  # noqa: ASYNC110
-            await anyio.sleep(0.01)
-
-
 async def test_a_timed_out_direct_read_writes_nothing_into_out_after_the_get(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     async with _on_disk(tmp_path, CH, seed=7, codec="raw", timeout=0.2) as (c, _spec, toks, kv):
-        _started, release, returned = _hang_reads(monkeypatch)
+        _started, release, returned = hang_direct_reads(monkeypatch)
         out = torch.zeros_like(kv)
         try:
             hit = await c.get(toks, out=out)
         finally:
             release.set()
         assert hit.num_tokens == 0  # the retry skips the tier whose read timed out
-        await _until(returned)
+        await until_set(returned)
         assert not out.any()
         assert (await c.stats())["tiers"]["disk"]["timeouts"] == 1
 
@@ -320,13 +297,13 @@ async def test_a_timed_out_direct_read_writes_nothing_into_out_after_the_get(
 async def test_a_cancelled_get_leaves_out_alone_after_its_direct_read_returns(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     async with _on_disk(tmp_path, 2 * CH, seed=8, codec="lz4") as (c, _spec, toks, kv):
-        started, release, returned = _hang_reads(monkeypatch)
+        started, release, returned = hang_direct_reads(monkeypatch)
         out = torch.zeros_like(kv)
         with anyio.move_on_after(0.3) as scope:
             await c.get(toks, out=out)
         assert scope.cancelled_caught and started.is_set()
         release.set()
-        await _until(returned)
+        await until_set(returned)
         await c.flush()
         assert not out.any()
         monkeypatch.undo()
@@ -347,7 +324,7 @@ async def test_a_slow_tier_times_out_and_the_next_one_serves_through_the_move(
     async with mc.Cache(cfg) as c:
         await c.put(toks, kv)
         await on_disk_only(c)
-        _started, release, returned = _hang_reads(monkeypatch, under=d1.resolve())
+        _started, release, returned = hang_direct_reads(monkeypatch, under=d1.resolve())
         out = torch.zeros_like(kv)
         try:
             hit = await c.get(toks, out=out)
@@ -355,7 +332,7 @@ async def test_a_slow_tier_times_out_and_the_next_one_serves_through_the_move(
             release.set()
         assert hit.num_tokens == CH and hit.tiers == {"backup": CH}
         assert torch.equal(out, kv)
-        await _until(returned)
+        await until_set(returned)
         out.zero_()
         await anyio.sleep(0.05)
         assert not out.any()

@@ -31,6 +31,7 @@ from ._errors import (
     ShapeError,
     SlotRangeError,
     TierError,
+    TierTimeoutError,
     TokensError,
 )
 from ._spec import KVSpec
@@ -74,6 +75,7 @@ __all__ = (
     "StorageTier",
     "TierContext",
     "TierError",
+    "TierTimeoutError",
     "TokensError",
     "TokensLike",
     "__version__",

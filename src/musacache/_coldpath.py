@@ -19,19 +19,20 @@ import torch
 
 from . import _errors
 from ._directory import Entry
-from ._errors import MusaCacheError
+from ._errors import MusaCacheError, TierError, TierTimeoutError
 from ._gcfreeze import collect_young
 from ._listing import ChunkListing, ListingBuilder
 from ._log import RateLimitedLog
 from ._placement import EntryQueue, memory_only_batches, victims
 from ._tierstate import MemTier, StoreTier, Tier
-from .tiers.base import ChunkMeta
+from .tiers.base import NOT_TRIED, ChunkMeta
 
 if TYPE_CHECKING:
     from ._config import CacheConfig
     from ._directory import Directory
     from ._keys import Fingerprint
     from ._move import Mover
+    from ._native import ChunkCopy
     from ._spec import KVSpec
     from ._tasks import TaskOwner
     from ._tee import Tee
@@ -87,6 +88,7 @@ class ColdPath:
     def __init__(self, engine: EngineServices) -> None:
         self.eng = engine
         self.errlog = RateLimitedLog(log)
+        self.direct = DirectReads(self)
         # Top-tier slots a timed-out read may still write into: (tier, slot index, the
         # storage tier read, the slot's view), released once the read's thread returns.
         self._parked: list[tuple[MemTier, int, StoreTier, torch.Tensor]] = []
@@ -144,38 +146,6 @@ class ColdPath:
         t.c["bytes_out"] += len(obj)
         return data
 
-    async def read_to_tee(self, e: Entry, tee: Tee) -> tuple[bool, StoreTier | None]:
-        """Read ``e`` straight into ``tee`` (a get's own tensor, no top-tier slot in between)
-        where that applies: the top tier is host memory and does not hold ``e``, no
-        promotion of ``e`` is in flight (the caller joins it), ``e`` lives in a storage tier
-        that reads into runs (:attr:`StorageTier.reads_to`, the disk tier) with no write of
-        it queued, and ``tee`` is a native copy target. Returns whether every byte was
-        written (all of them verified; none once the get closes its tee), and the tier read
-        (None: this did not apply). A read that missed is counted, as :meth:`read` counts
-        it; its tier is not to be asked again."""
-        eng = self.eng
-        copy = tee.native
-        below = self._stored_below_host(e)
-        if copy is None or below is None or e.key in eng.flights:
-            return False, None
-        src = below[1]
-        if not src.store.reads_to or src.pending_obj(e) is not None \
-                or e.stored_size(src.idx) is None:
-            return False, None
-        meta = src.meta(e)
-
-        def read_to() -> Awaitable[int | None]:
-            return src.store.read_to(meta, eng.fingerprint, copy)
-
-        size = await self._guarded(src, e, read_to, decodes=True)
-        if size is None:
-            return False, src
-        src.c["bytes_out"] += size
-        if copy.written != copy.nbytes:
-            return False, src
-        src.c["hits"] += 1
-        return True, src
-
     def _stored_below_host(self, e: Entry, skip: tuple[Tier, ...] = (),
                            ) -> tuple[MemTier, StoreTier] | None:
         """The host top tier and the hottest tier holding ``e`` (other than those in
@@ -202,16 +172,20 @@ class ColdPath:
             self.errlog.warn(t.name, "timeout", f"read took over {t.store.timeout} s")
             return None
         except Exception as exc:
-            if decodes and isinstance(exc, _UNREADABLE):  # the object, not the tier
-                self._unreadable(t, e, exc)
-            else:  # TierError, or anything a plug-in tier lets escape
-                self._count(t, "faults", "misses")
-                self.errlog.warn(t.name, "read fault", repr(exc))
+            self._read_failed(t, e, exc, decodes=decodes)
             return None
         if got is None:
             t.c["misses"] += 1
             self.forget(t, e)
         return got
+
+    def _read_failed(self, t: StoreTier, e: Entry, exc: Exception, *, decodes: bool) -> None:
+        """Count and log a read of ``e`` from ``t`` that raised ``exc`` (a miss)."""
+        if decodes and isinstance(exc, _UNREADABLE):  # the object, not the tier
+            self._unreadable(t, e, exc)
+        else:  # TierError, or anything a plug-in tier lets escape
+            self._count(t, "faults", "misses")
+            self.errlog.warn(t.name, "read fault", repr(exc))
 
     def _unreadable(self, t: StoreTier, e: Entry, exc: BaseException) -> None:
         """Count and log an object that cannot be read here; a corrupt one is deleted."""
@@ -572,3 +546,112 @@ class ColdPath:
                 st.lru[key] = e
                 new.append(e)
         return new
+
+
+class DirectReads:
+    """Reads of chunks straight into a get's own tensor (its tee), with no top-tier slot in
+    between: one at a time (:meth:`read_to_tee`), or all those of a request that one tier
+    holds as one batch of its (:meth:`read_to_tees`). Kept apart from :class:`ColdPath`,
+    whose counting and guards it uses, so that each class stays small."""
+
+    def __init__(self, cold: ColdPath) -> None:
+        self.cold = cold
+
+    async def read_to_tee(self, e: Entry, tee: Tee) -> tuple[bool, StoreTier | None]:
+        """Read ``e`` straight into ``tee`` (a get's own tensor, no top-tier slot in between)
+        where that applies: the top tier is host memory and does not hold ``e``, no
+        promotion of ``e`` is in flight (the caller joins it), ``e`` lives in a storage tier
+        that reads into runs (:attr:`StorageTier.reads_to`, the disk tier) with no write of
+        it queued, and ``tee`` is a native copy target. Returns whether every byte was
+        written (all of them verified; none once the get closes its tee), and the tier read
+        (None: this did not apply). A read that missed is counted, as :meth:`read` counts
+        it; its tier is not to be asked again."""
+        eng = self.cold.eng
+        copy = tee.native
+        src = self.direct_source(e, tee)
+        if copy is None or src is None:
+            return False, None
+        meta = src.meta(e)
+
+        def read_to() -> Awaitable[int | None]:
+            return src.store.read_to(meta, eng.fingerprint, copy)
+
+        size = await self.cold._guarded(src, e, read_to, decodes=True)
+        if size is None:
+            return False, src
+        src.c["bytes_out"] += size
+        if copy.written != copy.nbytes:
+            return False, src
+        src.c["hits"] += 1
+        return True, src
+
+    def direct_source(self, e: Entry, tee: Tee) -> StoreTier | None:
+        """The storage tier :meth:`read_to_tee` would read ``e`` from into ``tee``, or None
+        where that does not apply (see there)."""
+        if tee.native is None or e.key in self.cold.eng.flights:
+            return None
+        below = self.cold._stored_below_host(e)
+        if below is None:
+            return None
+        src = below[1]
+        if not src.store.reads_to or src.pending_obj(e) is not None \
+                or e.stored_size(src.idx) is None:
+            return None
+        return src
+
+    async def read_to_tees(self, src: StoreTier, items: Sequence[tuple[Entry, Tee]],
+                           ) -> list[bool | None]:
+        """:meth:`read_to_tee` for each of ``items`` (whose :meth:`direct_source` is
+        ``src``, a tier that :attr:`~StorageTier.reads_to_many`) as one batch of the tier's
+        (one slot of its concurrency bound; the tier bounds the batch by its own timeout).
+        Per item: True if every byte was written, False for a read that missed (counted; the
+        tier is not to be asked again), None for one the batch never started."""
+        eng = self.cold.eng
+        batch: list[tuple[Entry, ChunkCopy]] = []
+        for e, tee in items:
+            copy = tee.native
+            if copy is None:  # direct_source said otherwise
+                raise AssertionError("a tee without a native copy in a batch read")
+            batch.append((e, copy))
+        # The tier bounds a batch by its progress; this bound, one timeout per chunk and one
+        # more, only stops a plug-in tier that would hang the get.
+        limit = src.store.timeout * (len(batch) + 1)
+        try:
+            async with src.sem:
+                with anyio.fail_after(limit):
+                    got = await src.store.read_to_many(
+                        [(src.meta(e), copy) for e, copy in batch], eng.fingerprint)
+        except TimeoutError:
+            for _e, _copy in batch:
+                self.cold._count(src, "timeouts", "faults", "misses")
+            self.cold.errlog.warn(src.name, "timeout", f"a batch of reads took over {limit} s")
+            return [False] * len(batch)
+        except Exception as exc:  # the whole batch failed: every item a fault
+            for e, _copy in batch:
+                self.cold._read_failed(src, e, exc, decodes=False)
+            return [False] * len(batch)
+        if len(got) != len(batch):
+            raise TierError(f"tier {src.name!r}: read_to_many answered {len(got)} items "
+                            f"for {len(batch)}")
+        served: list[bool | None] = []
+        for (e, copy), size in zip(batch, got, strict=True):
+            if size is NOT_TRIED:
+                served.append(None)
+            elif isinstance(size, Exception):
+                if isinstance(size, TierTimeoutError):
+                    self.cold._count(src, "timeouts", "faults", "misses")
+                    self.cold.errlog.warn(src.name, "timeout", str(size))
+                else:
+                    self.cold._read_failed(src, e, size, decodes=True)
+                served.append(False)
+            elif size is None:
+                src.c["misses"] += 1
+                self.cold.forget(src, e)
+                served.append(False)
+            else:
+                src.c["bytes_out"] += size
+                complete = copy.written == copy.nbytes
+                if complete:
+                    src.c["hits"] += 1
+                served.append(complete)
+        return served

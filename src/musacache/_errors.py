@@ -92,6 +92,11 @@ class TierError(MusaCacheError):
     """
 
 
+class TierTimeoutError(TierError, TimeoutError):
+    """A tier's operation outlived the tier's ``timeout`` (a hung network file system): it
+    was abandoned, and the engine counts it under ``timeouts``."""
+
+
 class CorruptChunkError(TierError):
     """A stored chunk object failed its header or checksum verification. It is treated as a miss
     and quarantined/deleted."""

@@ -15,9 +15,11 @@ import anyio
 import torch
 
 from ._errors import CacheClosedError
-from ._tierstate import MemTier, Tier
+from ._tierstate import MemTier, StoreTier, Tier
 
 if TYPE_CHECKING:
+    from anyio.abc import TaskGroup
+
     from ._coldpath import ColdPath
     from ._config import CacheConfig
     from ._directory import Entry, Match
@@ -94,16 +96,44 @@ class Reads:
             # request is done: a promotion's second read would otherwise share the CPU with
             # the reads the caller is waiting for.
             promote: list[Entry] = []
+            tees = {i: tee_for(i) for i in slow} if tee_for is not None else {}
+            # Chunks read straight into their tee from a tier that reads in batches go to it
+            # as one batch per tier (one hand-off to its threads for the whole request);
+            # the others are fetched one by one, alongside.
+            batches: dict[StoreTier, list[tuple[int, Tee]]] = {}
+            alone: list[int] = []
+            for i in slow:
+                tee = tees.get(i)
+                tier = self.cold.direct.direct_source(matches[i].entry, tee) \
+                    if tee is not None and self.config.promotion == "background" else None
+                if tier is not None and tee is not None and tier.store.reads_to_many:
+                    batches.setdefault(tier, []).append((i, tee))
+                else:
+                    alone.append(i)
 
-            async def fetch(i: int) -> None:
-                found[i] = await self.fetch(matches[i].entry,
-                                           tee_for(i) if tee_for is not None else None,
-                                           promote)
+            async def fetch(i: int, tee: Tee | None, skip: tuple[Tier, ...] = ()) -> None:
+                found[i] = await self.fetch(matches[i].entry, tee, promote, skip)
+
+            async def batch(tier: StoreTier, items: list[tuple[int, Tee]],
+                            tg: TaskGroup) -> None:
+                served = await self.cold.direct.read_to_tees(
+                    tier, [(matches[i].entry, tee) for i, tee in items])
+                for (i, tee), ok in zip(items, served, strict=True):
+                    if ok:
+                        promote.append(matches[i].entry)
+                        found[i] = (tee.dst, tier.name)
+                    elif ok is None:  # the batch never started it: read on its own
+                        tg.start_soon(fetch, i, tee)
+                    else:  # missed (as fetch handles a direct read that missed)
+                        tee.close()
+                        tg.start_soon(fetch, i, None, (tier,))
 
             try:
                 async with anyio.create_task_group() as tg:
-                    for i in slow:
-                        tg.start_soon(fetch, i)
+                    for tier, items in batches.items():
+                        tg.start_soon(batch, tier, items, tg)
+                    for i in alone:
+                        tg.start_soon(fetch, i, tees.get(i))
             finally:
                 self._promote_read(promote)
         out: list[tuple[Match, torch.Tensor, str]] = []
@@ -114,17 +144,18 @@ class Reads:
         return out
 
     async def fetch(self, e: Entry, tee: Tee | None = None,
-                    promote_later: list[Entry] | None = None) -> tuple[torch.Tensor | None, str]:
-        """Data of ``e`` from below the top tier, promoting it on the way (single-flight).
+                    promote_later: list[Entry] | None = None,
+                    skip: tuple[Tier, ...] = ()) -> tuple[torch.Tensor | None, str]:
+        """Data of ``e`` from below the top tier, promoting it on the way (single-flight),
+        from none of the tiers in ``skip``.
 
         With ``tee``, ``promote_later`` and ``promotion="background"``, a chunk on disk is
-        read straight into the tee (:meth:`ColdPath.read_to_tee`) and appended to
+        read straight into the tee (:meth:`DirectReads.read_to_tee`) and appended to
         ``promote_later``, for the caller to promote by a second read once its reads are
         done."""
-        skip: tuple[Tier, ...] = ()
         if tee is not None and promote_later is not None \
                 and self.config.promotion == "background":
-            served, tried = await self.cold.read_to_tee(e, tee)
+            served, tried = await self.cold.direct.read_to_tee(e, tee)
             if served and tried is not None:
                 promote_later.append(e)
                 return tee.dst, tried.name
@@ -142,6 +173,15 @@ class Reads:
         """Start the promotion of chunks a get read straight into its tensor (their read was
         the hit: not counted again). Skipped for a chunk deleted meanwhile, and once the
         cache is closing (a promotion only saves a later read)."""
+        # One background task starts them all: a task each, spawned here, would cost the
+        # get about 25 µs per chunk before it returns.
+        if any(not e.dead for e in entries):
+            try:
+                self.tasks.spawn(self._promote_all, list(entries))
+            except CacheClosedError:
+                return
+
+    async def _promote_all(self, entries: list[Entry]) -> None:
         for e in entries:
             if not e.dead:
                 try:

@@ -52,19 +52,21 @@ class Tee:
         self.dst = dst
         self.nbytes = dst.numel() * dst.element_size()
         self._itemsize = dst.element_size()
-        # numpy views: their copies are plain memcpy per contiguous run and release the GIL,
-        # where a torch copy would start its own intra-op threads inside each reader thread.
-        self._dst = _as_numpy(dst)
         self._written = 0
         self._closed = False
         self._lock = threading.Lock()
         self._copy = _native_copy(dst)
+        # Only where no native copy applies, the Python copy writes through a numpy view: its
+        # copies are plain memcpy per contiguous run and release the GIL, where a torch copy
+        # would start its own intra-op threads inside each reader thread. (Made here, on the
+        # loop, only when needed: a tee is made for each chunk a get reads from disk.)
+        self._dst = _as_numpy(dst) if self._copy is None else None
 
     @property
     def native(self) -> ChunkCopy | None:
         """``dst`` as a native copy target (its runs of contiguous bytes), or None where
         only the Python copy can write it: what a read straight into ``dst`` writes through
-        (:meth:`~musacache._coldpath.ColdPath.read_to_tee`)."""
+        (:meth:`~musacache._coldpath.DirectReads.read_to_tee`)."""
         return self._copy
 
     def target(self, src: torch.Tensor) -> Callable[[int, int], None]:
@@ -85,6 +87,7 @@ class Tee:
             if self._copy is not None:
                 self._copy.copy(flat[start // size : end // size], start)
                 return
+            assert self._dst is not None  # made whenever there is no native copy
             fill_flat(self._dst, flat[start // size : end // size], start // size)
             self._written += end - start
 

@@ -32,8 +32,8 @@ from .._spec import KVSpec
 if TYPE_CHECKING:
     from .._native import ChunkCopy
 
-__all__ = ["ChunkListing", "ChunkMeta", "ListingBuilder", "StorageTier", "TierConfig",
-           "TierContext"]
+__all__ = ["NOT_TRIED", "ChunkListing", "ChunkMeta", "ListingBuilder", "StorageTier",
+           "TierConfig", "TierContext"]
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,9 @@ class StorageTier(abc.ABC):
     #: The tier implements :meth:`read_to` (the engine then reads a chunk a get asked for
     #: straight into the caller's tensor, and promotes it in the background).
     reads_to: bool = False
+    #: The tier also implements :meth:`read_to_many` (the engine then hands it every such
+    #: chunk of a request as one batch, instead of one :meth:`read_to` call per chunk).
+    reads_to_many: bool = False
 
     @abc.abstractmethod
     async def start(self, ctx: TierContext) -> ChunkListing | Sequence[ChunkMeta]:
@@ -177,6 +180,17 @@ class StorageTier(abc.ABC):
         Raises as :meth:`read_into` does."""
         raise NotImplementedError(f"{type(self).__name__} does not read into a caller's tensor")
 
+    async def read_to_many(self, items: Sequence[tuple[ChunkMeta, ChunkCopy]],
+                           fingerprint: Fingerprint) -> list[Any]:
+        """Optional (set :attr:`reads_to_many`): :meth:`read_to` for each ``(meta, copy)`` of
+        ``items``, as one batch, bounded by the tier's own ``timeout`` (the engine adds no
+        deadline of its own around a batch). Returns, for each item in order, what
+        ``read_to`` would return (the size, or None when absent), the exception it would
+        raise (a :class:`~musacache.TierError` for a fault or a read that hung, the codec's
+        errors for an object that cannot be read here), or :data:`NOT_TRIED` for an item the
+        batch never started (the engine then reads it on its own)."""
+        raise NotImplementedError(f"{type(self).__name__} does not read in batches")
+
     async def refresh(self, parent: bytes | None = None) -> list[ChunkMeta]:
         """Chunks stored now (under ``parent`` only, if given). Shared tiers override this."""
         return []
@@ -188,6 +202,19 @@ class StorageTier(abc.ABC):
     def build(self) -> StorageTier:
         """A running tier is its own config: an instance may stand in ``CacheConfig.tiers``."""
         return self
+
+
+class _NotTried:
+    """The type of :data:`NOT_TRIED`."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "NOT_TRIED"
+
+
+#: What :meth:`StorageTier.read_to_many` returns for an item it never started.
+NOT_TRIED = _NotTried()
 
 
 @runtime_checkable

@@ -1,0 +1,205 @@
+"""A get hands every chunk it reads straight from disk to the disk tier as one batch
+(``DiskStore.read_to_many``): a few worker threads each take the next chunk as soon as they are
+done with one, with no event-loop turn between chunks. These tests pin what a batch must keep
+from the reads one by one: each chunk's own outcome (served, absent, damaged, quarantined), a
+read that hangs is abandoned within the timeout and quarantined while the others are served,
+and a chunk the batch never started is read on its own."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import numpy as np
+import pytest
+import torch
+
+import musacache as mc
+from helpers import (
+    flip_byte,
+    hang_direct_reads,
+    on_disk_only,
+    prefix_kv,
+    random_tokens,
+    small_spec,
+    until_set,
+)
+from musacache._errors import CorruptChunkError
+from musacache._tee import Tee
+from musacache.tiers.base import NOT_TRIED
+
+CH = 16
+
+
+@contextlib.asynccontextmanager
+async def _on_disk(tmp_path: Path, chunks: int, *, seed: int, codec: str = "lz4",
+                   timeout: float = 10.0, max_concurrency: int = 4,
+                   ) -> AsyncIterator[tuple[mc.Cache, mc.KVSpec, list[int], torch.Tensor]]:
+    spec = small_spec()
+    toks = random_tokens(chunks * CH, seed=seed)
+    kv = prefix_kv(spec, toks)
+    disk = mc.DiskTier(path=str(tmp_path), capacity_bytes="64MiB", codec=codec,
+                       timeout=timeout, max_concurrency=max_concurrency)
+    cfg = mc.CacheConfig(spec, "batch", chunk_size=CH, tiers=(
+        mc.HostTier(capacity_bytes=spec.nbytes(CH) * (chunks + 2)), disk))
+    async with mc.Cache(cfg) as c:
+        await c.put(toks, kv)
+        await on_disk_only(c)
+        yield c, spec, toks, kv
+
+
+def _file_of_chunk(c: mc.Cache, root: Path, toks: list[int], i: int) -> Path:
+    key = c._chain.keys(np.asarray(toks, dtype=np.int32))[i][3]
+    hits = [p for p in root.rglob("*.kvc") if p.name.startswith(key.hex())]
+    assert len(hits) == 1, hits
+    return hits[0]
+
+
+def _store(c: mc.Cache) -> Any:
+    return c._engine.stores[0].store
+
+
+async def test_a_get_of_many_disk_chunks_is_one_batch_on_a_few_threads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with _on_disk(tmp_path, 6, seed=1, max_concurrency=2) as (c, _spec, toks, kv):
+        store = _store(c)
+        calls = {"to": 0, "batches": 0, "items": 0, "threads": 0}
+        read_to, read_to_many = store.read_to, store.read_to_many
+        run_sync = anyio.to_thread.run_sync
+
+        async def spy_to(*a: Any, **kw: Any) -> Any:
+            calls["to"] += 1
+            return await read_to(*a, **kw)
+
+        async def spy_many(items: Any, *a: Any, **kw: Any) -> Any:
+            calls["batches"] += 1
+            calls["items"] += len(items)
+            return await read_to_many(items, *a, **kw)
+
+        async def spy_thread(*a: Any, **kw: Any) -> Any:
+            calls["threads"] += 1
+            return await run_sync(*a, **kw)
+
+        monkeypatch.setattr(store, "read_to", spy_to)
+        monkeypatch.setattr(store, "read_to_many", spy_many)
+        monkeypatch.setattr(anyio.to_thread, "run_sync", spy_thread)
+        out = torch.full_like(kv, float("nan"))
+        hit = await c.get(toks, out=out)
+        monkeypatch.setattr(anyio.to_thread, "run_sync", run_sync)
+        assert hit.num_tokens == len(toks) and hit.tiers == {"disk": len(toks)}
+        assert torch.equal(out, kv)
+        # One batch of all six chunks, run by two worker threads (one hand-off each), where
+        # the reads one by one made six hand-offs and six loop turns.
+        assert calls == {"to": 0, "batches": 1, "items": 6, "threads": 2}
+        await c.flush()
+        st = await c.stats()
+        assert st["tiers"]["disk"]["hits"] == 6 and st["tiers"]["host"]["promotions"] == 6
+
+
+async def test_a_batch_answers_for_each_chunk_on_its_own(tmp_path: Path) -> None:
+    async with _on_disk(tmp_path, 4, seed=2) as (c, spec, toks, kv):
+        eng = c._engine
+        st = eng.stores[0]
+        matches = await eng.match(np.asarray(toks, dtype=np.int32))
+        flip_byte(_file_of_chunk(c, tmp_path, toks, 1), -3)  # damaged
+        _file_of_chunk(c, tmp_path, toks, 2).unlink()  # gone behind the cache's back
+        st.store._quarantined.add(matches[3].entry.key)  # hung before: read as absent
+        outs = [torch.full(spec.shape(CH), float("nan"), dtype=spec.dtype) for _ in matches]
+        tees = [Tee(o) for o in outs]
+        misses = st.store.stats()["read_misses"]
+        got = await st.store.read_to_many(
+            [(st.meta(m.entry), t.native) for m, t in zip(matches, tees, strict=True)],
+            eng.fingerprint)
+        assert isinstance(got[0], int) and got[0] > 0
+        assert isinstance(got[1], CorruptChunkError)
+        assert got[2:] == [None, None]
+        assert torch.equal(outs[0], kv.narrow(spec.token_dim, 0, CH))
+        assert tees[0].complete and not tees[1].complete and not tees[2].complete
+        assert torch.isnan(outs[3]).all()  # a quarantined file is never opened
+        assert st.store.stats()["read_misses"] == misses + 2
+
+
+async def test_a_hung_read_in_a_batch_is_abandoned_and_the_others_are_served(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with _on_disk(tmp_path, 4, seed=3, timeout=0.3) as (c, spec, toks, kv):
+        _started, release, returned = hang_direct_reads(
+            monkeypatch, under=_file_of_chunk(c, tmp_path, toks, 1).resolve())
+        out = torch.zeros_like(kv)
+        t0 = time.monotonic()
+        try:
+            hit = await c.get(toks, out=out)
+        finally:
+            elapsed = time.monotonic() - t0
+            release.set()
+        assert elapsed < 5  # bounded by the timeout, not by the hung read (30 s)
+        assert hit.num_tokens == CH and hit.tiers == {"disk": CH}
+        td = spec.token_dim
+        assert torch.equal(out.narrow(td, 0, CH), kv.narrow(td, 0, CH))
+        # The chunks after the hung one were read by the other lanes meanwhile, into out.
+        assert torch.equal(out.narrow(td, 2 * CH, 2 * CH), kv.narrow(td, 2 * CH, 2 * CH))
+        await until_set(returned)
+        await anyio.sleep(0.05)
+        assert not out.narrow(td, CH, CH).any()  # the abandoned read wrote nothing
+        stats = (await c.stats())["tiers"]["disk"]
+        assert stats["timeouts"] == 1
+        store = _store(c).stats()
+        assert store["read_timeouts"] == 1 and store["quarantined"] == 1
+        assert store["stuck_reads"] == 0  # its thread came back
+        monkeypatch.undo()
+        # Quarantined: read as absent until it is written again.
+        assert (await c.get(toks)).num_tokens == CH
+
+
+async def test_a_chunk_the_batch_never_started_is_read_on_its_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with _on_disk(tmp_path, 5, seed=4) as (c, _spec, toks, kv):
+        store = _store(c)
+        read_to_many = store.read_to_many
+        singles = {"to": 0}
+        read_to = store.read_to
+
+        async def cut_short(items: Any, fp: Any) -> list[Any]:
+            # A batch cut short: only its even items were started.
+            got = await read_to_many(items[::2], fp)
+            out: list[Any] = [NOT_TRIED] * len(items)
+            out[::2] = got
+            return out
+
+        async def spy_to(*a: Any, **kw: Any) -> Any:
+            singles["to"] += 1
+            return await read_to(*a, **kw)
+
+        monkeypatch.setattr(store, "read_to_many", cut_short)
+        monkeypatch.setattr(store, "read_to", spy_to)
+        out = torch.full_like(kv, float("nan"))
+        hit = await c.get(toks, out=out)
+        assert hit.num_tokens == len(toks) and hit.tiers == {"disk": len(toks)}
+        assert torch.equal(out, kv)
+        assert singles["to"] == 2
+        await c.flush()
+        assert (await c.stats())["tiers"]["disk"]["hits"] == 5
+
+
+async def test_a_batch_that_fails_whole_is_a_counted_miss_for_each_chunk(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with _on_disk(tmp_path, 3, seed=5) as (c, _spec, toks, kv):
+        store = _store(c)
+
+        async def broken(items: Any, fp: Any) -> list[Any]:
+            raise OSError("the tier's own bug")
+
+        monkeypatch.setattr(store, "read_to_many", broken)
+        out = torch.zeros_like(kv)
+        hit = await c.get(toks, out=out)
+        # Every direct read missed, and the promotion that follows skips the tier.
+        assert hit.num_tokens == 0 and not out.any()
+        st = (await c.stats())["tiers"]["disk"]
+        assert st["faults"] == 3 and st["misses"] >= 3
+        monkeypatch.undo()
+        hit = await c.get(toks, out=out)
+        assert hit.num_tokens == len(toks) and torch.equal(out, kv)
