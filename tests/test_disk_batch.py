@@ -203,3 +203,22 @@ async def test_a_batch_that_fails_whole_is_a_counted_miss_for_each_chunk(
         monkeypatch.undo()
         hit = await c.get(toks, out=out)
         assert hit.num_tokens == len(toks) and torch.equal(out, kv)
+
+
+@pytest.mark.parametrize("answer", ["too few", "not a size"])
+async def test_a_batch_answered_wrongly_is_a_counted_fault_never_an_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, answer: str) -> None:
+    async with _on_disk(tmp_path, 3, seed=6) as (c, _spec, toks, kv):
+        store = _store(c)
+        read_to_many = store.read_to_many
+
+        async def wrong(items: Any, fp: Any) -> list[Any]:
+            got = await read_to_many(items, fp)
+            return got[:-1] if answer == "too few" else ["junk", *got[1:]]
+
+        monkeypatch.setattr(store, "read_to_many", wrong)
+        out = torch.zeros_like(kv)
+        hit = await c.get(toks, out=out)  # a plug-in tier's bug is a miss, not the caller's
+        assert hit.num_tokens == 0
+        st = (await c.stats())["tiers"]["disk"]
+        assert st["faults"] == (3 if answer == "too few" else 1)

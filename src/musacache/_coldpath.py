@@ -621,6 +621,9 @@ class DirectReads:
                 with anyio.fail_after(limit):
                     got = await src.store.read_to_many(
                         [(src.meta(e), copy) for e, copy in batch], eng.fingerprint)
+            if len(got) != len(batch):
+                raise TierError(f"tier {src.name!r}: read_to_many answered {len(got)} items "
+                                f"for {len(batch)}")
         except TimeoutError:
             for _e, _copy in batch:
                 self.cold._count(src, "timeouts", "faults", "misses")
@@ -630,9 +633,6 @@ class DirectReads:
             for e, _copy in batch:
                 self.cold._read_failed(src, e, exc, decodes=False)
             return [False] * len(batch)
-        if len(got) != len(batch):
-            raise TierError(f"tier {src.name!r}: read_to_many answered {len(got)} items "
-                            f"for {len(batch)}")
         served: list[bool | None] = []
         for (e, copy), size in zip(batch, got, strict=True):
             if size is NOT_TRIED:
@@ -647,6 +647,10 @@ class DirectReads:
             elif size is None:
                 src.c["misses"] += 1
                 self.cold.forget(src, e)
+                served.append(False)
+            elif not isinstance(size, int):  # a plug-in tier's answer that is none of these
+                self.cold._read_failed(src, e, TierError(
+                    f"tier {src.name!r}: read_to_many answered {size!r}"), decodes=False)
                 served.append(False)
             else:
                 src.c["bytes_out"] += size
