@@ -8,6 +8,9 @@ and a chunk the batch never started is read on its own."""
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -31,6 +34,7 @@ from helpers import (
 )
 from musacache._errors import CorruptChunkError
 from musacache._tee import Tee
+from musacache.tiers import disk as disk_mod
 from musacache.tiers.base import NOT_TRIED
 
 CH = 16
@@ -62,6 +66,23 @@ def _file_of_chunk(c: mc.Cache, root: Path, toks: list[int], i: int) -> Path:
 
 def _store(c: mc.Cache) -> Any:
     return c._engine.stores[0].store
+
+
+async def _get_with_a_hung_file(c: mc.Cache, root: Path, toks: list[int], kv: torch.Tensor,
+                                monkeypatch: pytest.MonkeyPatch, chunk: int,
+                                ) -> tuple[Any, torch.Tensor, float, threading.Event]:
+    """A get of ``toks`` into a zeroed ``out`` while the file of ``chunk`` hangs (released
+    once the get returns): ``(hit, out, seconds the get took, set when the read returned)``."""
+    _started, release, returned = hang_direct_reads(
+        monkeypatch, under=_file_of_chunk(c, root, toks, chunk).resolve())
+    out = torch.zeros_like(kv)
+    t0 = time.monotonic()
+    try:
+        hit = await c.get(toks, out=out)
+    finally:
+        elapsed = time.monotonic() - t0
+        release.set()
+    return hit, out, elapsed, returned
 
 
 async def test_a_get_of_many_disk_chunks_is_one_batch_on_a_few_threads(
@@ -127,15 +148,8 @@ async def test_a_batch_answers_for_each_chunk_on_its_own(tmp_path: Path) -> None
 async def test_a_hung_read_in_a_batch_is_abandoned_and_the_others_are_served(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     async with _on_disk(tmp_path, 4, seed=3, timeout=0.3) as (c, spec, toks, kv):
-        _started, release, returned = hang_direct_reads(
-            monkeypatch, under=_file_of_chunk(c, tmp_path, toks, 1).resolve())
-        out = torch.zeros_like(kv)
-        t0 = time.monotonic()
-        try:
-            hit = await c.get(toks, out=out)
-        finally:
-            elapsed = time.monotonic() - t0
-            release.set()
+        hit, out, elapsed, returned = await _get_with_a_hung_file(
+            c, tmp_path, toks, kv, monkeypatch, 1)
         assert elapsed < 5  # bounded by the timeout, not by the hung read (30 s)
         assert hit.num_tokens == CH and hit.tiers == {"disk": CH}
         td = spec.token_dim
@@ -222,3 +236,67 @@ async def test_a_batch_answered_wrongly_is_a_counted_fault_never_an_error(
         assert hit.num_tokens == 0
         st = (await c.stats())["tiers"]["disk"]
         assert st["faults"] == (3 if answer == "too few" else 1)
+
+
+@pytest.mark.parametrize("batched", [True, False])
+async def test_an_io_error_in_a_batch_is_counted_as_the_read_alone_counts_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batched: bool) -> None:
+    async with _on_disk(tmp_path, 3, seed=7) as (c, _spec, toks, kv):
+        store = _store(c)
+        if not batched:
+            monkeypatch.setattr(type(store), "reads_to_many", False)
+        bad = str(_file_of_chunk(c, tmp_path, toks, 1).resolve())
+        read = disk_mod.read_chunk_to
+
+        def failing(fp: Any, fd: int, size: int, copy: Any, **kw: Any) -> Any:
+            if os.readlink(f"/proc/self/fd/{fd}") == bad:  # a failing disk's pread
+                raise OSError(errno.EIO, "Input/output error")
+            return read(fp, fd, size, copy, **kw)
+
+        monkeypatch.setattr(disk_mod, "read_chunk_to", failing)
+        faults = store.stats()["read_faults"]
+        out = torch.zeros_like(kv)
+        hit = await c.get(toks, out=out)
+        assert hit.num_tokens == CH
+        assert (await c.stats())["tiers"]["disk"]["faults"] == 1
+        st = store.stats()
+        assert st["read_faults"] == faults + 1 and "Input/output error" in st["last_error"]
+
+
+async def test_one_hung_file_costs_a_batch_one_timeout_not_two(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each read of a batch is bounded by the timeout as a read alone is: the lane stuck in
+    the hung file is abandoned when that read reaches it, while the other lanes have long
+    finished the rest (a watch over the batch's progress as a whole would wait a second
+    timeout)."""
+    timeout = 1.0
+    async with _on_disk(tmp_path, 4, seed=8, timeout=timeout) as (c, spec, toks, kv):
+        hit, out, elapsed, returned = await _get_with_a_hung_file(
+            c, tmp_path, toks, kv, monkeypatch, 0)
+        assert hit.num_tokens == 0
+        assert elapsed < 1.8 * timeout, elapsed
+        await until_set(returned)
+        store = _store(c).stats()
+        assert store["read_timeouts"] == 1 and store["quarantined"] == 1
+        assert store["stuck_reads"] == 0
+        # The other three were read meanwhile, into out, by the other lanes.
+        td = spec.token_dim
+        assert torch.equal(out.narrow(td, CH, 3 * CH), kv.narrow(td, CH, 3 * CH))
+
+
+async def test_a_batch_whose_lanes_wait_for_threads_still_reads_with_one(
+        tmp_path: Path) -> None:
+    """Three of the tier's four thread tokens are held by other work (slow writes, say): the
+    one left reads the whole batch, one chunk after another."""
+    async with _on_disk(tmp_path, 4, seed=9, timeout=5.0) as (c, _spec, toks, kv):
+        store = _store(c)
+        holders = [object() for _ in range(3)]
+        for h in holders:
+            await store._limiter.acquire_on_behalf_of(h)
+        try:
+            out = torch.zeros_like(kv)
+            hit = await c.get(toks, out=out)
+        finally:
+            for h in holders:
+                store._limiter.release_on_behalf_of(h)
+        assert hit.num_tokens == len(toks) and torch.equal(out, kv)

@@ -613,8 +613,8 @@ class DirectReads:
             if copy is None:  # direct_source said otherwise
                 raise AssertionError("a tee without a native copy in a batch read")
             batch.append((e, copy))
-        # The tier bounds a batch by its progress; this bound, one timeout per chunk and one
-        # more, only stops a plug-in tier that would hang the get.
+        # The tier bounds each read of a batch by its timeout; this bound, one timeout per
+        # chunk and one more, only stops a plug-in tier that would hang the get.
         limit = src.store.timeout * (len(batch) + 1)
         try:
             async with src.sem:
@@ -625,10 +625,16 @@ class DirectReads:
                 raise TierError(f"tier {src.name!r}: read_to_many answered {len(got)} items "
                                 f"for {len(batch)}")
         except TimeoutError:
-            for _e, _copy in batch:
-                self.cold._count(src, "timeouts", "faults", "misses")
+            # A chunk whose every byte was written (and so verified) is served all the same:
+            # only the others are lost with the batch.
+            done = [copy.written == copy.nbytes for _e, copy in batch]
+            for ok in done:
+                if ok:
+                    src.c["hits"] += 1
+                else:
+                    self.cold._count(src, "timeouts", "faults", "misses")
             self.cold.errlog.warn(src.name, "timeout", f"a batch of reads took over {limit} s")
-            return [False] * len(batch)
+            return list(done)
         except Exception as exc:  # the whole batch failed: every item a fault
             for e, _copy in batch:
                 self.cold._read_failed(src, e, exc, decodes=False)

@@ -169,16 +169,29 @@ class _ThreadRead:
 class _Lanes:
     """One batch of reads (:meth:`DiskStore.read_to_many`) shared with its worker threads
     under ``DiskStore._tlock``: the items no lane has taken yet, whether to stop taking
-    them, how many reads have ended, and per item its outcome and when its read began."""
+    them, how many reads have ended, per item its outcome and when its read began, and per
+    lane the item it is reading (None between items) and whether it was abandoned."""
 
-    __slots__ = ("began", "ended", "outcome", "stop", "todo")
+    __slots__ = ("began", "current", "dead", "ended", "outcome", "stop", "todo")
 
-    def __init__(self, todo: deque[int], n: int) -> None:
+    def __init__(self, todo: deque[int], n: int, count: int) -> None:
         self.todo = todo
         self.stop = False
         self.ended = 0
         self.outcome: list[Any] = [NOT_TRIED] * n
         self.began = [0.0] * n
+        self.current: list[int | None] = [None] * count
+        self.dead = [False] * count
+
+
+class _Raised:
+    """An exception a lane's read raised (the codec's: a corrupt or foreign object), apart
+    from the ``OSError`` that :meth:`DiskStore._with_file` returns for a fault."""
+
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: Exception) -> None:
+        self.exc = exc
 
 
 class _NotAFile:
@@ -466,7 +479,8 @@ class DiskStore(StorageTier):
     async def read_to_many(self, items: Sequence[tuple[ChunkMeta, ChunkCopy]],
                            fingerprint: Fingerprint) -> list[Any]:
         """:meth:`read_to` for each ``(meta, copy)`` of ``items``, as one batch on up to
-        ``max_concurrency`` worker threads, bounded by progress (:func:`_read_batch`)."""
+        ``max_concurrency`` worker threads, each read bounded by ``timeout``
+        (:func:`_read_batch`)."""
         return await _read_batch(self, items, fingerprint)
 
     def writing_into(self, out: torch.Tensor) -> bool:
@@ -694,11 +708,12 @@ async def _read_batch(store: DiskStore, items: Sequence[tuple[ChunkMeta, ChunkCo
     loop's time, and the next chunk waited for it).
 
     Returns per item what ``read_to`` returns or the exception it raises, or
-    :data:`~musacache.tiers.base.NOT_TRIED` for an item no lane started. The batch is
-    bounded by progress rather than by its total length: when no read of it ends within
-    ``timeout``, the reads in progress have hung. They are abandoned and counted as
-    timeouts (a file whose read ran the whole ``timeout`` is quarantined, as with
-    :meth:`read_to`), and the items not started are left untried.
+    :data:`~musacache.tiers.base.NOT_TRIED` for an item no lane started. Each read is
+    bounded by ``timeout``, as a read alone is, not the batch by its length: a lane whose
+    read outlives it (a hung file) is abandoned to its thread, the read counted as a
+    timeout and the file quarantined, while the other lanes go on with the batch. When every
+    lane is abandoned, or none has run a read for a whole ``timeout`` (they wait for
+    threads), the items not started are left untried.
 
     Kept out of :class:`DiskStore` so that the class stays small: it is the store's own
     code, on its private state."""
@@ -721,8 +736,10 @@ async def _read_batch(store: DiskStore, items: Sequence[tuple[ChunkMeta, ChunkCo
             out[i] = TierError(f"disk tier {store.name!r}: {store._stuck} reads are stuck in "
                                f"{store.config.path}; not reading {paths[i].name}")
         return out
-    lanes = _Lanes(todo, n)
+    count = min(len(todo), store.max_concurrency - store._stuck)
+    lanes = _Lanes(todo, n, count)
     calls = [_ThreadRead() for _ in items]
+    timeout = store.timeout
 
     def read(i: int) -> Any:
         meta, copy = items[i]
@@ -733,78 +750,105 @@ async def _read_batch(store: DiskStore, items: Sequence[tuple[ChunkMeta, ChunkCo
 
         return DiskStore._with_file(paths[i], to)
 
-    def lane() -> None:
+    def lane(k: int) -> None:
         while True:
             with store._tlock:
-                if lanes.stop or not lanes.todo:
+                if lanes.stop or lanes.dead[k] or not lanes.todo:
                     return
                 i = lanes.todo.popleft()
                 calls[i].started = True
                 lanes.began[i] = time.monotonic()
+                lanes.current[k] = i
             try:
                 got = read(i)
             except Exception as exc:  # the codec's: a corrupt or foreign object
-                got = exc
+                got = _Raised(exc)
             with store._tlock:
                 lanes.outcome[i] = got
                 lanes.ended += 1
+                lanes.current[k] = None
                 calls[i].done = True
                 if calls[i].abandoned:
                     store._stuck -= 1
 
-    count = min(len(todo), store.max_concurrency - store._stuck)
+    scopes = [anyio.CancelScope() for _ in range(count)]
     left = [count]
     finished = anyio.Event()
 
-    async def run_lane() -> None:
-        # abandon_on_cancel: a hung disk (NFS) must not hold the caller past timeout.
-        await anyio.to_thread.run_sync(lane, limiter=store._limiter, abandon_on_cancel=True)
+    async def run_lane(k: int) -> None:
+        with scopes[k]:
+            # abandon_on_cancel: a hung disk (NFS) must not hold the caller past timeout.
+            await anyio.to_thread.run_sync(lane, k, limiter=store._limiter,
+                                           abandon_on_cancel=True)
         left[0] -= 1
         if not left[0]:
             finished.set()
 
-    hung = False
+    hung: set[int] = set()  # items whose read ran the whole timeout: abandoned, quarantined
     try:
         async with anyio.create_task_group() as tg:
-            for _ in range(count):
-                tg.start_soon(run_lane)
-            # The watch: a batch that ended no read within a whole timeout has hung.
-            seen = 0
+            for k in range(count):
+                tg.start_soon(run_lane, k)
+            # The watch: each read is bounded by the timeout, as one read alone is. A lane
+            # whose read outlives it is abandoned (the others go on with the batch); a batch
+            # that ends no read in a whole timeout with none running (its lanes wait for
+            # threads) is stopped.
+            seen, progress = 0, time.monotonic()
             while not finished.is_set():
-                with anyio.move_on_after(store.timeout):
-                    await finished.wait()
                 with store._tlock:
-                    ended = lanes.ended
-                    if not finished.is_set() and ended == seen:
-                        hung = lanes.stop = True
-                if hung:
+                    running = [lanes.began[i] for k, i in enumerate(lanes.current)
+                               if i is not None and not lanes.dead[k]]
+                    if lanes.ended != seen:
+                        seen, progress = lanes.ended, time.monotonic()
+                deadline = (min(running) if running else progress) + timeout
+                with anyio.move_on_at(deadline):
+                    await finished.wait()
+                if finished.is_set():
+                    break
+                now = time.monotonic()
+                with store._tlock:
+                    late = [(k, i) for k, i in enumerate(lanes.current)
+                            if i is not None and not lanes.dead[k]
+                            and now - lanes.began[i] >= _HUNG_SHARE * timeout]
+                    for k, _i in late:
+                        lanes.dead[k] = True
+                    stalled = not late and lanes.ended == seen and not any(
+                        i is not None and not lanes.dead[k]
+                        for k, i in enumerate(lanes.current)) \
+                        and now - progress >= _HUNG_SHARE * timeout
+                    if stalled:
+                        lanes.stop = True
+                for k, i in late:
+                    if store._abandon(calls[i], items[i][0].key):
+                        hung.add(i)
+                    scopes[k].cancel()
+                if stalled:
                     tg.cancel_scope.cancel()
                     break
-                seen = ended
     finally:
-        # Normal end, a batch that hung, or cancelled from outside: no lane takes another
-        # item, and the reads still running are abandoned to their threads.
+        # Normal end, a stalled batch, or cancelled from outside: no lane takes another item,
+        # and the reads still running are abandoned to their threads.
         with store._tlock:
             lanes.stop = True
-            begun = [i for i in range(n) if calls[i].started and not calls[i].done]
+            begun = [i for i in range(n) if calls[i].started and not calls[i].done
+                     and i not in hung]
         now = time.monotonic()
-        running = {i for i in begun if store._abandon(
-            calls[i], items[i][0].key
-            if now - lanes.began[i] >= _HUNG_SHARE * store.timeout else None)}
+        cut = {i for i in begun if store._abandon(
+            calls[i], items[i][0].key if now - lanes.began[i] >= _HUNG_SHARE * timeout
+            else None)}
     for i in range(n):
         if out[i] is not NOT_TRIED or not calls[i].started:
             continue
-        if i in running:
+        if i in hung or i in cut:
             store._c["read_faults"] += 1
             store._c["read_timeouts"] += 1
             store._c["last_error"] = f"read {paths[i].name}: timed out"
-            out[i] = TierTimeoutError(f"disk tier {store.name!r}: no read of a batch "
-                                      f"ended in {store.timeout} s; abandoned the read "
-                                      f"of {paths[i]}")
+            out[i] = TierTimeoutError(f"disk tier {store.name!r}: a read of a batch took over "
+                                      f"{timeout} s; abandoned the read of {paths[i]}")
             continue
         got = lanes.outcome[i]
-        if isinstance(got, Exception):
-            out[i] = got
+        if isinstance(got, _Raised):
+            out[i] = got.exc
             continue
         try:
             out[i] = size = await store._settle(items[i][0], paths[i], got)
