@@ -7,6 +7,7 @@ and a chunk the batch never started is read on its own."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import os
@@ -109,6 +110,8 @@ async def test_a_get_of_many_disk_chunks_is_one_batch_on_a_few_threads(
         monkeypatch.setattr(store, "read_to", spy_to)
         monkeypatch.setattr(store, "read_to_many", spy_many)
         monkeypatch.setattr(anyio.to_thread, "run_sync", spy_thread)
+        # One slice per lane however slow the machine (slices are tested below).
+        monkeypatch.setattr(disk_mod, "_LANE_SLICE", 60.0)
         out = torch.full_like(kv, float("nan"))
         hit = await c.get(toks, out=out)
         monkeypatch.setattr(anyio.to_thread, "run_sync", run_sync)
@@ -300,3 +303,75 @@ async def test_a_batch_whose_lanes_wait_for_threads_still_reads_with_one(
             for h in holders:
                 store._limiter.release_on_behalf_of(h)
         assert hit.num_tokens == len(toks) and torch.equal(out, kv)
+
+
+async def test_a_long_batch_takes_turns_with_another_gets_reads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A healthy batch longer than the timeout (a long prompt on a slow disk) gives its thread
+    slots back every slice, so a get that comes meanwhile is read in turn, not starved into
+    a timeout (its lanes waiting a whole timeout for a slot looked like a stall)."""
+    spec = small_spec()
+    disk = mc.DiskTier(path=str(tmp_path), capacity_bytes="64MiB", codec="raw", timeout=0.3,
+                       max_concurrency=2)
+    cfg = mc.CacheConfig(spec, "turns", chunk_size=CH, tiers=(
+        mc.HostTier(capacity_bytes=spec.nbytes(CH) * 128), disk))
+    long, short = random_tokens(80 * CH, seed=10), random_tokens(4 * CH, seed=11)
+    async with mc.Cache(cfg) as c:
+        await c.put(long, prefix_kv(spec, long))
+        await c.put(short, prefix_kv(spec, short))
+        await on_disk_only(c)
+        read = disk_mod.read_chunk_to
+
+        def slow(*a: Any, **kw: Any) -> Any:  # 20 ms a chunk: 0.8 s for the long batch
+            time.sleep(0.02)
+            return read(*a, **kw)
+
+        monkeypatch.setattr(disk_mod, "read_chunk_to", slow)
+
+        async def later() -> Any:
+            await anyio.sleep(0.05)
+            return await c.get(short)
+
+        with anyio.fail_after(30):
+            a, b = await asyncio.gather(c.get(long), later())
+        assert a.num_tokens == len(long) and torch.equal(a.kv, prefix_kv(spec, long))
+        assert b.num_tokens == len(short) and torch.equal(b.kv, prefix_kv(spec, short))
+        st = (await c.stats())["tiers"]["disk"]
+        assert st["timeouts"] == 0 and st["faults"] == 0
+
+
+async def test_a_get_the_cache_closes_under_raises_the_closed_error_not_a_group(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk that misses on disk falls back to a promotion, which a closed cache cannot
+    start: the get raises ``CacheClosedError`` (a ``MusaCacheError``), as any call on a
+    closed cache does, not the task group's ``ExceptionGroup`` of them."""
+    spec = small_spec()
+    cfg = mc.CacheConfig(spec, "closing", chunk_size=CH, tiers=(
+        mc.HostTier(capacity_bytes=spec.nbytes(CH) * 64),
+        mc.DiskTier(path=str(tmp_path), capacity_bytes="64MiB", timeout=5, max_concurrency=2)))
+    toks = random_tokens(6 * CH, seed=12)
+    c = mc.Cache(cfg)
+    await c.open()
+    await c.put(toks, prefix_kv(spec, toks))
+    await on_disk_only(c)
+    _file_of_chunk(c, tmp_path, toks, 4).unlink()
+    started, release, returned = hang_direct_reads(monkeypatch)
+    outcome: list[BaseException | None] = []
+
+    async def get() -> None:
+        try:
+            await c.get(toks, out=torch.zeros(spec.shape(len(toks))))
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(get)
+            await until_set(started)
+            await c.aclose()
+            release.set()
+        await until_set(returned)
+    assert len(outcome) == 1
+    assert outcome[0] is None or isinstance(outcome[0], mc.CacheClosedError), repr(outcome[0])
+

@@ -134,6 +134,14 @@ class Reads:
                         tg.start_soon(batch, tier, items, tg)
                     for i in alone:
                         tg.start_soon(fetch, i, tees.get(i))
+            except BaseExceptionGroup as group:
+                # The cache closed under the get (a fetch could start no promotion): the
+                # caller gets the one error of the tree it asked for, not a group of them.
+                if group.subgroup(lambda e: not isinstance(
+                        e, (CacheClosedError, BaseExceptionGroup))) is None:
+                    raise CacheClosedError("the cache was closed while the get was "
+                                           "reading") from group
+                raise
             finally:
                 self._promote_read(promote)
         out: list[tuple[Match, torch.Tensor, str]] = []

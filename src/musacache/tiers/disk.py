@@ -153,6 +153,10 @@ def file_name(key: bytes, parent: bytes, num_tokens: int) -> str:
 #: A read cancelled from outside after this share of the tier's timeout counts as hung (its
 #: file is quarantined), as one the tier's own timeout ended does.
 _HUNG_SHARE = 0.95
+# How long a lane of a batch of reads (DiskStore.read_to_many) reads before it gives its thread
+# slot back and waits for one again: other work waiting for a slot takes turns with a long batch
+# within this (FIFO), and the hand-off it costs (one loop turn) is small against it.
+_LANE_SLICE = 0.05
 
 
 class _ThreadRead:
@@ -750,11 +754,17 @@ async def _read_batch(store: DiskStore, items: Sequence[tuple[ChunkMeta, ChunkCo
 
         return DiskStore._with_file(paths[i], to)
 
-    def lane(k: int) -> None:
+    def lane(k: int) -> bool:
+        # One slice of a lane's reads: it gives its thread slot back after _LANE_SLICE s, so
+        # that other work waiting for one (another get's batch, a write) takes turns with a
+        # long batch. True: more to read, in another slice.
+        until = time.monotonic() + _LANE_SLICE
         while True:
             with store._tlock:
                 if lanes.stop or lanes.dead[k] or not lanes.todo:
-                    return
+                    return False
+                if time.monotonic() >= until:
+                    return True
                 i = lanes.todo.popleft()
                 calls[i].started = True
                 lanes.began[i] = time.monotonic()
@@ -778,8 +788,9 @@ async def _read_batch(store: DiskStore, items: Sequence[tuple[ChunkMeta, ChunkCo
     async def run_lane(k: int) -> None:
         with scopes[k]:
             # abandon_on_cancel: a hung disk (NFS) must not hold the caller past timeout.
-            await anyio.to_thread.run_sync(lane, k, limiter=store._limiter,
-                                           abandon_on_cancel=True)
+            while await anyio.to_thread.run_sync(lane, k, limiter=store._limiter,
+                                                 abandon_on_cancel=True):
+                pass
         left[0] -= 1
         if not left[0]:
             finished.set()
