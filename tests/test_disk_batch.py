@@ -375,3 +375,40 @@ async def test_a_get_the_cache_closes_under_raises_the_closed_error_not_a_group(
     assert len(outcome) == 1
     assert outcome[0] is None or isinstance(outcome[0], mc.CacheClosedError), repr(outcome[0])
 
+
+
+@pytest.mark.parametrize("batched", [True, False])
+async def test_a_read_that_hangs_in_a_replaced_file_does_not_quarantine_the_new_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batched: bool) -> None:
+    """The key is deleted and put again (new KV, a new file under the same name) while a read
+    hangs in the old file: when that read times out, the key is not quarantined, since the
+    file that hung is gone. A later get serves the new KV from disk."""
+    async with _on_disk(tmp_path, 4, seed=13, codec="raw", timeout=1.0,
+                        max_concurrency=2) as (c, _spec, toks, kv):
+        store = _store(c)
+        if not batched:
+            monkeypatch.setattr(type(store), "reads_to_many", False)
+        started, release, returned = hang_direct_reads(
+            monkeypatch, under=_file_of_chunk(c, tmp_path, toks, 0).resolve())
+        got: list[Any] = []
+
+        async def racing_get() -> None:
+            got.append(await c.get(toks, out=torch.zeros_like(kv)))
+
+        kv2 = kv + 1000
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(racing_get)
+                await until_set(started)
+                await c.delete(toks)
+                await c.put(toks, kv2)
+                await on_disk_only(c)  # the new KV in new files, under the same names
+            release.set()
+            await until_set(returned)
+        assert got[0].num_tokens == 0  # its first chunk's read hung
+        assert store.stats()["quarantined"] == 0
+        monkeypatch.undo()
+        out = torch.zeros_like(kv)
+        hit = await c.get(toks, out=out)
+        assert hit.num_tokens == len(toks) and hit.tiers == {"disk": len(toks)}
+        assert torch.equal(out, kv2)

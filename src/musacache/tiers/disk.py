@@ -163,11 +163,38 @@ class _ThreadRead:
     """The state of one read handed to a worker thread, shared under ``DiskStore._tlock``;
     ``out`` is the tensor it reads into (None when it returns bytes)."""
 
-    __slots__ = ("abandoned", "cancelled", "done", "out", "started")
+    __slots__ = ("abandoned", "cancelled", "done", "out", "started", "superseded")
 
     def __init__(self, out: torch.Tensor | None = None) -> None:
         self.started = self.done = self.abandoned = self.cancelled = False
+        # A write replaced the file under the key while this read was in it: if the read
+        # hangs, that was the old file, and the key is not quarantined for it.
+        self.superseded = False
         self.out = out
+
+
+class _InFlight:
+    """The reads in progress, by key: a write of a key marks those reads superseded (a read
+    that hangs then hung in the old file, and the key is not quarantined for it)."""
+
+    __slots__ = ("_by_key",)
+
+    def __init__(self) -> None:
+        self._by_key: dict[bytes, list[_ThreadRead]] = {}
+
+    def begin(self, key: bytes, call: _ThreadRead) -> None:
+        self._by_key.setdefault(key, []).append(call)
+
+    def end(self, key: bytes, call: _ThreadRead) -> None:
+        calls = self._by_key.get(key)
+        if calls is not None:
+            calls[:] = [c for c in calls if c is not call]
+            if not calls:
+                del self._by_key[key]
+
+    def supersede(self, key: bytes) -> None:
+        for call in self._by_key.get(key, ()):
+            call.superseded = True
 
 
 class _Lanes:
@@ -232,6 +259,7 @@ class DiskStore(StorageTier):
         self._order = KeyOrder()
         # Keys whose read timed out: read as absent until written again.
         self._quarantined: set[bytes] = set()
+        self._reading = _InFlight()
         # Read threads abandoned after a timeout that have not returned yet, and the lock that
         # guards this count and every _ThreadRead (worker threads update them).
         self._stuck = 0
@@ -403,6 +431,7 @@ class DiskStore(StorageTier):
                 raise TierError(f"disk tier {self.name!r}: cannot write {path}: {e}") from e
             self._names[meta.key] = path.name
             self._quarantined.discard(meta.key)  # a fresh file under the name
+            self._reading.supersede(meta.key)
         self._c["writes"] += 1
         self._c["bytes_in"] += len(obj)
 
@@ -482,9 +511,7 @@ class DiskStore(StorageTier):
 
     async def read_to_many(self, items: Sequence[tuple[ChunkMeta, ChunkCopy]],
                            fingerprint: Fingerprint) -> list[Any]:
-        """:meth:`read_to` for each ``(meta, copy)`` of ``items``, as one batch on up to
-        ``max_concurrency`` worker threads, each read bounded by ``timeout``
-        (:func:`_read_batch`)."""
+        """:meth:`read_to` for each of ``items``, as one batch (:func:`_read_batch`)."""
         return await _read_batch(self, items, fingerprint)
 
     def writing_into(self, out: torch.Tensor) -> bool:
@@ -510,6 +537,7 @@ class DiskStore(StorageTier):
                             f"{self.config.path}; not reading {path.name}")
         call = call or _ThreadRead()
         started = anyio.current_time()
+        self._reading.begin(meta.key, call)
         try:
             with anyio.fail_after(self.timeout):
                 # abandon_on_cancel: a hung disk (NFS) must not hold the caller past timeout.
@@ -532,6 +560,8 @@ class DiskStore(StorageTier):
             hung = anyio.current_time() - started >= _HUNG_SHARE * self.timeout
             self._abandon(call, meta.key if hung else None)
             raise
+        finally:
+            self._reading.end(meta.key, call)
         return await self._settle(meta, path, obj)
 
     async def _settle(self, meta: ChunkMeta, path: Path, obj: Any) -> Any:
@@ -565,10 +595,10 @@ class DiskStore(StorageTier):
         return obj
 
     def _abandon(self, call: _ThreadRead, hung_key: bytes | None) -> bool:
-        """The caller stopped waiting for ``call``. If its thread is still in the read, count it
-        in ``_stuck`` until it returns, and quarantine ``hung_key`` (when given): that file
-        hung, so no other thread is handed to it. A read that had not started never will.
-        Returns whether the read was still running (and is now abandoned)."""
+        """The caller stopped waiting for ``call``; returns whether its thread is still in the
+        read. If so, it is counted in ``_stuck`` until it returns, and ``hung_key`` (when
+        given, and no write replaced its file since) is quarantined: that file hung, so no
+        other thread is handed to it. A read that had not started never will."""
         with self._tlock:
             if call.done:
                 return False
@@ -579,7 +609,7 @@ class DiskStore(StorageTier):
             self._stuck += 1
             if call.out is not None:
                 self._writers.append(call)
-        if hung_key is not None:
+        if hung_key is not None and not call.superseded and hung_key not in self._quarantined:
             self._quarantined.add(hung_key)
             self._names.pop(hung_key, None)
             self._c["quarantined"] += 1
@@ -743,6 +773,8 @@ async def _read_batch(store: DiskStore, items: Sequence[tuple[ChunkMeta, ChunkCo
     count = min(len(todo), store.max_concurrency - store._stuck)
     lanes = _Lanes(todo, n, count)
     calls = [_ThreadRead() for _ in items]
+    for i in todo:
+        store._reading.begin(items[i][0].key, calls[i])
     timeout = store.timeout
 
     def read(i: int) -> Any:
@@ -847,6 +879,9 @@ async def _read_batch(store: DiskStore, items: Sequence[tuple[ChunkMeta, ChunkCo
         cut = {i for i in begun if store._abandon(
             calls[i], items[i][0].key if now - lanes.began[i] >= _HUNG_SHARE * timeout
             else None)}
+        for i in range(n):
+            if out[i] is NOT_TRIED:  # every item registered above
+                store._reading.end(items[i][0].key, calls[i])
     for i in range(n):
         if out[i] is not NOT_TRIED or not calls[i].started:
             continue
