@@ -19,7 +19,7 @@ import torch
 
 from . import _errors
 from ._directory import Entry
-from ._errors import MusaCacheError, TierError, TierTimeoutError
+from ._errors import MusaCacheError, TierError
 from ._gcfreeze import collect_young
 from ._listing import ChunkListing, ListingBuilder
 from ._log import RateLimitedLog
@@ -167,11 +167,7 @@ class ColdPath:
             async with t.sem:
                 with anyio.fail_after(t.store.timeout):
                     got = await call()
-        except TimeoutError:
-            self._count(t, "timeouts", "faults", "misses")
-            self.errlog.warn(t.name, "timeout", f"read took over {t.store.timeout} s")
-            return None
-        except Exception as exc:
+        except Exception as exc:  # a TimeoutError too: our deadline, or the tier's own
             self._read_failed(t, e, exc, decodes=decodes)
             return None
         if got is None:
@@ -181,7 +177,11 @@ class ColdPath:
 
     def _read_failed(self, t: StoreTier, e: Entry, exc: Exception, *, decodes: bool) -> None:
         """Count and log a read of ``e`` from ``t`` that raised ``exc`` (a miss)."""
-        if decodes and isinstance(exc, _UNREADABLE):  # the object, not the tier
+        if isinstance(exc, TimeoutError):  # a TierTimeoutError too
+            self._count(t, "timeouts", "faults", "misses")
+            self.errlog.warn(t.name, "timeout",
+                             str(exc) or f"read took over {t.store.timeout} s")
+        elif decodes and isinstance(exc, _UNREADABLE):  # the object, not the tier
             self._unreadable(t, e, exc)
         else:  # TierError, or anything a plug-in tier lets escape
             self._count(t, "faults", "misses")
@@ -577,13 +577,17 @@ class DirectReads:
             return src.store.read_to(meta, eng.fingerprint, copy)
 
         size = await self.cold._guarded(src, e, read_to, decodes=True)
-        if size is None:
-            return False, src
+        return size is not None and self._served(src, copy, size), src
+
+    @staticmethod
+    def _served(src: StoreTier, copy: ChunkCopy, size: int) -> bool:
+        """Count a direct read of ``size`` bytes from ``src`` that returned; whether it wrote
+        every byte of ``copy`` (all verified), and so is a hit."""
         src.c["bytes_out"] += size
-        if copy.written != copy.nbytes:
-            return False, src
-        src.c["hits"] += 1
-        return True, src
+        complete = copy.written == copy.nbytes
+        if complete:
+            src.c["hits"] += 1
+        return complete
 
     def direct_source(self, e: Entry, tee: Tee) -> StoreTier | None:
         """The storage tier :meth:`read_to_tee` would read ``e`` from into ``tee``, or None
@@ -644,11 +648,7 @@ class DirectReads:
             if size is NOT_TRIED:
                 served.append(None)
             elif isinstance(size, Exception):
-                if isinstance(size, TierTimeoutError):
-                    self.cold._count(src, "timeouts", "faults", "misses")
-                    self.cold.errlog.warn(src.name, "timeout", str(size))
-                else:
-                    self.cold._read_failed(src, e, size, decodes=True)
+                self.cold._read_failed(src, e, size, decodes=True)
                 served.append(False)
             elif size is None:
                 src.c["misses"] += 1
@@ -659,9 +659,5 @@ class DirectReads:
                     f"tier {src.name!r}: read_to_many answered {size!r}"), decodes=False)
                 served.append(False)
             else:
-                src.c["bytes_out"] += size
-                complete = copy.written == copy.nbytes
-                if complete:
-                    src.c["hits"] += 1
-                served.append(complete)
+                served.append(self._served(src, copy, size))
         return served

@@ -498,11 +498,7 @@ class DiskStore(StorageTier):
         size, or None when it is absent; raises as :meth:`read_into` does. A read abandoned
         by a timeout writes nothing once the copy's tee is closed."""
         def read(path: Path) -> int | OSError | _NotAFile | None:
-            def to(fd: int, size: int) -> int:
-                read_chunk_to(fingerprint, fd, size, copy, expect=meta)
-                return size
-
-            return DiskStore._with_file(path, to)
+            return _read_file_to(path, fingerprint, meta, copy)
 
         size = await self._read_call(meta, read)
         if size is not None:
@@ -528,13 +524,9 @@ class DiskStore(StorageTier):
         if meta.key in self._quarantined:
             self._c["read_misses"] += 1
             return None
-        if self._stuck >= self.max_concurrency:
-            # Every thread we may use is stuck in the file system: starting another one would
-            # only leak it too.
-            self._c["read_faults"] += 1
-            self._c["reads_refused"] += 1
-            raise TierError(f"disk tier {self.name!r}: {self._stuck} reads are stuck in "
-                            f"{self.config.path}; not reading {path.name}")
+        refused = _refusal(self, path)
+        if refused is not None:
+            raise refused
         call = call or _ThreadRead()
         started = anyio.current_time()
         self._reading.begin(meta.key, call)
@@ -733,6 +725,30 @@ class DiskStore(StorageTier):
                 f"codec={self.codec!r}, capacity_bytes={self.capacity_bytes})")
 
 
+def _read_file_to(path: Path, fingerprint: Fingerprint, meta: ChunkMeta,
+                  copy: ChunkCopy) -> int | OSError | _NotAFile | None:
+    """The chunk in the file at ``path`` read, verified and decoded straight into ``copy``'s
+    runs (:func:`~musacache.codec.read_chunk_to`): its size, or what
+    :meth:`DiskStore._with_file` returns for no file or a fault."""
+    def to(fd: int, size: int) -> int:
+        read_chunk_to(fingerprint, fd, size, copy, expect=meta)
+        return size
+
+    return DiskStore._with_file(path, to)
+
+
+def _refusal(store: DiskStore, path: Path) -> TierError | None:
+    """The error (counted) of a read of ``path`` refused because every thread the store may
+    use is stuck in the file system (starting another one would only leak it too), or None
+    when a read may start."""
+    if store._stuck < store.max_concurrency:
+        return None
+    store._c["read_faults"] += 1
+    store._c["reads_refused"] += 1
+    return TierError(f"disk tier {store.name!r}: {store._stuck} reads are stuck in "
+                     f"{store.config.path}; not reading {path.name}")
+
+
 async def _read_batch(store: DiskStore, items: Sequence[tuple[ChunkMeta, ChunkCopy]],
                       fingerprint: Fingerprint) -> list[Any]:
     """:meth:`DiskStore.read_to` for each ``(meta, copy)`` of ``items``, as one batch: up to
@@ -764,11 +780,8 @@ async def _read_batch(store: DiskStore, items: Sequence[tuple[ChunkMeta, ChunkCo
     if not todo:
         return out
     if store._stuck >= store.max_concurrency:
-        store._c["read_faults"] += len(todo)
-        store._c["reads_refused"] += len(todo)
         for i in todo:
-            out[i] = TierError(f"disk tier {store.name!r}: {store._stuck} reads are stuck in "
-                               f"{store.config.path}; not reading {paths[i].name}")
+            out[i] = _refusal(store, paths[i])
         return out
     count = min(len(todo), store.max_concurrency - store._stuck)
     lanes = _Lanes(todo, n, count)
@@ -776,15 +789,6 @@ async def _read_batch(store: DiskStore, items: Sequence[tuple[ChunkMeta, ChunkCo
     for i in todo:
         store._reading.begin(items[i][0].key, calls[i])
     timeout = store.timeout
-
-    def read(i: int) -> Any:
-        meta, copy = items[i]
-
-        def to(fd: int, size: int) -> int:
-            read_chunk_to(fingerprint, fd, size, copy, expect=meta)
-            return size
-
-        return DiskStore._with_file(paths[i], to)
 
     def lane(k: int) -> bool:
         # One slice of a lane's reads: it gives its thread slot back after _LANE_SLICE s, so
@@ -801,8 +805,9 @@ async def _read_batch(store: DiskStore, items: Sequence[tuple[ChunkMeta, ChunkCo
                 calls[i].started = True
                 lanes.began[i] = time.monotonic()
                 lanes.current[k] = i
+            got: Any
             try:
-                got = read(i)
+                got = _read_file_to(paths[i], fingerprint, *items[i])
             except Exception as exc:  # the codec's: a corrupt or foreign object
                 got = _Raised(exc)
             with store._tlock:
