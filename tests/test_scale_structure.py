@@ -268,16 +268,18 @@ def test_bench_scale_runs_small_and_prints_every_goal(capsys, tmp_path):
 def test_bench_gaps_split_at_a_moment():
     """The restart row counts only the gaps that began once the tier's start returned (the
     cache's work); what the tier did before that is read out apart."""
-    from musacache.bench.scale import _Gaps
+    from musacache.bench.scale import _Gaps, _Within
 
     g = _Gaps()
-    g.gaps[:] = [(1.0, 0.030, 0.001, 0.029), (5.0, 0.004, 0.003, 0.003),
-                 (6.0, 0.008, 0.007, 0.008)]
+    g.gaps[:] = [(1.0, 0.030, _Within(0.001, 0.029, 2)), (5.0, 0.004, _Within(0.003, 0.003)),
+                 (6.0, 0.008, _Within(0.007, 0.008, 0, 0.0005, 0.01))]
     g.pauses[:] = [(1.0, 0.020, 0.020), (6.5, 0.002, 0.002)]
     after, before = g.within(5.0), g.within(-math.inf, 5.0)
-    assert (after.max, after.cpu_at_max, after.proc_cpu_at_max) == (0.008, 0.007, 0.008)
+    assert after.max == 0.008
+    assert after.at_max == _Within(0.007, 0.008, 0, 0.0005, 0.01)
     assert (after.gc_max, after.gc_cpu_max) == (0.002, 0.002)
-    assert (before.max, before.proc_cpu_at_max, before.gc_max) == (0.030, 0.029, 0.020)
+    assert (before.max, before.at_max.proc, before.at_max.majflt, before.gc_max) == (
+        0.030, 0.029, 2, 0.020)
     assert g.within(7.0).max == 0.0
 
 

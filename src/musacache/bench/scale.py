@@ -24,12 +24,13 @@ import gc
 import json
 import math
 import os
+import resource
 import statistics
 import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -56,26 +57,66 @@ def _tiny_cache(chunks: int, **kw: Any) -> Cache:
                              tiers=(HostTier(capacity_bytes=TINY.nbytes(CH) * chunks),), **kw))
 
 
+class _Within(NamedTuple):
+    """What else the clocks counted within one gap of the loop."""
+
+    cpu: float = 0.0        # the loop thread's CPU time: its own work
+    proc: float = 0.0       # the whole process's (worker threads too, which may hold the GIL)
+    majflt: int = 0         # the process's major page faults: pages read back from disk
+    run_delay: float = 0.0  # the loop thread's wait for a core while runnable
+    steal: float = 0.0      # the machine's stolen time, summed over its cores (10 ms ticks)
+
+    def since(self, before: _Within) -> _Within:
+        return _Within(self.cpu - before.cpu, self.proc - before.proc,
+                       self.majflt - before.majflt, self.run_delay - before.run_delay,
+                       self.steal - before.steal)
+
+
+def _read_ns(path: str, field: int) -> float:
+    try:
+        with open(path, "rb") as f:
+            return int(f.read().split()[field]) / 1e9
+    except (OSError, IndexError, ValueError):  # not Linux, or no schedstat: counted as 0
+        return 0.0
+
+
+def _steal() -> float:
+    try:
+        with open("/proc/stat", "rb") as f:
+            return int(f.readline().split()[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def _clocks() -> _Within:
+    """Now, on every clock a gap is attributed by (``_Within``'s fields, cumulative)."""
+    return _Within(time.thread_time(), time.process_time(),
+                   resource.getrusage(resource.RUSAGE_SELF).ru_majflt,
+                   _read_ns("/proc/thread-self/schedstat", 1), _steal())
+
+
 class _Gaps:
     """The loop's largest gap while it runs (a heartbeat every millisecond), and the longest
     pause of Python's cyclic garbage collector meanwhile (a full collection walks every
     tracked object of the process: with a million entries, that alone is a long gap).
 
-    Each is also taken in CPU time: the loop thread's during the largest gap, and the
-    collecting thread's during the longest pause. On a shared machine a gap also holds the
-    time the loop's thread waited for a core while other processes ran: the loop thread's
-    CPU time is the part that was its own work, and the process's (worker threads included)
-    more than that means a worker thread ran meanwhile (and may have held the GIL)."""
+    A gap is attributed (``_Within``): the loop thread's CPU time is the part that was its
+    own work. On a shared machine the rest is the loop's wait for a core while other work
+    ran (its ``run_delay``), time the hypervisor took from the machine's cores (``steal``),
+    a worker thread that held the GIL meanwhile (the process's CPU beyond the loop's), or a
+    wait off the CPU, such as a page the kernel had dropped and reads back from disk
+    (``majflt``; this machine's kernel runs a reclaim daemon that pages out what was idle
+    for a minute, code included). The GC pause is taken in the collecting thread's CPU too.
+    """
 
     def __init__(self) -> None:
         self.max = 0.0
-        self.cpu_at_max = 0.0  # the loop thread's CPU time within the largest gap
-        self.proc_cpu_at_max = 0.0  # the whole process's (its worker threads too)
+        self.at_max = _Within()
         self.gc_max = 0.0
         self.gc_cpu_max = 0.0
         # Every gap and GC pause with the time it began, so that the part of the watch that
         # came after a given moment can be read out (``within``).
-        self.gaps: list[tuple[float, float, float, float]] = []  # start, length, cpu, proc
+        self.gaps: list[tuple[float, float, _Within]] = []  # start, length, attribution
         self.pauses: list[tuple[float, float, float]] = []  # start, length, cpu
         self._gc_t0 = 0.0
         self._gc_c0 = 0.0
@@ -96,9 +137,9 @@ class _Gaps:
     def within(self, lo: float, hi: float = math.inf) -> _Gaps:
         """The same figures for the gaps and GC pauses that began in ``[lo, hi)``."""
         part = _Gaps()
-        for start, length, cpu, proc in self.gaps:
+        for start, length, at in self.gaps:
             if lo <= start < hi and length > part.max:
-                part.max, part.cpu_at_max, part.proc_cpu_at_max = length, cpu, proc
+                part.max, part.at_max = length, at
         for start, length, cpu in self.pauses:
             if lo <= start < hi:
                 part.gc_max = max(part.gc_max, length)
@@ -108,20 +149,22 @@ class _Gaps:
     async def __aenter__(self) -> _Gaps:
         gc.callbacks.append(self._on_gc)
         async def beat() -> None:
-            last, last_cpu, last_proc = time.perf_counter(), time.thread_time(), time.process_time()
+            last, last_c = time.perf_counter(), _clocks()
             while not self._stop:
                 await asyncio.sleep(0.001)
-                now, cpu, proc = time.perf_counter(), time.thread_time(), time.process_time()
-                if now - last > 0.002:
-                    self.gaps.append((last, now - last, cpu - last_cpu, proc - last_proc))
-                if now - last > self.max:
-                    self.max, self.cpu_at_max = now - last, cpu - last_cpu
-                    self.proc_cpu_at_max = proc - last_proc
-                last, last_cpu, last_proc = now, cpu, proc
+                now, c = time.perf_counter(), _clocks()
+                if now - last > 0.002 or now - last > self.max:
+                    at = c.since(last_c)
+                    if now - last > 0.002:
+                        self.gaps.append((last, now - last, at))
+                    if now - last > self.max:
+                        self.max, self.at_max = now - last, at
+                last, last_c = now, c
 
         self._task = asyncio.create_task(beat())
         await asyncio.sleep(0.005)
-        self.max = self.cpu_at_max = self.proc_cpu_at_max = self.gc_max = self.gc_cpu_max = 0.0
+        self.max = self.gc_max = self.gc_cpu_max = 0.0
+        self.at_max = _Within()
         self.gaps.clear()
         self.pauses.clear()
         return self
@@ -476,8 +519,11 @@ async def stalls(entries: int, siblings_n: int, listing_n: int) -> dict[str, Any
         if len(cache._engine.dir) != listing_n:
             raise RuntimeError("bench: the listing was not learned whole")
         await cache.aclose()
-    return {k: {"gap_ms": g.max * 1e3, "gap_cpu_ms": g.cpu_at_max * 1e3,
-                "gap_process_cpu_ms": g.proc_cpu_at_max * 1e3,
+    return {k: {"gap_ms": g.max * 1e3, "gap_cpu_ms": g.at_max.cpu * 1e3,
+                "gap_process_cpu_ms": g.at_max.proc * 1e3,
+                "gap_major_faults": g.at_max.majflt,
+                "gap_run_delay_ms": g.at_max.run_delay * 1e3,
+                "gap_steal_ms": g.at_max.steal * 1e3,
                 "gc_ms": g.gc_max * 1e3, "gc_cpu_ms": g.gc_cpu_max * 1e3}
             for k, g in out.items()}
 
@@ -867,17 +913,20 @@ def report(res: dict[str, Any]) -> None:
                   f"{r['ratio_median']:12.2f} | {r['cpu_ratio_min']:.2f}")
     st = res.get("stalls")
     if st:
-        print("\nlargest event-loop gap during directory work (goal < 10 ms each; the CPU time"
-              " of the loop thread and of the whole process within it, and the longest GC"
-              " pause, wall and CPU, alongside)")
+        print("\nlargest event-loop gap during directory work (goal < 10 ms each). Within it:"
+              " the loop thread's CPU (its own work), the whole process's CPU (worker"
+              " threads, which may hold the GIL), the loop's wait for a core while runnable,"
+              " the machine's stolen time (all cores, 10 ms ticks), major page faults, and"
+              " the longest GC pause (wall / CPU)")
         for k, v in st.items():
             # A row in parentheses is not directory work (no goal): printed for the record.
             versus = ("  (not the cache's: no goal)" if k.lstrip().startswith("(")
                       else f"   ratio to goal {v['gap_ms'] / 10:5.2f}")
             print(f"  {k:<40} {v['gap_ms']:7.2f} ms{versus}"
-                  f"   (CPU: loop {v['gap_cpu_ms']:.2f} ms, process "
-                  f"{v['gap_process_cpu_ms']:.2f} ms; GC pause {v['gc_ms']:.2f} ms, CPU "
-                  f"{v['gc_cpu_ms']:.2f} ms)")
+                  f"   (loop CPU {v['gap_cpu_ms']:.2f} ms, process {v['gap_process_cpu_ms']:.2f}"
+                  f" ms; waiting for a core {v['gap_run_delay_ms']:.2f} ms; stolen"
+                  f" {v['gap_steal_ms']:.0f} ms; {v['gap_major_faults']} major faults;"
+                  f" GC {v['gc_ms']:.2f} / {v['gc_cpu_ms']:.2f} ms)")
     so = res.get("small_ops")
     if so:
         cpu = so["cpu"]
