@@ -111,6 +111,22 @@ def test_toml_and_env_read_the_same_settings(tmp_path):
     assert over.chunk_size == 64 and over.namespace == "llama-tiny"
 
 
+def test_from_env_passes_over_the_tooling_variables():
+    """The suite's own ``MUSACACHE_VLLM_PYTHON`` and the native module's thread count are
+    not settings: a shell that exports them still builds a config from its environment, and
+    a misspelt setting is still refused."""
+    from musacache._config import ENV_RESERVED
+
+    env = {"MUSACACHE_NAMESPACE": "m", "MUSACACHE_SPEC__NUM_LAYERS": "1",
+           "MUSACACHE_SPEC__NUM_KV_HEADS": "1", "MUSACACHE_SPEC__HEAD_DIM": "8",
+           "MUSACACHE_TIERS__0__KIND": "host", "MUSACACHE_TIERS__0__CAPACITY": "1MiB"}
+    tooling = {f"MUSACACHE_{n}": "/x/bin/python" for n in ENV_RESERVED}
+    assert {"MUSACACHE_VLLM_PYTHON", "MUSACACHE_NATIVE_THREADS"} <= set(tooling)
+    assert mc.CacheConfig.from_env({**env, **tooling}) == mc.CacheConfig.from_env(env)
+    with pytest.raises(mc.ConfigError, match="unknown setting"):
+        mc.CacheConfig.from_env({**env, **tooling, "MUSACACHE_VLLM_PYTHN": "x"})
+
+
 @pytest.mark.parametrize("patch,match", [
     ({"MUSACACHE_TIERS__0__CAPACITY": "-1"}, "negative"),
     ({"MUSACACHE_TIERS__0__KIND": "floppy"}, "kind"),

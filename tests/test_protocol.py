@@ -286,6 +286,18 @@ def test_every_error_type_roundtrips(name: str) -> None:
     assert type(back) is cls and str(back) == f"{name} happened"
 
 
+def test_every_exported_error_travels_as_itself() -> None:
+    """Each error class ``musacache`` exports is in the wire's table, so a client gets that
+    class back, not its nearest base (a ``TierTimeoutError`` must not arrive as a bare
+    ``TierError``)."""
+    import musacache
+
+    exported = {n for n in musacache.__all__
+                if isinstance(getattr(musacache, n), type)
+                and issubclass(getattr(musacache, n), MusaCacheError)}
+    assert exported and exported <= set(_errors.__all__), exported - set(_errors.__all__)
+
+
 def test_foreign_unknown_and_subclassed_errors() -> None:
     foreign = error_to_wire(KeyError("k"))
     assert foreign["type"] == "MusaCacheError" and "KeyError" in foreign["message"]

@@ -257,7 +257,10 @@ class CacheConfig:
     def from_env(cls, environ: Mapping[str, str] | None = None,
                  prefix: str = "MUSACACHE_") -> CacheConfig:
         """Read ``MUSACACHE_*`` variables; ``MUSACACHE_CONFIG`` names a TOML file to start from,
-        which the other variables then override."""
+        which the other variables then override. The variables of musacache's own tooling
+        (``ENV_RESERVED``: the engines' test interpreters, the native module's thread count)
+        are not settings and are passed over, so a shell that exports them can still build a
+        config from its environment."""
         import tomllib
 
         env = os.environ if environ is None else environ
@@ -271,7 +274,8 @@ class CacheConfig:
             if isinstance(data.get("tiers"), list):
                 data["tiers"] = {str(i): t for i, t in enumerate(data["tiers"])}
         for name, raw in env.items():
-            if not name.startswith(prefix) or name == prefix + "CONFIG":
+            if not name.startswith(prefix) or name == prefix + "CONFIG" \
+                    or name[len(prefix):] in ENV_RESERVED:
                 continue
             path = [p.lower() for p in name[len(prefix):].split("__")]
             node = data
@@ -282,6 +286,13 @@ class CacheConfig:
             node[path[-1]] = _env_value(raw, path[-1])
         return cls.from_dict(data)
 
+
+#: ``MUSACACHE_*`` variables that are not settings: read by the native module
+#: (``NATIVE_THREADS``), the test suite and CI (the serving engines' venvs and interpreters),
+#: and the noxfile (``TORCH``). ``CacheConfig.from_env`` passes over them.
+ENV_RESERVED = frozenset({
+    "NATIVE_THREADS", "VLLM_PYTHON", "SGLANG_PYTHON", "VLLM_VENV", "SGLANG_VENV", "TORCH",
+})
 
 #: Settings whose values are names: an environment value of "2024" stays the string "2024".
 _NAME_SETTINGS = frozenset({

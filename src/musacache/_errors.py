@@ -20,6 +20,7 @@ __all__ = [
     "LayoutError",
     "CacheClosedError",
     "TierError",
+    "TierTimeoutError",
     "CorruptChunkError",
     "ForeignFormatError",
     "FingerprintMismatchError",
@@ -113,8 +114,10 @@ class ForeignFormatError(CorruptChunkError):
 class FingerprintMismatchError(MusaCacheError):
     """A stored chunk was written for another namespace, ``KVSpec``, chunk size or format version.
 
-    This fails fast instead of silently missing: the message names both sides so a deployment
-    with mismatched settings is found at once.
+    The message names both sides. The codec raises it; a cache's reads count it as a
+    ``foreign`` miss, with a warning, so a mismatched deployment is seen in its stats and log
+    without a request failing. The node server raises it to a client that names another
+    cache when ``max_caches`` is 1.
     """
 
 
