@@ -134,6 +134,42 @@ async def test_closing_a_large_cache_frees_its_directory_a_batch_per_step():
     assert 0 < freed[0] <= 2 * BATCH, freed[0]
 
 
+async def test_closing_after_a_clear_frees_no_object_per_released_slot_in_one_step():
+    """A pool's released slot numbers are kept in one flat buffer. They were a list of int
+    objects: after a clear of a million chunks, the close dropped it in one step (36 to
+    88 ms of loop). Counted by the interpreter's allocated blocks, not timed: no step of the
+    close frees more than a few batches' worth of objects."""
+    import sys
+
+    n = 20_480
+    c = mc.Cache(_cfg(n + 64))
+    await c.open()
+    kv = torch.zeros(TINY.shape(64 * CH), dtype=TINY.dtype)
+    for p in np.random.default_rng(4).integers(0, 128000, (n // 64, 64 * CH)):
+        await c.put(p.astype(np.int32), kv)
+    await c.clear()
+    assert c._engine.mem[0].pool.free_slots >= n  # every slot released
+    freed = [0]
+    running = True
+
+    async def watch() -> None:
+        before = sys.getallocatedblocks()
+        while running:
+            await asyncio.sleep(0)
+            now = sys.getallocatedblocks()
+            freed[0] = max(freed[0], before - now)
+            before = now
+
+    task = asyncio.create_task(watch())
+    await asyncio.sleep(0)
+    try:
+        await c.aclose()
+    finally:
+        running = False
+        await task
+    assert freed[0] < n // 4, freed[0]
+
+
 def _live_entries() -> int:
     return sum(1 for o in gc.get_objects() if type(o) is Entry)
 
