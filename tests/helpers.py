@@ -68,6 +68,42 @@ def host_config(spec: mc.KVSpec, chunks: int = 64, chunk_size: int = 16, **kw: o
                           tiers=tiers, chunk_size=chunk_size, **kw)  # type: ignore[arg-type]
 
 
+async def on_every_turn(op: Callable[[], Awaitable[object]], turn: Callable[[], None]) -> None:
+    """Run ``op`` while a task that yields at every turn of the loop calls ``turn()`` once
+    before the first turn and after each."""
+    running = True
+
+    async def turns() -> None:
+        turn()
+        while running:
+            await asyncio.sleep(0)
+            turn()
+
+    task = asyncio.create_task(turns())
+    await asyncio.sleep(0)
+    try:
+        await op()
+    finally:
+        running = False
+        await task
+
+
+async def most_per_turn(op: Callable[[], Awaitable[object]], reading: Callable[[], int]) -> int:
+    """The most ``reading()`` fell across one turn of the loop while ``op`` ran."""
+    last: list[int] = []
+    most = 0
+
+    def turn() -> None:
+        nonlocal most
+        now = reading()
+        if last:
+            most = max(most, last[0] - now)
+        last[:] = [now]
+
+    await on_every_turn(op, turn)
+    return most
+
+
 class StepMemory:
     """The most memory one turn of the loop allocated beyond what it started with, and the
     most it freed, while ``op`` runs (a task that yields at every turn measures each)."""
@@ -78,28 +114,20 @@ class StepMemory:
         self.turns = 0
 
     async def measure(self, op: Callable[[], Awaitable[object]]) -> None:
-        running = True
+        start: list[int] = []
 
-        async def turns() -> None:
-            start = tracemalloc.get_traced_memory()[0]
-            while running:
-                tracemalloc.reset_peak()
-                await asyncio.sleep(0)
-                cur, peak = tracemalloc.get_traced_memory()
-                self.grew = max(self.grew, peak - start)
-                self.shrank = max(self.shrank, start - cur)
+        def turn() -> None:
+            cur, peak = tracemalloc.get_traced_memory()
+            if start:
+                self.grew = max(self.grew, peak - start[0])
+                self.shrank = max(self.shrank, start[0] - cur)
                 self.turns += 1
-                start = cur
+            start[:] = [cur]
+            tracemalloc.reset_peak()
 
         tracemalloc.start()
         try:
-            task = asyncio.create_task(turns())
-            await asyncio.sleep(0)
-            try:
-                await op()
-            finally:
-                running = False
-                await task
+            await on_every_turn(op, turn)
         finally:
             tracemalloc.stop()
 

@@ -5,7 +5,6 @@ and the thread that frees the memory pool. Speed is shown by
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import threading
 import weakref
@@ -17,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import musacache as mc
-from helpers import StepMemory
+from helpers import StepMemory, most_per_turn
 from musacache._core import BATCH
 from musacache._directory import Entry
 from musacache._listing import ListingBuilder
@@ -105,23 +104,8 @@ async def test_persisting_on_close_looks_at_a_batch_of_entries_per_step(monkeypa
         return in_memory.fget(e)  # type: ignore[attr-defined, no-any-return]
 
     monkeypatch.setattr(Entry, "in_memory", property(counted))
-    most = 0
-    running = True
-
-    async def turns() -> None:
-        nonlocal most
-        while running:
-            looked[0] = 0
-            await asyncio.sleep(0)
-            most = max(most, looked[0])
-
-    task = asyncio.create_task(turns())
-    await asyncio.sleep(0)
-    try:
-        await c.aclose()
-    finally:
-        running = False
-        await task
+    # A count that only rises: its largest rise in a turn is the most one turn looked at.
+    most = await most_per_turn(c.aclose, lambda: -looked[0])
     close = (await c.stats())["close"]
     assert close["to_persist"] == close["persisted"] == n
     assert 0 < most <= BATCH, most

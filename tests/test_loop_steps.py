@@ -5,7 +5,6 @@ Speed itself is shown by ``musacache bench scale --only stalls``."""
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import random
 
@@ -14,7 +13,7 @@ import pytest
 import torch
 
 import musacache as mc
-from helpers import StepMemory
+from helpers import StepMemory, most_per_turn
 from musacache import _gcfreeze
 from musacache._core import BATCH
 from musacache._directory import Entry, KeyTable
@@ -110,28 +109,11 @@ async def test_closing_a_large_cache_frees_its_directory_a_batch_per_step():
     for p in np.random.default_rng(3).integers(0, 128000, (n // 64, 64 * CH)):
         await c.put(p.astype(np.int32), kv)
     assert len(c._engine.dir) == n
-    freed = [0]
-    running = True
-
-    async def watch() -> None:
-        before = _live_entries()
-        while running:
-            await asyncio.sleep(0)
-            now = _live_entries()
-            freed[0] = max(freed[0], before - now)
-            before = now
-
-    task = asyncio.create_task(watch())
-    await asyncio.sleep(0)
-    try:
-        await c.aclose()
-    finally:
-        running = False
-        await task
+    freed = await most_per_turn(c.aclose, _live_entries)
     assert len(c._engine.dir) == 0
     # A batch frees its own entries, and children popped in an earlier batch that only
     # their parent (in this batch) still held: at most two per entry of the batch.
-    assert 0 < freed[0] <= 2 * BATCH, freed[0]
+    assert 0 < freed <= 2 * BATCH, freed
 
 
 async def test_closing_after_a_clear_frees_no_object_per_released_slot_in_one_step():
@@ -149,25 +131,8 @@ async def test_closing_after_a_clear_frees_no_object_per_released_slot_in_one_st
         await c.put(p.astype(np.int32), kv)
     await c.clear()
     assert c._engine.mem[0].pool.free_slots >= n  # every slot released
-    freed = [0]
-    running = True
-
-    async def watch() -> None:
-        before = sys.getallocatedblocks()
-        while running:
-            await asyncio.sleep(0)
-            now = sys.getallocatedblocks()
-            freed[0] = max(freed[0], before - now)
-            before = now
-
-    task = asyncio.create_task(watch())
-    await asyncio.sleep(0)
-    try:
-        await c.aclose()
-    finally:
-        running = False
-        await task
-    assert freed[0] < n // 4, freed[0]
+    freed = await most_per_turn(c.aclose, sys.getallocatedblocks)
+    assert freed < n // 4, freed
 
 
 def _live_entries() -> int:
