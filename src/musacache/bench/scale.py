@@ -476,7 +476,9 @@ async def stalls(entries: int, siblings_n: int, listing_n: int) -> dict[str, Any
             await c.put(b, kv)  # evicts all of a
         out[f"evicting put ({big} chunks)"] = g
     grow = entries // 4  # a full collection fires when long-lived objects grew by 25%
-    async with _tiny_cache(entries + grow + 128) as c:
+    c = _tiny_cache(entries + grow + 128)
+    await c.open()
+    try:
         kv64 = torch.zeros(TINY.shape(64 * CH), dtype=TINY.dtype)
         for p in _prompts(rng, max(1, entries // 64), 64):
             await c.put(p, kv64)
@@ -489,6 +491,11 @@ async def stalls(entries: int, siblings_n: int, listing_n: int) -> dict[str, Any
         async with _Gaps() as g:
             await c.clear()
         out[f"clear ({n} chunks)"] = g
+    finally:
+        # Every slot of the pool was released by the clear: closing lets go of them all.
+        async with _Gaps() as g:
+            await c.aclose()
+    out["aclose after that clear"] = g
     # Closing with persist_on_close (the default) and a storage tier: finding what to write
     # walks the directory, then the writes run until close_timeout.
     persist = Cache(CacheConfig(TINY, "bench-scale", chunk_size=CH, close_timeout=3.0,
