@@ -153,12 +153,11 @@ class _Gaps:
             while not self._stop:
                 await asyncio.sleep(0.001)
                 now, c = time.perf_counter(), _clocks()
-                if now - last > 0.002 or now - last > self.max:
-                    at = c.since(last_c)
-                    if now - last > 0.002:
-                        self.gaps.append((last, now - last, at))
-                    if now - last > self.max:
-                        self.max, self.at_max = now - last, at
+                gap, at = now - last, c.since(last_c)
+                if gap > 0.002:
+                    self.gaps.append((last, gap, at))
+                if gap > self.max:
+                    self.max, self.at_max = gap, at
                 last, last_c = now, c
 
         self._task = asyncio.create_task(beat())
