@@ -116,7 +116,7 @@ class ColdPath:
                 # Read, verify and decode in the tier's one worker-thread call, straight into
                 # the destination (a raw payload needs no buffer in between).
                 dst = out if out is not None else torch.empty(
-                    eng.spec.shape(e.num_tokens), dtype=eng.spec.dtype)
+                    eng.spec.shape(e.num_tokens), dtype=eng.spec.dtype, device="cpu")
                 if tee is None:
                     def read_into() -> Awaitable[int | None]:
                         return t.store.read_into(meta, eng.fingerprint, dst)

@@ -242,7 +242,7 @@ class Engine(Reads):
     async def host_copy(self, data: torch.Tensor) -> torch.Tensor:
         if data.device.type == "cpu":
             return data
-        host = torch.empty(data.shape, dtype=data.dtype)
+        host = torch.empty(data.shape, dtype=data.dtype, device="cpu")
         await self.mover.copy([(host, data)])
         return host
 

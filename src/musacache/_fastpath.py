@@ -42,7 +42,7 @@ from . import _move, _native
 from ._core import Engine
 from ._directory import _TIER_BITS, _TIER_MASK, Entry
 from ._keys import KEY_BYTES, as_tokens
-from ._spec import may_overlap
+from ._spec import may_overlap, storage_short
 from ._tierstate import MemTier
 
 __all__ = ["FastPath"]
@@ -78,6 +78,9 @@ _inference_mode = torch.is_inference_mode_enabled
 _Tensor = torch.Tensor
 _strided = torch.strided
 _empty_strided = torch.empty_strided
+# Named at every allocation: a default device the caller set (torch.set_default_device,
+# ``with torch.device(...)``) must not move the host buffer a memmove writes into.
+_CPU = torch.device("cpu")
 _ndarray = np.ndarray
 
 
@@ -103,6 +106,7 @@ class FastPath:
         self.dtype = spec.dtype
         self.td = spec.token_dim
         self.bpt = spec.bytes_per_token
+        self.isz = spec.itemsize
         # Dense KV is (rows, T, row) with rows = L*2 (L for MLA): one token's row of one layer
         # and one of K/V is row_bytes; a slot holds (rows, n, row) contiguously.
         self.rows = spec.num_layers * (1 if spec.mla else 2)
@@ -249,7 +253,7 @@ class FastPath:
                     # empty_strided with the contiguous strides worked out once per width:
                     # 0.5 µs cheaper than empty_like of a template, 0.7 than torch.empty.
                     shape, stride = self.templates.get(n) or self._template(n)
-                    dst = _empty_strided(shape, stride, dtype=self.dtype)
+                    dst = _empty_strided(shape, stride, dtype=self.dtype, device=_CPU)
                     self._one(e, n, code >> _TIER_BITS, dst.data_ptr(), False, dst, top)
                     return n, dst, {top.name: n}
         found = self._walk(buf, n, top.idx, key0)
@@ -257,7 +261,7 @@ class FastPath:
             return None
         served = found[-1][0] + found[-1][1] if found else 0
         shape, stride = self.templates.get(served) or self._template(served)
-        dst = _empty_strided(shape, stride, dtype=self.dtype)
+        dst = _empty_strided(shape, stride, dtype=self.dtype, device=_CPU)
         if found:
             self._copy(found, dst, served, True, False)
         self._account(found, n, served, top)
@@ -279,8 +283,10 @@ class FastPath:
         # general path decides (and raises the typed error). Each is read at every call: a
         # tensor object can be re-pointed (set_, .data =), resized or made to require grad
         # between two gets, and these reads cost less than remembering them would.
+        # A lazily negated view holds the negation of its values (a memmove would not
+        # negate); a storage shrunk under the tensor would be written past its end.
         if type(out) is not _Tensor or out.layout is not _strided or not out.is_cpu \
-                or out.dtype is not self.dtype or out.requires_grad \
+                or out.dtype is not self.dtype or out.requires_grad or out.is_neg() \
                 or out.shape != (self.shapes.get(n) or self._shape(n)):
             return None
         bump = True  # autograd's record of the write (see _bump_version)
@@ -292,6 +298,8 @@ class FastPath:
             bump = False
         key0 = None
         if out.is_contiguous():
+            if out.storage_offset() * self.isz + n * self.bpt > out.untyped_storage().nbytes():
+                return None
             dense = True
             if n <= self.cs:
                 key0, e = self._whole(buf, n)
@@ -309,7 +317,7 @@ class FastPath:
                 overlap = may_overlap(out)
                 if len(self.overlaps) < _MAX_TEMPLATES:
                     self.overlaps[geometry] = overlap
-            if overlap:
+            if overlap or storage_short(out) is not None:
                 return None
             dense = False
         found = self._walk(buf, n, top.idx, key0)

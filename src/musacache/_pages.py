@@ -64,7 +64,7 @@ def check_pages(pages: Any, count: int, spec: KVSpec, chunk_size: int, what: str
                                 f"{type(pages).__name__}")
     if len(pages) != count:
         raise InvalidInputError(f"{count} keys but {len(pages)} {what}")
-    numel = spec.nbytes(chunk_size) // torch.empty((), dtype=spec.dtype).element_size()
+    numel = spec.nbytes(chunk_size) // spec.dtype.itemsize
     for i, p in enumerate(pages):
         if not isinstance(p, torch.Tensor):
             raise InvalidInputError(f"{what}[{i}] is a {type(p).__name__}, not a tensor")

@@ -32,7 +32,10 @@ __all__ = ["Flight", "Reads"]
 class Flight:
     """A promotion in flight; gets and prefetches of the same chunk join it."""
 
-    def __init__(self) -> None:
+    def __init__(self, entry: Entry) -> None:
+        # The entry it reads, not only its key: a chunk deleted and put again has the same key
+        # and other bytes, and a get of the new one must never join the old one's read.
+        self.entry = entry
         self.done = anyio.Event()
         self.tensor: torch.Tensor | None = None
         self.source = ""
@@ -204,14 +207,16 @@ class Reads:
         the tier it came from unless ``counts_hit`` is False)."""
         top = self.tiers[0]
         if isinstance(top, MemTier) and top.holds(e):
-            f = Flight()
+            f = Flight(e)
             f.tensor, f.source = self.view(top, e), top.name
             f.done.set()
             return f
         joined = self.flights.get(e.key)
-        if joined is not None:
+        if joined is not None and joined.entry is e:
             return joined
-        f = Flight()
+        # (A flight of a deleted entry under the same key runs on for its own readers; this
+        # one takes the key's place.)
+        f = Flight(e)
         f.tee = tee
         f.counts_hit = counts_hit
         self.flights[e.key] = f
@@ -244,7 +249,8 @@ class Reads:
             f.tensor = None
         finally:
             self.inflight["promotions"] -= 1
-            self.flights.pop(e.key, None)
+            if self.flights.get(e.key) is f:  # not a newer entry's flight under the key
+                del self.flights[e.key]
             f.done.set()
             self.unpin(e)
 

@@ -11,7 +11,7 @@ import torch
 from ._errors import ConfigError, DeviceError, DTypeError, InvalidInputError, ShapeError
 from ._validate import boolean, positive_int
 
-__all__ = ["KVSpec", "dtype_from_name", "dtype_name", "may_overlap"]
+__all__ = ["KVSpec", "dtype_from_name", "dtype_name", "may_overlap", "storage_short"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -129,6 +129,11 @@ class KVSpec:
         if kv.dtype != self.dtype:
             raise DTypeError(f"{what} has dtype {dtype_name(kv.dtype)}, the spec says "
                              f"{dtype_name(self.dtype)}")
+        if kv.is_neg():
+            raise InvalidInputError(
+                f"{what} is a lazily negated view (torch._neg_view): its memory holds the "
+                f"negation of its values, and the cache moves memory. Pass "
+                f"{what}.resolve_neg()")
         want = self.shape(-1)
         if kv.dim() != len(want) or any(w != -1 and w != g for w, g in zip(want, kv.shape)):
             pretty = "(L, T, D)" if self.mla else "(L, 2, T, H, D)"
@@ -136,6 +141,12 @@ class KVSpec:
                 f"{what} has shape {tuple(kv.shape)}; the spec wants {pretty} = "
                 f"{tuple('T' if w == -1 else w for w in want)}"
             )
+        end = storage_short(kv)
+        if end is not None:
+            raise InvalidInputError(
+                f"{what}'s storage holds {kv.untyped_storage().nbytes()} bytes but its elements "
+                f"reach byte {end}: its storage was resized or freed under it (as FSDP frees "
+                "parameters), so the cache can neither read nor write it")
         return int(kv.shape[self.token_dim])
 
     def check_out(self, out: torch.Tensor, *, what: str = "out") -> int:
@@ -181,6 +192,17 @@ class KVSpec:
             raise ConfigError(f"KVSpec.dtype must be a dtype name, got {dtype!r}")
         return cls(d["num_layers"], d["num_kv_heads"], d["head_dim"], dtype_from_name(dtype),
                    d.get("mla", False))
+
+
+def storage_short(t: torch.Tensor) -> int | None:
+    """The byte past ``t``'s last element if its storage does not reach it (a storage
+    resized or freed under the tensor, as FSDP frees parameters), else None. Native code
+    reads and writes through the address alone: it would go past the allocation."""
+    if t.numel() == 0:
+        return None
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    end = int((t.storage_offset() + last + 1) * t.element_size())
+    return end if end > t.untyped_storage().nbytes() else None
 
 
 def may_overlap(t: torch.Tensor) -> bool:

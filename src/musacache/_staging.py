@@ -35,7 +35,7 @@ class StagePool:
                 self._idle_bytes -= flat.numel() * flat.element_size()
                 break
         else:
-            flat = torch.empty(numel, dtype=dtype)
+            flat = torch.empty(numel, dtype=dtype, device="cpu")
         return flat[:numel].view(shape)
 
     def give(self, tensors: list[torch.Tensor]) -> None:

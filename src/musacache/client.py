@@ -513,7 +513,8 @@ class Client:
         td = self.spec.token_dim
         if n == 0:
             empty = out if out is not None else torch.empty(self.spec.shape(0),
-                                                            dtype=self.spec.dtype)
+                                                            dtype=self.spec.dtype,
+                                                            device="cpu")
             return Hit(0, empty.narrow(td, 0, 0), {})
         raw: torch.Tensor | None = None
         if out is not None and (segment is not None or ipc.is_sealed(out)):
@@ -530,7 +531,8 @@ class Client:
             got = int(res["num_tokens"])
             if raw is not None:
                 dst = out if out is not None else torch.empty(self.spec.shape(n),
-                                                              dtype=self.spec.dtype)
+                                                              dtype=self.spec.dtype,
+                                                              device="cpu")
                 dst.narrow(td, 0, got).copy_(target.narrow(td, 0, got))
                 target = dst
             elif out is not None and target is not out:
@@ -581,7 +583,7 @@ class Client:
                                  f"elements (one chunk of {self.spec.describe()})")
         if not wire_keys:
             return 0
-        itemsize = torch.empty((), dtype=self.spec.dtype).element_size()
+        itemsize = self.spec.dtype.itemsize
         raw = self._staging.take(len(pages) * numel * itemsize)
         try:
             staged = raw[:len(pages) * numel * itemsize].view(self.spec.dtype).view(
@@ -612,7 +614,7 @@ class Client:
                                  f"elements (one chunk of {self.spec.describe()})")
         if not wire_keys:
             return []
-        itemsize = torch.empty((), dtype=self.spec.dtype).element_size()
+        itemsize = self.spec.dtype.itemsize
         raw = self._staging.take(len(outs) * numel * itemsize)
         try:
             target = raw[:len(outs) * numel * itemsize].view(self.spec.dtype).view(
@@ -762,7 +764,7 @@ def _find_reg(regs: list[_LocalRegistration], kv_caches: Any, layout: str | None
 def _page_elements(spec: KVSpec, server_info: dict[str, Any], chunk_size: int | None) -> int:
     """Elements of one page (one chunk of ``spec``, the server's chunk size first)."""
     chunk = int(server_info.get("chunk_size") or chunk_size or 0)
-    return spec.nbytes(chunk) // torch.empty((), dtype=spec.dtype).element_size()
+    return spec.nbytes(chunk) // spec.dtype.itemsize
 
 
 def _page_keys(keys: Any) -> list[bytes]:

@@ -609,7 +609,7 @@ def decode_chunk(fp: Fingerprint, obj: bytes | bytearray | memoryview, *,
         _check_out(out, fp, hdr.num_tokens)
         dst = out
     else:
-        dst = torch.empty(spec.shape(hdr.num_tokens), dtype=spec.dtype)
+        dst = torch.empty(spec.shape(hdr.num_tokens), dtype=spec.dtype, device="cpu")
     dst_bytes = _as_bytes(dst)
     if hdr.codec_id == _ID_TAGGED:
         # Every block is verified and decoded before the native call writes dst at all.
@@ -744,7 +744,7 @@ def read_chunk_to(fp: Fingerprint, fd: int, size: int, copy: ChunkCopy, *,
                                 f"{hdr.raw_len} ({hdr.num_tokens} tokens)")
     if hdr.codec_id not in (_ID_TAGGED, _ID_RAW):
         # An older format version: decode into a chunk tensor, then copy (rare: no fast path).
-        tmp = torch.empty(fp.spec.shape(hdr.num_tokens), dtype=fp.spec.dtype)
+        tmp = torch.empty(fp.spec.shape(hdr.num_tokens), dtype=fp.spec.dtype, device="cpu")
         read_chunk_into(fp, fd, size, tmp, expect=expect)
         copy.copy(_as_bytes(tmp), 0)
         return hdr.meta(stored_bytes=size)

@@ -271,12 +271,12 @@ def alloc_host(nbytes: int, *, pinned: bool) -> torch.Tensor:
     which is how torch_musa exposes it.
     """
     if not pinned:
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return torch.empty(nbytes, dtype=torch.uint8, device="cpu")
     if available("cuda"):
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
     mod = accelerator_module("musa")
     if mod is not None and available("musa"):
-        buf = torch.empty(nbytes, dtype=torch.uint8)
+        buf = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
         rt = mod.musart()
         # flags=0: portable default; the registration lives as long as the tensor.
         status = rt.musaHostRegister(buf.data_ptr(), nbytes, 0)

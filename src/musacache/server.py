@@ -422,7 +422,7 @@ class _DataOps:
         _cache_of(peer)
         if peer.staged is None or peer.staged.numel() != msg.total:
             peer.staged = None  # let go of the old buffer before the new one is allocated
-            peer.staged = torch.empty(msg.total, dtype=torch.uint8)
+            peer.staged = torch.empty(msg.total, dtype=torch.uint8, device="cpu")
         staged, offset, data = peer.staged, msg.offset, msg.data
         if data:
             src = np.frombuffer(data, dtype=np.uint8)

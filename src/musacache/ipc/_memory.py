@@ -186,7 +186,7 @@ def _dtype_from_wire(name: str) -> torch.dtype:
 
 def _itemsize(dtype: torch.dtype) -> int:
     try:
-        return torch.empty((), dtype=dtype).element_size()
+        return dtype.itemsize
     except RuntimeError as exc:
         raise ProtocolError(f"dtype {dtype} cannot be shared: {exc}") from exc
 
@@ -273,10 +273,10 @@ def empty_shared(shape: Sequence[int], dtype: torch.dtype = torch.float32) -> to
     dims = tuple(int(s) for s in shape)
     if any(s < 0 for s in dims):
         raise ShapeError(f"empty_shared got a negative dimension in {dims}")
-    nbytes = math.prod(dims) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(dims) * dtype.itemsize
     if nbytes == 0:
         # 0 bytes cannot be mapped; an empty storage needs no fd to be shared either.
-        return torch.empty(dims, dtype=dtype)
+        return torch.empty(dims, dtype=dtype, device="cpu")
     try:
         fd = os.memfd_create(_MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except OSError as exc:
@@ -295,7 +295,7 @@ def empty_shared(shape: Sequence[int], dtype: torch.dtype = torch.float32) -> to
     # hand a dead fd to a share() made by another atexit hook.
     weakref.finalize(segment, _forget_segment, address, fd).atexit = False
     storage = torch.frombuffer(segment, dtype=torch.uint8).untyped_storage()
-    out = torch.empty((), dtype=dtype)
+    out = torch.empty((), dtype=dtype, device="cpu")
     out.set_(storage, 0, dims, _contiguous_stride(dims))
     return out
 
