@@ -352,6 +352,135 @@ async def test_requests_and_fds_per_peer_are_bounded(tmp_path):
         await serving
 
 
+async def test_a_peer_that_never_reads_its_replies_cannot_grow_the_server(tmp_path):
+    """A request counts as in flight until its reply is sent. It stopped counting once its
+    reply was made, so a peer that sent requests and never read the replies had every one
+    admitted, each reply held by a task behind the full socket: the server grew by 12 MiB/s
+    under 40 such peers (found by a probe). Now the stuck replies fill the peer's quota and
+    the rest are refused."""
+    spec = small_spec()
+    cfg = ServerConfig(str(tmp_path / "n" / "s.sock"), tiers=(mc.HostTier(spec.nbytes(CH) * 8),),
+                       chunk_size=CH, max_requests_per_peer=4)
+    async with Server(cfg) as srv:
+        serving = asyncio.create_task(srv.serve_forever())
+        peer = await asyncio.to_thread(RawPeer, cfg.socket_path)
+        await asyncio.to_thread(peer.hello, spec)
+        idle = len([t for t in asyncio.all_tasks() if not t.done()])
+        peer.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        peer.sock.setblocking(False)
+        # stats: a reply of kilobytes, so the socket fills after a few dozen of them
+        frames = b"".join(ipc.encode_request(i + 10, "stats", {}) for i in range(400))
+        sent = 0
+        for _ in range(300):  # a few seconds of sending, never reading
+            try:
+                sent += peer.sock.send(frames[sent % len(frames):])
+            except BlockingIOError:
+                pass
+            await asyncio.sleep(0.01)
+        assert srv.counters["limited"] > 0  # the quota refused requests
+        (p,) = srv._peers
+        assert p.in_flight <= cfg.max_requests_per_peer
+        # Each admitted request whose reply is stuck is a task: no more than the quota
+        # (before: one more every refusal, without end).
+        held = len([t for t in asyncio.all_tasks() if not t.done()]) - idle
+        assert held <= cfg.max_requests_per_peer, held
+        peer.close()
+        for _ in range(100):
+            if not srv._peers:
+                break
+            await asyncio.sleep(0.05)
+        assert not srv._peers
+        srv.stop()
+        await serving
+
+
+async def test_a_connection_that_never_says_hello_is_closed(tmp_path):
+    """Silent sockets held every connection slot for as long as they stayed open (found by a
+    probe: 512 of them locked every worker out). One that has not said hello within
+    ``hello_timeout`` is closed; one that has is kept however long it idles."""
+    spec = small_spec()
+    cfg = ServerConfig(str(tmp_path / "h" / "s.sock"), tiers=(mc.HostTier(spec.nbytes(CH) * 8),),
+                       chunk_size=CH, hello_timeout=0.3)
+    async with Server(cfg) as srv:
+        serving = asyncio.create_task(srv.serve_forever())
+        silent = await asyncio.to_thread(RawPeer, cfg.socket_path, 5.0)
+        talker = await asyncio.to_thread(RawPeer, cfg.socket_path, 5.0)
+        await asyncio.to_thread(talker.hello, spec)
+        await asyncio.sleep(0.8)
+        assert await asyncio.to_thread(silent.sock.recv, 1) == b""  # closed by the server
+        assert srv.counters["hello_timeouts"] == 1
+        assert (await asyncio.to_thread(talker.call, "stats", {})).ok  # still served
+        silent.close()
+        talker.close()
+        srv.stop()
+        await serving
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), True, "10"])
+def test_hello_timeout_is_checked(tmp_path, bad):
+    with pytest.raises(mc.ConfigError, match="hello_timeout"):
+        ServerConfig(str(tmp_path / "s.sock"), tiers=(mc.HostTier(1 << 20),), chunk_size=CH,
+                     hello_timeout=bad)
+
+
+def _fill_backlog(path: str) -> list[socket.socket]:
+    """Connects that the kernel queues on a listener that accepts none, until it refuses."""
+    fillers = []
+    for _ in range(4):
+        f = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        f.setblocking(False)
+        try:
+            f.connect(path)
+        except BlockingIOError:
+            f.close()
+            break
+        fillers.append(f)
+    assert fillers
+    return fillers
+
+
+async def test_a_connect_waits_out_a_full_listen_backlog(tmp_path):
+    """On a Unix socket a non-blocking connect into a full backlog fails with EAGAIN and
+    does nothing; the client took it for a connect in progress and handed back a socket
+    that was never connected (found by a probe: 28 of 300 workers starting together failed
+    their hello). It retries until the server accepts, or gives up with a typed error."""
+    from musacache.ipc import _fdpass
+
+    path = str(tmp_path / "l.sock")
+    lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    lsock.bind(path)
+    lsock.listen(0)
+    fillers = _fill_backlog(path)
+    connecting = asyncio.create_task(_fdpass.connect_unix(path))
+    await asyncio.sleep(0.2)
+    assert not connecting.done()  # still retrying: the backlog is full
+    lsock.setblocking(False)
+    accepted = []
+    for _ in range(200):  # the server catches up
+        try:
+            accepted.append(lsock.accept()[0])
+        except BlockingIOError:
+            if connecting.done():
+                break
+            await asyncio.sleep(0.01)
+    sock = await connecting
+    assert sock.getpeername() == path
+    sock.sendall(b"x")  # connected: a send works
+    for s_ in (sock, *fillers, *accepted):
+        s_.close()
+    # Nobody ever accepts: a typed error once the wait is over.
+    fillers = _fill_backlog(path)
+    _fdpass.CONNECT_BACKLOG_WAIT, old = 0.2, _fdpass.CONNECT_BACKLOG_WAIT
+    try:
+        with pytest.raises(mc.CacheUnavailableError, match="backlog"):
+            await _fdpass.connect_unix(path)
+    finally:
+        _fdpass.CONNECT_BACKLOG_WAIT = old
+        for f in fillers:
+            f.close()
+        lsock.close()
+
+
 # -- items 7 and 8: hostile frames and malformed requests ------------------------------------
 
 

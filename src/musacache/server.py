@@ -121,6 +121,9 @@ class ServerConfig:
     max_stage_bytes: int = 1024**3
     #: Longest wait for a worker's ready event (seconds).
     ready_timeout: float = 60.0
+    #: A connection that has not said hello this long after connecting is closed (seconds):
+    #: silent sockets would otherwise hold every connection slot.
+    hello_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.socket_path, str) or not self.socket_path:
@@ -152,8 +155,11 @@ class ServerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"[server] {name} must be a positive int, got {value!r}")
-        if not isinstance(self.ready_timeout, (int, float)) or not self.ready_timeout > 0:
-            raise ConfigError(f"[server] ready_timeout must be > 0, got {self.ready_timeout!r}")
+        for name in ("ready_timeout", "hello_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not 0 < value < float("inf"):
+                raise ConfigError(f"[server] {name} must be > 0 seconds, got {value!r}")
         if any(isinstance(u, bool) or not isinstance(u, int) or u < 0 for u in self.allow_uids):
             raise ConfigError(f"[server] allow_uids must be uids, got {self.allow_uids!r}")
         bad = set(self.cache_options) & _PER_CACHE_FIELDS
@@ -179,9 +185,9 @@ class ServerConfig:
         """A server config file: ``[[tiers]]`` (required), an optional ``[server]`` table
         (``socket``, ``allow_uids``, ``max_caches``, ``max_frame_size``, ``max_connections``,
         ``max_requests_per_peer``, ``max_fds_per_peer``, ``max_buffers_per_peer``,
-        ``max_stage_bytes``, ``ready_timeout``) and optional cache settings (``chunk_size``,
-        ``copy_threads``...; docs/configuration.md). ``namespace`` with ``[spec]`` names a
-        cache opened at start."""
+        ``max_stage_bytes``, ``ready_timeout``, ``hello_timeout``) and optional cache
+        settings (``chunk_size``, ``copy_threads``...; docs/configuration.md).
+        ``namespace`` with ``[spec]`` names a cache opened at start."""
         import tomllib
 
         try:
@@ -198,7 +204,7 @@ class ServerConfig:
             raise ConfigError("no socket path: pass --socket or set [server] socket")
         known = {"allow_uids", "max_caches", "max_frame_size", "max_connections",
                  "max_requests_per_peer", "max_fds_per_peer", "max_buffers_per_peer",
-                 "max_stage_bytes", "ready_timeout"}
+                 "max_stage_bytes", "ready_timeout", "hello_timeout"}
         unknown = set(server) - known
         if unknown:
             raise ConfigError(
@@ -496,7 +502,7 @@ class Server:
         self._last_backoff_log = 0.0
         self.counters = dict.fromkeys(
             ("connections", "refused", "requests", "errors", "bad_frames", "limited",
-             "accept_backoffs", "bytes_copied", "bytes_received"), 0)
+             "accept_backoffs", "bytes_copied", "bytes_received", "hello_timeouts"), 0)
         self._data = _DataOps(config, self.counters)
         self._handlers: dict[str, Callable[[_Peer, Any, list[int]], Awaitable[Any]]] = {
             op: getattr(self, f"_op_{op}", None) or getattr(self._data, f"_op_{op}")
@@ -724,6 +730,16 @@ class Server:
             ended = True
             wake.set()
 
+        def hello_due() -> None:
+            nonlocal ended
+            if not peer.hello and not ended:
+                self.counters["hello_timeouts"] += 1
+                log.info("closing pid %d: no hello within %g s", peer.pid,
+                         self.config.hello_timeout)
+                ended = True
+                wake.set()
+
+        hello_timer = loop.call_later(self.config.hello_timeout, hello_due)
         try:
             conn.start_reading(on_frame, on_end)
             while not ended:
@@ -738,6 +754,7 @@ class Server:
                         break  # the peer is gone: on_end has been called
                 conn.resume_reading()
         finally:
+            hello_timer.cancel()
             # The peer is gone (or broke the protocol, or the server stops): its in-flight
             # ops are cancelled, which releases their pins in the cache, and waited for.
             left = dict(ops)
@@ -797,38 +814,44 @@ class Server:
                    fds: list[int]) -> None:
         self.counters["requests"] += 1
         held = len(fds)
+        # In flight until its reply is out, not only until it is made: a peer that never
+        # reads its replies would otherwise have request after request admitted, each
+        # holding its reply in a task (memory without bound). max_requests_per_peer
+        # replies stuck behind a full socket then refuse the rest.
         try:
             try:
-                msg = msgs.decode_args(req.op, req.args, len(fds),
-                                       max_stage_bytes=self.config.max_stage_bytes)
-                if req.op != "hello":
-                    if not peer.hello:
-                        raise ProtocolError("the first request on a connection must be hello")
-                    if peer.monitor and req.op not in MONITOR_OPS:
-                        raise PermissionDeniedError(
-                            f"{req.op}: a monitor connection may only read stats")
-                # decode_args admitted only known ops, each handled here or by _DataOps.
-                result = await self._handlers[req.op](peer, msg, fds)
-            finally:
-                ipc.close_fds(fds)  # whatever a handler did not take
-                fds.clear()
-        except MusaCacheError as e:
-            # The peer's mistake (or a refused request): answered, never logged as a bug.
-            self.counters["errors"] += 1
-            await self._reply_error(conn, req.id, e)
-            return
-        except Exception as e:  # a server bug: answer, log, keep serving everyone else
-            self.counters["errors"] += 1
-            log.exception("op %s failed", req.op)
-            await self._reply_error(conn, req.id, e)
-            return
+                try:
+                    msg = msgs.decode_args(req.op, req.args, len(fds),
+                                           max_stage_bytes=self.config.max_stage_bytes)
+                    if req.op != "hello":
+                        if not peer.hello:
+                            raise ProtocolError(
+                                "the first request on a connection must be hello")
+                        if peer.monitor and req.op not in MONITOR_OPS:
+                            raise PermissionDeniedError(
+                                f"{req.op}: a monitor connection may only read stats")
+                    # decode_args admitted only known ops, each handled here or by _DataOps.
+                    result = await self._handlers[req.op](peer, msg, fds)
+                finally:
+                    ipc.close_fds(fds)  # whatever a handler did not take
+                    fds.clear()
+                    peer.held_fds -= held
+            except MusaCacheError as e:
+                # The peer's mistake (or a refused request): answered, never logged as a bug.
+                self.counters["errors"] += 1
+                await self._reply_error(conn, req.id, e)
+                return
+            except Exception as e:  # a server bug: answer, log, keep serving everyone else
+                self.counters["errors"] += 1
+                log.exception("op %s failed", req.op)
+                await self._reply_error(conn, req.id, e)
+                return
+            try:
+                await conn.send_reply(req.id, result)
+            except (CacheUnavailableError, OSError):
+                pass  # the peer went away; its cleanup runs in _serve_peer
         finally:
             peer.in_flight -= 1
-            peer.held_fds -= held
-        try:
-            await conn.send_reply(req.id, result)
-        except (CacheUnavailableError, OSError):
-            pass  # the peer went away; its cleanup runs in _serve_peer
 
     @staticmethod
     async def _reply_error(conn: ipc.Connection, rid: int, e: BaseException) -> None:
@@ -1106,6 +1129,9 @@ def socket_dir_problem(path: str) -> str | None:
     return None
 
 
+_BACKLOG = 1024
+
+
 def _listen(path: str) -> socket.socket:
     """A listening socket at ``path`` (mode 0600). Missing folders are created 0700; an
     existing folder is used only if it is safe (see :func:`socket_dir_problem`), never
@@ -1147,7 +1173,9 @@ def _listen(path: str) -> socket.socket:
     finally:
         os.umask(old)
     os.chmod(sock_path, 0o600)
-    sock.listen(128)
+    # A full backlog fails every further connect with EAGAIN (the client retries): room for
+    # a burst of workers that start together (the kernel caps it at somaxconn).
+    sock.listen(_BACKLOG)
     sock.setblocking(False)
     return sock
 

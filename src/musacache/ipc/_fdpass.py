@@ -198,23 +198,36 @@ def peer_credentials(sock: socket.socket) -> PeerCredentials:
     return PeerCredentials(*struct.unpack(fmt, raw))
 
 
+#: How long a connect retries while the server's listen backlog is full (seconds).
+CONNECT_BACKLOG_WAIT = 10.0
+
+
 async def connect_unix(path: str | os.PathLike[str]) -> socket.socket:
     """Connect a non-blocking Unix stream socket to ``path`` without blocking the loop.
 
-    Raises CacheUnavailableError when nothing listens there.
+    Raises CacheUnavailableError when nothing listens there, or when its listen backlog
+    stays full for ``CONNECT_BACKLOG_WAIT`` seconds.
     """
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     sock.setblocking(False)
     try:
-        try:
-            sock.connect(os.fspath(path))
-        except BlockingIOError:
-            # A full listen backlog makes a non-blocking connect pending; its result is
-            # reported through SO_ERROR once the socket turns writable.
-            await wait_fd_writable(sock)
-            err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-            if err:
-                raise OSError(err, os.strerror(err)) from None
+        # On a Unix stream socket, EAGAIN from a non-blocking connect means the listen
+        # backlog is full and nothing happened (it is not a connect in progress, as on
+        # TCP): try again, backing off, until the server has accepted some (a burst of
+        # hundreds of workers starting at once). Waiting for "writable" instead returned
+        # a socket that was never connected.
+        delay = 0.001
+        deadline = anyio.current_time() + CONNECT_BACKLOG_WAIT
+        while True:
+            try:
+                sock.connect(os.fspath(path))
+                break
+            except BlockingIOError:
+                if anyio.current_time() >= deadline:
+                    raise OSError(errno.EAGAIN, "the server's listen backlog stayed full "
+                                  f"for {CONNECT_BACKLOG_WAIT:g} s") from None
+                await anyio.sleep(delay)
+                delay = min(delay * 2, 0.05)
     except OSError as exc:
         sock.close()
         if exc.errno in (errno.ENOENT, errno.ECONNREFUSED):
