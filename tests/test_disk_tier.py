@@ -197,14 +197,20 @@ async def test_last_used_follows_reads(tier: DiskTier) -> None:
     await again.aclose()
 
 
-async def test_start_removes_damaged_files(tier: DiskTier) -> None:
+async def _written(tier: DiskTier, n: int) -> tuple[Path, list[tuple[ChunkMeta, bytes]]]:
+    """A tier's folder with ``n`` chunks written and the tier closed: its root and chunks."""
     store = tier.build()
     await store.start(CTX)
-    chunks = [_chunk(i) for i in range(6)]
+    chunks = [_chunk(i) for i in range(n)]
     for meta, obj in chunks:
         await store.write(meta, obj)
     root = store.root
     await store.aclose()
+    return root, chunks
+
+
+async def test_start_removes_damaged_files(tier: DiskTier) -> None:
+    root, chunks = await _written(tier, 6)
 
     def path_of(meta: ChunkMeta) -> Path:
         return root / meta.key[:1].hex() / file_name(meta.key, meta.parent, meta.num_tokens)
@@ -239,6 +245,37 @@ async def test_start_removes_damaged_files(tier: DiskTier) -> None:
     assert stats["removed_corrupt"] == 6  # flipped, truncated, padded, renamed, foreign, half
     assert stats["removed_temp"] == 1
     assert stats["ignored_files"] == 1
+    await again.aclose()
+
+
+@pytest.mark.parametrize("which", ["fan-out folder", "storage folder"])
+async def test_a_folder_that_cannot_be_listed_is_a_counted_fault_not_a_failed_start(
+        tier: DiskTier, monkeypatch: pytest.MonkeyPatch, which: str) -> None:
+    """A fan-out folder (or the storage folder) the cache's user may not list raised a bare
+    PermissionError out of the cache's start: one bad folder of a cold tier took the whole
+    cache down (found by a probe, as a user without the folder's read permission). The
+    scan skips it, counts it, and the tier serves the rest; its files are misses. Root
+    reads any folder, so the refusal is made here by os.scandir."""
+    root, chunks = await _written(tier, 8)
+    bad = root if which == "storage folder" else root / chunks[0][0].key[:1].hex()
+    scandir = os.scandir
+
+    def refusing(path: Any = ".") -> Any:
+        if Path(path) == bad:
+            raise PermissionError(13, "Permission denied", str(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", refusing)
+    again = tier.build()
+    metas = await again.start(CTX)
+    stats = again.stats()
+    assert stats["scan_errors"] == 1 and "Permission denied" in stats["last_error"]
+    lost = {m.key for m, _ in chunks if m.key[:1].hex() == bad.name} \
+        if which == "fan-out folder" else {m.key for m, _ in chunks}
+    assert {m.key for m in metas} == {m.key for m, _ in chunks} - lost
+    for meta, obj in chunks:
+        if meta.key not in lost:
+            assert await again.read(meta) == obj
     await again.aclose()
 
 

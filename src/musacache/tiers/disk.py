@@ -232,6 +232,19 @@ class _NotAFile:
 _NOT_A_FILE = _NotAFile()
 
 
+def _list_subdirs(root: Path) -> tuple[list[Path], str | None]:
+    """The fan-out folders, and the error that kept them from being listed. A folder
+    that cannot be read is a fault of this tier, counted (``scan_errors``), never a
+    failure of the cache's start: it starts knowing nothing of those files, and a
+    read of one later is a counted miss as any other."""
+    try:
+        with os.scandir(root) as it:
+            return [Path(e.path) for e in it if _HEX2_RE.match(e.name)
+                    and e.is_dir()], None
+    except OSError as e:
+        return [], f"scan {root}: {e}"
+
+
 class DiskStore(StorageTier):
     """The running disk tier built by :meth:`DiskTier.build`. All file I/O runs in worker
     threads bounded by ``max_concurrency``."""
@@ -270,7 +283,8 @@ class DiskStore(StorageTier):
         self._c: dict[str, Any] = dict.fromkeys(
             ("reads", "read_misses", "read_faults", "read_timeouts", "reads_refused", "writes",
              "write_failures", "deletes", "bytes_in", "bytes_out", "removed_temp",
-             "removed_corrupt", "removed_not_files", "quarantined", "ignored_files"), 0)
+             "removed_corrupt", "removed_not_files", "quarantined", "ignored_files",
+             "scan_errors"), 0)
         self._c["last_error"] = None
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -290,8 +304,11 @@ class DiskStore(StorageTier):
             raise TierError(f"disk tier {self.name!r}: cannot use {root}: {e}") from e
         self._root = root
         try:
-            subdirs = await anyio.to_thread.run_sync(self._list_subdirs, root,
-                                                     limiter=self._limiter)
+            subdirs, error = await anyio.to_thread.run_sync(_list_subdirs, root,
+                                                            limiter=self._limiter)
+            if error is not None:
+                self._c["scan_errors"] += 1
+                self._c["last_error"] = error
             parts: list[ChunkListing] = []
 
             async def scan(sub: Path) -> None:
@@ -340,11 +357,6 @@ class DiskStore(StorageTier):
 
     # -- start-up scan ------------------------------------------------------------------------
 
-    @staticmethod
-    def _list_subdirs(root: Path) -> list[Path]:
-        with os.scandir(root) as it:
-            return [Path(e.path) for e in it if _HEX2_RE.match(e.name) and e.is_dir()]
-
     def _scan_dir(self, sub: Path) -> tuple[ChunkListing, dict[bytes, str], dict[str, Any]]:
         """Check every file of one fan-out folder (in a worker thread): the chunks found, in
         compact form, and their file names. Counters are returned, not bumped here, so that
@@ -352,8 +364,13 @@ class DiskStore(StorageTier):
         found = ListingBuilder()
         names: dict[bytes, str] = {}
         counts: dict[str, Any] = {}
-        with os.scandir(sub) as it:
-            entries = list(it)
+        try:
+            with os.scandir(sub) as it:
+                entries = list(it)
+        except OSError as e:  # (see _list_subdirs)
+            counts["scan_errors"] = 1
+            counts["last_error"] = f"scan {sub}: {e}"
+            entries = []
         for entry in entries:
             if entry.name.startswith(".") and entry.name.endswith(".tmp"):
                 # A write that never reached its rename (we hold the folder lock, so no
