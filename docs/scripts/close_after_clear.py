@@ -7,28 +7,15 @@ event loop during directory work" (tenth round).
 """
 
 import asyncio
-import time
-from asyncio import events
 
 import numpy as np
 import torch
+from _loop_steps import steps, time_steps
 
 from musacache.bench import scale as S
 
 watching = False
-steps: list[float] = []
-_run = events.Handle._run
-
-
-def timed_run(self: events.Handle) -> None:
-    if not watching:
-        return _run(self)
-    c0 = time.thread_time()
-    _run(self)
-    steps.append(time.thread_time() - c0)
-
-
-events.Handle._run = timed_run  # type: ignore[method-assign]
+time_steps(lambda _handle: watching)
 
 
 async def main() -> None:

@@ -149,6 +149,20 @@ class Entry:
         """Keep slot ``index`` of tier ``idx`` until :meth:`take_detached` (the last unpin)."""
         self._mem = _plus(self._mem, index << _TIER_BITS | idx | _DETACHED)
 
+    @property
+    def owes_memory(self) -> bool:
+        """Its last unpin has slots to give back: it is dead, or holds a detached slot. False
+        for almost every unpin, which then costs a few attribute reads, not a list of pairs
+        (a put unpins every chunk of its prompt as it ends)."""
+        if self._gen < 0:
+            return True
+        m = self._mem
+        if m is None:
+            return False
+        if isinstance(m, int):
+            return bool(m & _DETACHED)
+        return any(c & _DETACHED for c in m)
+
     def take_detached(self) -> list[tuple[int, int]]:
         """The ``(tier, slot)`` pairs detached so far, forgotten here."""
         out = _pairs(self._mem, _DETACHED)
@@ -493,6 +507,15 @@ class Directory:
         Returns the matches and, if the prompt was not fully matched, the parent key at which
         matching stopped (where a refresh of a shared tier would look for more).
         """
+        out, stop, _ = self.match_from(tokens, 0, self.chain.seed, None)
+        return out, stop
+
+    def match_from(self, tokens: np.ndarray, begin: int, parent: bytes, limit: int | None,
+                   ) -> tuple[list[Match], bytes | None, bool]:
+        """:meth:`match` from the chunk at token ``begin`` (chunk-aligned), whose parent key
+        is ``parent``, for at most ``limit`` chunks. The third value is True when it stopped
+        at the limit with more of the prompt to match (a long prompt is matched a run of
+        chunks per turn of the loop)."""
         # The hot loop of every lookup: hashing is inlined and attribute lookups hoisted,
         # because a 128k-token prompt walks 512 chunks here.
         out: list[Match] = []
@@ -501,8 +524,8 @@ class Directory:
         empty = _EMPTY_HASH
         step = self.chain.chunk_size
         n = len(tokens)
-        parent = self.chain.seed
-        for start in range(0, n, step):
+        stop = n if limit is None else min(n, begin + limit * step)
+        for start in range(begin, stop, step):
             end = min(start + step, n)
             h = empty.copy()  # a copy of a hasher costs less than making one
             h.update(parent)
@@ -518,8 +541,8 @@ class Directory:
             best = self._best_prefix_child(parent, tokens, start, end)
             if best is not None:
                 out.append(best)
-            return out, parent
-        return out, None
+            return out, parent, False
+        return out, None, stop < n
 
     def _best_prefix_child(self, parent: bytes, tokens: np.ndarray, start: int,
                            end: int) -> Match | None:

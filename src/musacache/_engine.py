@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 from asyncio import _get_running_loop as _running_loop
 from collections.abc import Callable, Coroutine, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,7 @@ from ._gcfreeze import full_collections_held
 from ._keys import Fingerprint, KeyChain, as_tokens
 from ._move import Mover, accelerator_of, scatter_chunks
 from ._pages import PageSource, check_pages, page_keys
+from ._reads import VIEW_RUN
 from ._spec import KVSpec
 from ._tasks import TaskOwner
 from ._tee import Tee
@@ -89,6 +91,21 @@ def _first_skip(slots: torch.Tensor, skip_prefix: int) -> int:
     return skip_prefix + int(holes[0, 0]) if holes.numel() else len(slots)
 
 
+def _covered(matches: Sequence[Match]) -> int:
+    """Tokens a match covers: they run from token 0 without a gap, so its last one's end."""
+    return matches[-1].start + matches[-1].num_tokens if matches else 0
+
+
+async def _drop_in_runs(items: list[Any]) -> None:
+    """Empty ``items`` a run at a time, the loop free in between (shielded: the read is
+    done). A long read's views and copy pairs, let go of at once as it returned, were a
+    step of 10 to 20 ms at 16,384 chunks."""
+    while len(items) > VIEW_RUN:
+        del items[-VIEW_RUN:]
+        await anyio.lowlevel.cancel_shielded_checkpoint()
+    items.clear()
+
+
 async def _read_into(eng: Engine, matches: list[Match],
                      pair: Callable[[Match, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
                      dest: Callable[[Match], torch.Tensor | None] | None = None,
@@ -112,19 +129,38 @@ async def _read_into(eng: Engine, matches: list[Match],
         tee = tees[i] = Tee(d)
         return tee
 
-    for m in matches:
-        eng.pin(m.entry)
+    pinned = 0
     try:
+        # A run per turn of the loop: a chunk matched but not pinned yet may be evicted or
+        # deleted meanwhile, and the read then stops there, as at any chunk it cannot read.
+        for m in matches:
+            if pinned and not pinned % VIEW_RUN:
+                await anyio.lowlevel.checkpoint()
+            eng.pin(m.entry)
+            pinned += 1
         found = await eng.sources(matches, tee_for)
-        await eng.mover.copy([pair(m, src) for i, (m, src, _name) in enumerate(found)
-                              if not ((tee := tees.get(i)) is not None and tee.complete)])
-        eng.touch([m.entry for m, _, _ in found])
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i, (m, src, _name) in enumerate(found):
+            if i and not i % VIEW_RUN:  # a long read's views, a run per turn of the loop
+                await anyio.lowlevel.checkpoint()
+            if not ((tee := tees.get(i)) is not None and tee.complete):
+                pairs.append(pair(m, src))
+        await eng.mover.copy(pairs)
+        await _drop_in_runs(pairs)
+        served = [m.entry for m, _, _ in found]
+        # Children first, parents last, as one touch would; a run per turn of the loop.
+        for hi in range(len(served), 0, -VIEW_RUN):
+            eng.touch(served[max(0, hi - VIEW_RUN) : hi])
+            if hi > VIEW_RUN:
+                await anyio.lowlevel.checkpoint()
         return found
     finally:
         for tee in tees.values():
             tee.close()  # an abandoned read writes nothing into the caller's tensor now
-        for m in matches:
-            eng.unpin(m.entry)
+        for i in range(pinned):
+            if i and not i % VIEW_RUN:
+                await anyio.lowlevel.cancel_shielded_checkpoint()  # shielded: must finish
+            eng.unpin(matches[i].entry)
 
 
 class Cache:
@@ -315,7 +351,8 @@ class Cache:
         self._ops["lookups"] += 1
         eng.inflight["lookups"] += 1
         try:
-            return sum(m.num_tokens for m in await eng.match(toks))
+            with _collector_held_if_long(toks, self.config.chunk_size):
+                return _covered(await eng.match(toks))
         finally:
             eng.inflight["lookups"] -= 1
 
@@ -356,27 +393,8 @@ class Cache:
         eng.inflight["gets"] += 1
         td = self.spec.token_dim
         try:
-            matches = await eng.match(toks)
-            total = sum(m.num_tokens for m in matches)
-            self._count_request(len(toks), total)
-            if total == 0:
-                empty = (out.narrow(td, 0, 0) if out is not None
-                         else torch.empty(self.spec.shape(0), dtype=self.spec.dtype,
-                                          device=self._device))
-                return Hit(0, empty, {})
-            dst = out if out is not None else torch.empty(
-                self.spec.shape(total), dtype=self.spec.dtype, device=self._device)
-            found = await _read_into(eng, matches, *_dense_dest(dst, td))
-            by_tier: dict[str, int] = {}
-            names = eng.tier_by_name
-            for m, _src, name in found:
-                by_tier[name] = by_tier.get(name, 0) + m.num_tokens
-                names[name].c["bytes_out"] += self.spec.nbytes(m.num_tokens)
-            served = found[-1][0].start + found[-1][0].num_tokens if found else 0
-            if served < total:
-                eng.tok["hit_tokens"] -= total - served
-                eng.tok["miss_tokens"] += total - served
-            return Hit(served, _part(dst, td, 0, served), by_tier)
+            with _collector_held_if_long(toks, self.config.chunk_size):
+                return await _get_matched(self, eng, toks, out, td)
         finally:
             eng.inflight["gets"] -= 1
 
@@ -393,11 +411,17 @@ class Cache:
         self._ops["prefetches"] += 1
         eng.inflight["prefetches"] += 1
         try:
-            matches = await eng.match(toks)
-            top = eng.tiers[0]
-            flights = [eng.promotion(m.entry) for m in matches if not top.holds(m.entry)]
+            with _collector_held_if_long(toks, self.config.chunk_size):
+                matches = await eng.match(toks)
+                top = eng.tiers[0]
+                flights = []
+                for i, m in enumerate(matches):
+                    if i and not i % VIEW_RUN:  # a long prompt's, a run per turn of the loop
+                        await anyio.lowlevel.checkpoint()
+                    if not top.holds(m.entry):
+                        flights.append(eng.promotion(m.entry))
             if timeout is None:
-                return sum(m.num_tokens for m in matches)
+                return _covered(matches)
             with anyio.move_on_after(timeout):
                 for f in flights:
                     await f.done.wait()
@@ -471,7 +495,7 @@ class Cache:
             toks, slots, paged, _holes = await _paged_args(
                 self, tokens, kv_caches, slot_mapping, layout, skip_prefix, ready, ready_timeout)
             matches = await eng.match(toks)
-            total = sum(m.num_tokens for m in matches)
+            total = _covered(matches)
             self._count_request(len(toks), total)
             if total <= skip_prefix:
                 return 0
@@ -571,7 +595,12 @@ class Cache:
         keyed on the prompt's chain; everything stored after any of them goes too, to any
         depth, whether or not the rest of the prompt was ever cached. Storage objects are
         deleted in the background (``flush()`` waits for them), after any write of the same
-        chunk still queued. Returns the number of chunks removed."""
+        chunk still queued. Returns the number of chunks removed.
+
+        The chunks go a batch per turn of the loop, the prompt's first chunk in the first
+        batch. A lookup of the prompt finds none of them from then on; a put of the same
+        tokens made while the delete runs may find chunks it has not reached yet and chain
+        onto them, until it does. None of them is served once ``delete`` has returned."""
         eng = self._check_open()
         toks = as_tokens(tokens)
         self._ops["deletes"] += 1
@@ -612,6 +641,47 @@ class Cache:
         tok = self._engine.tok
         tok["hit_tokens"] += found
         tok["miss_tokens"] += asked - found
+
+
+def _collector_held_if_long(toks: np.ndarray, chunk_size: int,
+                            ) -> AbstractContextManager[None]:
+    """For a read of a long prompt: no full collection of the cyclic collector while it
+    runs. A read of 16,384 chunks makes a few objects per chunk (its matches, views and
+    copy pairs), alive until it ends: they filled the oldest generation, and a full
+    collection walked them and the rest of the heap in one pause (4 to 16 ms). They form
+    no cycles: their reference counts free them as the read ends, and the next full
+    collection finds them gone (``_gcfreeze``)."""
+    if len(toks) > VIEW_RUN * chunk_size:
+        return full_collections_held()
+    return nullcontext()
+
+
+async def _get_matched(cache: Cache, eng: Engine, toks: np.ndarray,
+                       out: torch.Tensor | None, td: int) -> Hit:
+    """``Cache.get`` once its arguments are checked and counted."""
+    matches = await eng.match(toks)
+    total = _covered(matches)
+    cache._count_request(len(toks), total)
+    if total == 0:
+        empty = (out.narrow(td, 0, 0) if out is not None
+                 else torch.empty(cache.spec.shape(0), dtype=cache.spec.dtype,
+                                  device=cache._device))
+        return Hit(0, empty, {})
+    dst = out if out is not None else torch.empty(
+        cache.spec.shape(total), dtype=cache.spec.dtype, device=cache._device)
+    found = await _read_into(eng, matches, *_dense_dest(dst, td))
+    by_tier: dict[str, int] = {}
+    names = eng.tier_by_name
+    for m, _src, name in found:
+        by_tier[name] = by_tier.get(name, 0) + m.num_tokens
+    for name, n in by_tier.items():  # bytes are per token: summed once per tier
+        names[name].c["bytes_out"] += cache.spec.nbytes(n)
+    served = found[-1][0].start + found[-1][0].num_tokens if found else 0
+    if served < total:
+        eng.tok["hit_tokens"] -= total - served
+        eng.tok["miss_tokens"] += total - served
+    await _drop_in_runs(found)  # (its views)
+    return Hit(served, _part(dst, td, 0, served), by_tier)
 
 
 # -- input checks ------------------------------------------------------------------------------

@@ -26,7 +26,10 @@ if TYPE_CHECKING:
     from ._tasks import TaskOwner
     from ._tee import Tee
 
-__all__ = ["Flight", "Reads"]
+__all__ = ["VIEW_RUN", "Flight", "Reads"]
+
+# Chunks a read makes views of, touches or lets go of per turn of the loop.
+VIEW_RUN = 256
 
 
 class Flight:
@@ -90,6 +93,10 @@ class Reads:
         found: list[tuple[torch.Tensor | None, str]] = []
         slow: list[int] = []
         for i, m in enumerate(matches):
+            if i and not i % VIEW_RUN:
+                # A view costs microseconds: a read of 16,384 chunks made them all in one
+                # step (the caller's pins keep every chunk where it is meanwhile).
+                await anyio.lowlevel.checkpoint()
             top = self.top_view(m.entry)
             found.append(top if top is not None else (None, ""))
             if top is None:
@@ -148,9 +155,11 @@ class Reads:
             finally:
                 self._promote_read(promote)
         out: list[tuple[Match, torch.Tensor, str]] = []
-        for m, (src, name) in zip(matches, found, strict=True):
+        for i, (m, (src, name)) in enumerate(zip(matches, found, strict=True)):
             if src is None:
                 break
+            if i and not i % VIEW_RUN:
+                await anyio.lowlevel.checkpoint()
             out.append((m, src, name))
         return out
 

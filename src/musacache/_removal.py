@@ -7,6 +7,7 @@ cancellation so that what was started finishes.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -25,15 +26,34 @@ __all__ = ["clear", "delete", "dismantle", "release_memory"]
 
 
 async def delete(eng: Engine, toks: np.ndarray, batch: int) -> int:
-    """Remove the prompt's chunks at once (so nothing of it can be found), then what extends
-    them, ``batch`` at a time: a prompt with a million descendants never stalls the loop.
-    Returns the number of chunks removed."""
-    roots, keys = delete_roots(eng.dir, eng.chain, toks)
-    first = [e for k in roots if (e := eng.dir.get(k)) is not None]
-    eng.remove(first)
+    """Remove the prompt's chunks, then what extends them, ``batch`` at a time: a long
+    prompt, or one with a million descendants, never stalls the loop. Returns the number of
+    chunks removed."""
+    # The prompt's chain hashed and looked up a run of chunks per step (all at once was a
+    # step of 27 ms at 16,384 chunks).
+    roots: list[bytes] = []
+    keys: list[bytes] = []
+    chain_keys = eng.chain.iter_keys(toks)
+    while run := list(itertools.islice(chain_keys, batch)):
+        run_roots, run_keys = delete_roots(eng.dir, run, toks)
+        roots += run_roots
+        keys += run_keys
+        if len(run) == batch:
+            await anyio.lowlevel.cancel_shielded_checkpoint()
+    # In prompt order, a batch per step: the first batch takes the prompt's first cached
+    # chunk, and every later chunk of the prompt is keyed on it, so from then on no lookup
+    # of the prompt finds any of them. (All at once was a step of 0.1 s at 16,384 chunks.)
+    removed = 0
+    known: set[bytes] = set()
+    for i in range(0, len(roots), batch):
+        live = [e for k in roots[i : i + batch]
+                if (e := eng.dir.get(k)) is not None and not e.dead]
+        eng.remove(live)
+        removed += len(live)
+        known.update(e.key for e in live)
+        if i + batch < len(roots):
+            await anyio.lowlevel.cancel_shielded_checkpoint()
     chain = set(keys)
-    known = {e.key for e in first}
-    removed = len(first)
     for part in subtree_batches(eng.dir, roots + keys, batch):
         live = [e for e in part if not e.dead]
         eng.remove(live)

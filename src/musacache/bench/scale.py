@@ -464,7 +464,7 @@ async def stalls(entries: int, siblings_n: int, listing_n: int) -> dict[str, Any
         async with _Gaps() as g:
             await c.delete(system)  # the shared prefix and every conversation after it
         out[f"delete ({siblings_n} descendants)"] = g
-    big = 4096
+    big = 16384  # a long prompt: its own steps must stay short whatever its length
     kv = torch.zeros(TINY.shape(big * CH), dtype=TINY.dtype)
     a, b = _prompts(rng, 2, big)
     async with _tiny_cache(big) as c:
@@ -474,6 +474,13 @@ async def stalls(entries: int, siblings_n: int, listing_n: int) -> dict[str, Any
         async with _Gaps() as g:
             await c.put(b, kv)  # evicts all of a
         out[f"evicting put ({big} chunks)"] = g
+        # The same long prompt read and removed whole: each walks all of its chunks.
+        for name, op in (("lookup", lambda: c.lookup(b)), ("get", lambda: c.get(b)),
+                         ("put of it again (all cached)", lambda: c.put(b, kv)),
+                         ("delete", lambda: c.delete(b))):
+            async with _Gaps() as g:
+                await op()
+            out[f"{name} ({big} chunks, one prompt)"] = g
     grow = entries // 4  # a full collection fires when long-lived objects grew by 25%
     c = _tiny_cache(entries + grow + 128)
     await c.open()
