@@ -416,6 +416,41 @@ async def test_a_connection_that_never_says_hello_is_closed(tmp_path):
         await serving
 
 
+async def test_a_hello_whose_cache_is_slow_to_open_is_not_cut_off(tmp_path, monkeypatch):
+    """The first hello of a namespace opens its cache, which may take longer than
+    ``hello_timeout`` (a disk tier's scan, an S3 listing). A hello that came in counts:
+    closing the connection would cancel the open, at every retry (found by a review). A hello
+    that fails starts the clock again."""
+    from musacache import server as srvmod
+
+    spec = small_spec()
+    real_open = srvmod.Cache.open
+
+    async def slow_open(self: mc.Cache) -> None:
+        await asyncio.sleep(0.6)
+        await real_open(self)
+
+    monkeypatch.setattr(srvmod.Cache, "open", slow_open)
+    cfg = ServerConfig(str(tmp_path / "o" / "s.sock"), tiers=(mc.HostTier(spec.nbytes(CH) * 8),),
+                       chunk_size=CH, hello_timeout=0.3)
+    async with Server(cfg) as srv:
+        serving = asyncio.create_task(srv.serve_forever())
+        peer = await asyncio.to_thread(RawPeer, cfg.socket_path, 5.0)
+        assert (await asyncio.to_thread(peer.hello, spec)).ok
+        assert srv.counters["hello_timeouts"] == 0 and len(srv.caches) == 1
+        peer.close()
+        # A hello that fails (a protocol it does not speak) leaves the clock running.
+        bad = await asyncio.to_thread(RawPeer, cfg.socket_path, 5.0)
+        reply = await asyncio.to_thread(bad.call, "hello", {"protocol": 999})
+        assert not reply.ok
+        await asyncio.sleep(0.9)
+        assert await asyncio.to_thread(bad.sock.recv, 1) == b""
+        assert srv.counters["hello_timeouts"] == 1
+        bad.close()
+        srv.stop()
+        await serving
+
+
 @pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), True, "10"])
 def test_hello_timeout_is_checked(tmp_path, bad):
     with pytest.raises(mc.ConfigError, match="hello_timeout"):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import inspect
 from asyncio import _get_running_loop as _running_loop
 from collections.abc import Callable, Coroutine, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +29,7 @@ from ._move import Mover, accelerator_of, scatter_chunks
 from ._pages import PageSource, check_pages, page_keys
 from ._reads import VIEW_RUN
 from ._spec import KVSpec
-from ._tasks import TaskOwner
+from ._tasks import MustFinish, TaskOwner
 from ._tee import Tee
 from ._tierstate import MemTier, StoreTier, Tier
 from .tiers.base import StorageTier, TierContext
@@ -157,10 +156,12 @@ async def _read_into(eng: Engine, matches: list[Match],
     finally:
         for tee in tees.values():
             tee.close()  # an abandoned read writes nothing into the caller's tensor now
+        turns = MustFinish()  # every pin is let go of, even when cancelled meanwhile
         for i in range(pinned):
             if i and not i % VIEW_RUN:
-                await anyio.lowlevel.cancel_shielded_checkpoint()  # shielded: must finish
+                await turns.turn()
             eng.unpin(matches[i].entry)
+        turns.done()
 
 
 class Cache:
@@ -351,8 +352,7 @@ class Cache:
         self._ops["lookups"] += 1
         eng.inflight["lookups"] += 1
         try:
-            with _collector_held_if_long(toks, self.config.chunk_size):
-                return _covered(await eng.match(toks))
+            return _covered(await eng.match(toks))
         finally:
             eng.inflight["lookups"] -= 1
 
@@ -393,8 +393,7 @@ class Cache:
         eng.inflight["gets"] += 1
         td = self.spec.token_dim
         try:
-            with _collector_held_if_long(toks, self.config.chunk_size):
-                return await _get_matched(self, eng, toks, out, td)
+            return await _get_matched(self, eng, toks, out, td)
         finally:
             eng.inflight["gets"] -= 1
 
@@ -411,15 +410,14 @@ class Cache:
         self._ops["prefetches"] += 1
         eng.inflight["prefetches"] += 1
         try:
-            with _collector_held_if_long(toks, self.config.chunk_size):
-                matches = await eng.match(toks)
-                top = eng.tiers[0]
-                flights = []
-                for i, m in enumerate(matches):
-                    if i and not i % VIEW_RUN:  # a long prompt's, a run per turn of the loop
-                        await anyio.lowlevel.checkpoint()
-                    if not top.holds(m.entry):
-                        flights.append(eng.promotion(m.entry))
+            matches = await eng.match(toks)
+            top = eng.tiers[0]
+            flights = []
+            for i, m in enumerate(matches):
+                if i and not i % VIEW_RUN:  # a long prompt's, a run per turn of the loop
+                    await anyio.lowlevel.checkpoint()
+                if not top.holds(m.entry):
+                    flights.append(eng.promotion(m.entry))
             if timeout is None:
                 return _covered(matches)
             with anyio.move_on_after(timeout):
@@ -600,7 +598,9 @@ class Cache:
         The chunks go a batch per turn of the loop, the prompt's first chunk in the first
         batch. A lookup of the prompt finds none of them from then on; a put of the same
         tokens made while the delete runs may find chunks it has not reached yet and chain
-        onto them, until it does. None of them is served once ``delete`` has returned."""
+        onto them, until it does. None of them is served once ``delete`` has returned. A
+        delete that has started finishes: cancelled, the rest runs in the background
+        (``flush()`` waits for it)."""
         eng = self._check_open()
         toks = as_tokens(tokens)
         self._ops["deletes"] += 1
@@ -641,19 +641,6 @@ class Cache:
         tok = self._engine.tok
         tok["hit_tokens"] += found
         tok["miss_tokens"] += asked - found
-
-
-def _collector_held_if_long(toks: np.ndarray, chunk_size: int,
-                            ) -> AbstractContextManager[None]:
-    """For a read of a long prompt: no full collection of the cyclic collector while it
-    runs. A read of 16,384 chunks makes a few objects per chunk (its matches, views and
-    copy pairs), alive until it ends: they filled the oldest generation, and a full
-    collection walked them and the rest of the heap in one pause (4 to 16 ms). They form
-    no cycles: their reference counts free them as the read ends, and the next full
-    collection finds them gone (``_gcfreeze``)."""
-    if len(toks) > VIEW_RUN * chunk_size:
-        return full_collections_held()
-    return nullcontext()
 
 
 async def _get_matched(cache: Cache, eng: Engine, toks: np.ndarray,

@@ -1,14 +1,16 @@
 """Removing many chunks without stalling the loop: ``delete`` of a prompt and ``clear``.
 
-The part that makes chunks unfindable happens at once; the rest (freeing memory, scheduling
-storage deletes) runs ``BATCH`` entries at a time with the loop free in between, shielded from
-cancellation so that what was started finishes.
+Both run ``BATCH`` entries at a time with the loop free in between: a delete takes the
+prompt's first chunk in its first batch of removals (nothing after it can be found from
+then on), a clear swaps the directory for an empty one at once and takes the old one apart.
+What was started finishes: a cancelled delete or dismantling goes on in a background task
+(``_tasks.run_steps``).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import anyio.lowlevel
@@ -17,6 +19,7 @@ import numpy as np
 from ._children import Siblings
 from ._directory import Directory, Entry
 from ._placement import delete_roots, subtree_batches
+from ._tasks import TaskOwner, run_steps
 from ._tierstate import MemTier
 
 if TYPE_CHECKING:
@@ -28,7 +31,16 @@ __all__ = ["clear", "delete", "dismantle", "release_memory"]
 async def delete(eng: Engine, toks: np.ndarray, batch: int) -> int:
     """Remove the prompt's chunks, then what extends them, ``batch`` at a time: a long
     prompt, or one with a million descendants, never stalls the loop. Returns the number of
-    chunks removed."""
+    chunks removed. Once started it finishes: cancelled, it goes on in the background
+    (:func:`run_steps`)."""
+    removed = [0]
+    await run_steps(_delete_steps(eng, toks, batch, removed), eng.tasks)
+    return removed[0]
+
+
+def _delete_steps(eng: Engine, toks: np.ndarray, batch: int,
+                  removed: list[int]) -> Iterator[None]:
+    """:func:`delete`'s work, yielding between its batches; ``removed[0]`` counts."""
     # The prompt's chain hashed and looked up a run of chunks per step (all at once was a
     # step of 27 ms at 16,384 chunks).
     roots: list[bytes] = []
@@ -39,33 +51,31 @@ async def delete(eng: Engine, toks: np.ndarray, batch: int) -> int:
         roots += run_roots
         keys += run_keys
         if len(run) == batch:
-            await anyio.lowlevel.cancel_shielded_checkpoint()
+            yield
     # In prompt order, a batch per step: the first batch takes the prompt's first cached
     # chunk, and every later chunk of the prompt is keyed on it, so from then on no lookup
     # of the prompt finds any of them. (All at once was a step of 0.1 s at 16,384 chunks.)
-    removed = 0
     known: set[bytes] = set()
     for i in range(0, len(roots), batch):
         live = [e for k in roots[i : i + batch]
                 if (e := eng.dir.get(k)) is not None and not e.dead]
         eng.remove(live)
-        removed += len(live)
+        removed[0] += len(live)
         known.update(e.key for e in live)
         if i + batch < len(roots):
-            await anyio.lowlevel.cancel_shielded_checkpoint()
+            yield
     chain = set(keys)
     for part in subtree_batches(eng.dir, roots + keys, batch):
         live = [e for e in part if not e.dead]
         eng.remove(live)
-        removed += len(live)
+        removed[0] += len(live)
         known.update(e.key for e in live if e.key in chain)  # only the chain's are asked
-        await anyio.lowlevel.cancel_shielded_checkpoint()
+        yield
     for st in eng.stores:  # another node may have written the prompt's chunks
         if st.store.shared:
             for k in keys:
                 if k not in known:
                     eng.cold.schedule_delete(st, k)
-    return removed
 
 
 async def clear(eng: Engine, batch: int) -> None:
@@ -74,16 +84,23 @@ async def clear(eng: Engine, batch: int) -> None:
     removed from every tier."""
     old = eng.dir
     eng.dir = old.emptied()
-    await dismantle(old, batch, eng.remove)
+    await dismantle(old, batch, eng.remove, eng.tasks)
 
 
 async def dismantle(old: Directory, batch: int,
-                    each: Callable[[list[Entry]], object] = lambda part: None) -> None:
-    """Take apart a directory no longer in use, ``batch`` entries per loop turn (shielded:
-    this must finish), calling ``each`` on every batch of its entries; they are freed with
+                    each: Callable[[list[Entry]], object] = lambda part: None,
+                    tasks: TaskOwner | None = None) -> None:
+    """Take apart a directory no longer in use, ``batch`` entries per loop turn (it must
+    finish: cancelled, it goes on in a background task of ``tasks``, see
+    :func:`run_steps`), calling ``each`` on every batch of its entries; they are freed with
     their batch. An index of many children is taken apart in batches too, never dropped
     whole: dropping one of 200,000 children touches every one of them in one step, and
     dropping the key table of a million entries frees them all in one step (35 ms)."""
+    await run_steps(_dismantle_steps(old, batch, each), tasks)
+
+
+def _dismantle_steps(old: Directory, batch: int,
+                     each: Callable[[list[Entry]], object]) -> Iterator[None]:
     entries, orphans = old.entries, old.children
     big: list[Siblings[Entry]] = []  # indexes of more than ``batch`` children, kept to drain
 
@@ -105,7 +122,7 @@ async def dismantle(old: Directory, batch: int,
                 keep(kids)
                 del kids
             each(part)
-        await anyio.lowlevel.cancel_shielded_checkpoint()
+        yield
 
 
 async def release_memory(mt: MemTier) -> None:

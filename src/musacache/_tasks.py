@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import anyio
@@ -18,7 +18,7 @@ from anyio.abc import TaskGroup
 
 from ._errors import CacheClosedError
 
-__all__ = ["TaskOwner"]
+__all__ = ["MustFinish", "TaskOwner", "run_steps"]
 
 log = logging.getLogger("musacache")
 
@@ -45,6 +45,10 @@ class TaskOwner:
 
         self._supervisor = asyncio.get_running_loop().create_task(supervise())
         await ready.wait()
+
+    def running_group(self) -> bool:
+        """Whether :meth:`spawn` can start work now."""
+        return self._tg is not None
 
     def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
         """Run ``fn(*args)`` in the background; a failure is logged, never lost."""
@@ -77,3 +81,56 @@ class TaskOwner:
             with anyio.CancelScope(shield=True):
                 await asyncio.gather(self._supervisor, return_exceptions=True)
             self._supervisor = None
+
+
+class MustFinish:
+    """Turns of the loop inside work that must finish (letting go of pins): a cancellation
+    delivered at one is kept, the rest of the work runs without yielding, and :meth:`done`
+    raises it. anyio's shield holds off anyio's own cancel scopes, not a plain
+    ``task.cancel()`` (the node server's for a peer that went away, ``asyncio.wait_for``),
+    which lands at the next turn even inside it."""
+
+    __slots__ = ("error",)
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+
+    async def turn(self) -> None:
+        if self.error is None:
+            try:
+                await anyio.lowlevel.cancel_shielded_checkpoint()
+            except BaseException as e:  # (re-raised by done)
+                self.error = e
+
+    def done(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+async def run_steps(steps: Iterator[object], tasks: TaskOwner | None) -> None:
+    """Drive ``steps`` (work that yields between its batches) to its end, the loop free
+    between batches. Work that must finish once started (a delete, taking a directory
+    apart): if the caller is cancelled meanwhile, the rest runs in a background task of
+    ``tasks`` (without one, or once it is closed, at once) and the cancellation is
+    raised. Left half done, a delete would leave chunks chained under a removed parent
+    for a later put to chain onto."""
+    for _ in steps:
+        try:
+            await anyio.lowlevel.checkpoint()
+        except BaseException:
+            if tasks is not None and tasks.running_group():
+                tasks.spawn(_finish_steps, steps)
+            else:
+                for _ in steps:
+                    pass
+            raise
+
+
+async def _finish_steps(steps: Iterator[object]) -> None:
+    for _ in steps:
+        try:
+            await anyio.lowlevel.checkpoint()
+        except BaseException:  # the cache closes: finish now
+            for _ in steps:
+                pass
+            raise

@@ -268,6 +268,7 @@ class _Peer:
     buffers: dict[int, ipc.ImportedTensor] = field(default_factory=dict)
     staged: torch.Tensor | None = None
     hello: bool = False
+    greeted: bool = False  # a hello came in (its cache may take a while to open)
     monitor: bool = False
     cache: Cache | None = None
     key: CacheKey | None = None
@@ -488,6 +489,28 @@ class _DataOps:
         return n
 
 
+def _over_limit(cfg: ServerConfig, peer: _Peer, req: ipc.Request) -> ServerLimitError | None:
+    """Why a request of ``peer`` is refused at the door, or None."""
+    if peer.in_flight >= cfg.max_requests_per_peer:
+        return ServerLimitError(f"{req.op}: {peer.in_flight} requests already in flight "
+                                f"on this connection (max_requests_per_peer="
+                                f"{cfg.max_requests_per_peer})")
+    if peer.held_fds + len(req.fds) > cfg.max_fds_per_peer:
+        return ServerLimitError(f"{req.op}: this connection's requests would hold "
+                                f"{peer.held_fds + len(req.fds)} fds (max_fds_per_peer="
+                                f"{cfg.max_fds_per_peer})")
+    return None
+
+
+async def _reply_error(conn: ipc.Connection, rid: int, e: BaseException) -> None:
+    """Answer request ``rid`` with ``e``, unless the peer is gone or stuck (5 s)."""
+    try:
+        with anyio.move_on_after(5):
+            await conn.send_error(rid, e)
+    except (CacheUnavailableError, OSError):
+        pass
+
+
 class Server:
     """Run with ``async with Server(config) as server: await server.serve_forever()``."""
 
@@ -688,8 +711,10 @@ class Server:
                     self.counters["bad_frames"] += 1
                 return
             nfds = len(frame.fds)
+            if frame.op == "hello":
+                peer.greeted = True
             if nfds or peer.in_flight >= max_requests:  # (else no limit can refuse it)
-                limit = self._over_limit(peer, frame)
+                limit = _over_limit(self.config, peer, frame)
                 if limit is not None:
                     ipc.close_fds(frame.fds)
                     self.counters["limited"] += 1
@@ -730,14 +755,23 @@ class Server:
             ended = True
             wake.set()
 
+        hello_timer: asyncio.TimerHandle
+
         def hello_due() -> None:
-            nonlocal ended
-            if not peer.hello and not ended:
-                self.counters["hello_timeouts"] += 1
-                log.info("closing pid %d: no hello within %g s", peer.pid,
-                         self.config.hello_timeout)
-                ended = True
-                wake.set()
+            nonlocal ended, hello_timer
+            if peer.hello or ended:
+                return
+            if peer.greeted:
+                # A hello in progress: its cache may take long to open (a disk tier's scan,
+                # an S3 listing), and closing would cancel that open every time. Look again
+                # later; a hello that failed clears ``greeted``.
+                hello_timer = loop.call_later(self.config.hello_timeout, hello_due)
+                return
+            self.counters["hello_timeouts"] += 1
+            log.info("closing pid %d: no hello within %g s", peer.pid,
+                     self.config.hello_timeout)
+            ended = True
+            wake.set()
 
         hello_timer = loop.call_later(self.config.hello_timeout, hello_due)
         try:
@@ -768,18 +802,6 @@ class Server:
                 fds.clear()
             self._release_peer(peer)
             await conn.aclose()
-
-    def _over_limit(self, peer: _Peer, req: ipc.Request) -> ServerLimitError | None:
-        cfg = self.config
-        if peer.in_flight >= cfg.max_requests_per_peer:
-            return ServerLimitError(f"{req.op}: {peer.in_flight} requests already in flight "
-                                    f"on this connection (max_requests_per_peer="
-                                    f"{cfg.max_requests_per_peer})")
-        if peer.held_fds + len(req.fds) > cfg.max_fds_per_peer:
-            return ServerLimitError(f"{req.op}: this connection's requests would hold "
-                                    f"{peer.held_fds + len(req.fds)} fds (max_fds_per_peer="
-                                    f"{cfg.max_fds_per_peer})")
-        return None
 
     def _release_peer(self, peer: _Peer) -> None:
         peer.regs.clear()
@@ -839,12 +861,16 @@ class Server:
             except MusaCacheError as e:
                 # The peer's mistake (or a refused request): answered, never logged as a bug.
                 self.counters["errors"] += 1
-                await self._reply_error(conn, req.id, e)
+                if req.op == "hello" and not peer.hello:
+                    peer.greeted = False  # (hello_timeout runs on)
+                await _reply_error(conn, req.id, e)
                 return
             except Exception as e:  # a server bug: answer, log, keep serving everyone else
                 self.counters["errors"] += 1
+                if req.op == "hello" and not peer.hello:
+                    peer.greeted = False
                 log.exception("op %s failed", req.op)
-                await self._reply_error(conn, req.id, e)
+                await _reply_error(conn, req.id, e)
                 return
             try:
                 await conn.send_reply(req.id, result)
@@ -852,14 +878,6 @@ class Server:
                 pass  # the peer went away; its cleanup runs in _serve_peer
         finally:
             peer.in_flight -= 1
-
-    @staticmethod
-    async def _reply_error(conn: ipc.Connection, rid: int, e: BaseException) -> None:
-        try:
-            with anyio.move_on_after(5):
-                await conn.send_error(rid, e)
-        except (CacheUnavailableError, OSError):
-            pass
 
     # -- caches -------------------------------------------------------------------------------
 
