@@ -91,20 +91,19 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Calls:
     as_cuda = lambda tensors: CUDA  # noqa: E731
     for module in (_core, _engine, _move):
         monkeypatch.setattr(module, "accelerator_of", as_cuda)
-    real_gather, real_scatter = _core._gather_checked, _move.scatter_chunks
+    real_gather, real_scatter = _core._gather_checked, _engine._scatter_own
 
     def gather(kv: Any, slots: torch.Tensor, dsts: Any, counts: Any, *,
                stream: Any = None) -> None:
         calls.gather_chunks.append(len(dsts))
         real_gather(kv, slots, dsts, counts, stream=stream)
 
-    def scatter(srcs: Any, kv: Any, slots: torch.Tensor, layout: str | None = None, *,
-                stream: Any = None) -> None:
+    def scatter(srcs: Any, kv: Any, slots: torch.Tensor, *, stream: Any = None) -> None:
         calls.scatter_chunks.append(len(srcs))
-        real_scatter(srcs, kv, slots, layout, stream=stream)
+        real_scatter(srcs, kv, slots, stream=stream)
 
     monkeypatch.setattr(_core, "_gather_checked", gather)
-    monkeypatch.setattr(_engine, "scatter_chunks", scatter)
+    monkeypatch.setattr(_engine, "_scatter_own", scatter)
     yield calls
     devices._reset_probes()
 

@@ -25,7 +25,7 @@ from ._errors import CacheClosedError, ConfigError, DeviceError, InvalidInputErr
 from ._fastpath import FastPath
 from ._gcfreeze import full_collections_held
 from ._keys import Fingerprint, KeyChain, as_tokens
-from ._move import Mover, accelerator_of, scatter_chunks
+from ._move import Mover, accelerator_of
 from ._pages import PageSource, check_pages, page_keys
 from ._reads import VIEW_RUN
 from ._spec import KVSpec
@@ -33,6 +33,7 @@ from ._tasks import MustFinish, TaskOwner
 from ._tee import Tee
 from ._tierstate import MemTier, StoreTier, Tier
 from .tiers.base import StorageTier, TierContext
+from .transfer import _scatter_own
 
 __all__ = ["Cache", "Hit"]
 
@@ -513,7 +514,7 @@ class Cache:
                     run = torch.cat(runs) if len(runs) > 1 else runs[0]
                     device = accelerator_of([torch.empty(0, device=paged.device), *srcs])
                     await eng.mover.run(
-                        lambda stream: scatter_chunks(srcs, paged, run, stream=stream),
+                        lambda stream: _scatter_own(srcs, paged, run, stream=stream),
                         device=device, nbytes=eng.mover.inline_bytes)
                 eng.touch([m.entry for m, _, _ in found])
                 return sum(s.shape[td] for s in srcs)
@@ -722,6 +723,7 @@ def _check_kv(spec: KVSpec, kv: torch.Tensor, toks: np.ndarray, what: str,
     """``kv`` (``put``'s KV, ``get``'s ``out``) is dense KV of ``spec`` covering ``toks``
     (exactly, with ``exact``) on a device the cache can read and write."""
     have = spec.check_dense(kv, what=what)
+    spec.check_memory(kv, what=what)
     n = len(toks)
     if exact and have != n:
         raise ShapeError(f"{what} holds {have} tokens, tokens has {n}: {what} must have "

@@ -141,13 +141,21 @@ class KVSpec:
                 f"{what} has shape {tuple(kv.shape)}; the spec wants {pretty} = "
                 f"{tuple('T' if w == -1 else w for w in want)}"
             )
-        end = storage_short(kv)
+        return int(kv.shape[self.token_dim])
+
+    @staticmethod
+    def check_memory(t: torch.Tensor, *, what: str = "kv") -> None:
+        """Raise :class:`InvalidInputError` if ``t``'s storage does not reach its last element
+        (resized or freed under it, as FSDP frees parameters). For tensors a caller hands
+        in, not the cache's own: asking a tensor for its storage makes torch keep a Python
+        object on it, and the storage's free then holds the GIL (a pool segment's: 20 to
+        60 ms of the event loop, stopped while a worker thread unmapped it)."""
+        end = storage_short(t)
         if end is not None:
             raise InvalidInputError(
-                f"{what}'s storage holds {kv.untyped_storage().nbytes()} bytes but its elements "
+                f"{what}'s storage holds {t.untyped_storage().nbytes()} bytes but its elements "
                 f"reach byte {end}: its storage was resized or freed under it (as FSDP frees "
                 "parameters), so the cache can neither read nor write it")
-        return int(kv.shape[self.token_dim])
 
     def check_out(self, out: torch.Tensor, *, what: str = "out") -> int:
         """:meth:`check_dense`, plus what a tensor the cache writes into must allow: no element

@@ -700,6 +700,7 @@ def _prepare(pages: Pages, dense: object, what: str, slot_mapping: object,
     if not isinstance(dense, torch.Tensor):
         raise ShapeError(f"{what} must be a torch.Tensor, got {type(dense).__name__}")
     num_tokens = info.spec().check_dense(dense, what=what)
+    KVSpec.check_memory(dense, what=what)
     if dense.device != info.device:
         raise DeviceError(f"{what} is on {dense.device}, but the paged caches are on "
                           f"{info.device}")
@@ -915,7 +916,8 @@ class _Chunks(_OnPages):
     starts: list[int]
 
 
-def _prepare_chunks(pages: Pages, denses: object, what: str, slot_mapping: object) -> _Chunks:
+def _prepare_chunks(pages: Pages, denses: object, what: str, slot_mapping: object,
+                    caller_memory: bool = True) -> _Chunks:
     info = pages.info
     if isinstance(denses, torch.Tensor) or not isinstance(denses, (list, tuple)):
         raise InvalidInputError(f"{what} must be a list of chunk tensors, got "
@@ -925,6 +927,8 @@ def _prepare_chunks(pages: Pages, denses: object, what: str, slot_mapping: objec
     for i, dense in enumerate(denses):
         name = f"{what}[{i}]"
         starts.append(starts[-1] + spec.check_dense(dense, what=name))
+        if caller_memory:  # (not the cache's own slots: see KVSpec.check_memory)
+            spec.check_memory(dense, what=name)
         if dense.device != info.device and not (info.device.type != "cpu"
                                                 and dense.device.type == "cpu"):
             raise DeviceError(f"{name} is on {dense.device}; the paged caches are on "
@@ -1322,6 +1326,14 @@ def scatter_chunks(srcs: Sequence[torch.Tensor], kv_caches: object, slots: objec
     Raises the same errors as :func:`gather_chunks`, before anything is written.
     """
     request = _prepare_chunks(_pages_arg(kv_caches, layout), srcs, "srcs", slots)
+    _move_chunks(request, to_dense=False, stream=stream)
+
+
+def _scatter_own(srcs: Sequence[torch.Tensor], pages: Pages, slots: torch.Tensor, *,
+                 stream: Any | None = None) -> None:
+    """:func:`scatter_chunks` of the cache's own slots (``retrieve``): every check but the
+    storage's reach, which would make torch keep a Python object on a pool segment."""
+    request = _prepare_chunks(pages, srcs, "srcs", slots, caller_memory=False)
     _move_chunks(request, to_dense=False, stream=stream)
 
 
