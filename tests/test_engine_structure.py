@@ -91,6 +91,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Calls:
     as_cuda = lambda tensors: CUDA  # noqa: E731
     for module in (_core, _engine, _move):
         monkeypatch.setattr(module, "accelerator_of", as_cuda)
+    monkeypatch.setattr(_core, "_host_memory", lambda pool: False)  # the slots are "on cuda"
     real_gather, real_scatter = _core._gather_checked, _engine._scatter_own
 
     def gather(kv: Any, slots: torch.Tensor, dsts: Any, counts: Any, *,

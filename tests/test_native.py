@@ -802,3 +802,14 @@ def test_crc32c_fold_path_matches_the_scalar_one_at_every_edge() -> None:
         flipped = bytearray(data[:2048])
         flipped[bit // 8] ^= 1 << (bit % 8)
         assert _native.crc32c(bytes(flipped)) != base
+
+
+def test_slot_range_matches_numpy_min_and_max() -> None:
+    from musacache import _native
+
+    rng = np.random.default_rng(4)
+    for n in (1, 2, 7, 4096, 100_003):
+        a = rng.integers(-5, 1 << 40, n, dtype=np.int64)
+        assert _native.slot_range_at(a.ctypes.data, n) == (int(a.min()), int(a.max()))
+    with pytest.raises(_native.NativeError):
+        _native.slot_range_at(a.ctypes.data, 0)

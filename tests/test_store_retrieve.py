@@ -70,6 +70,16 @@ def read_dense(spec, layout, pages, slots):
     return out
 
 
+def paged_request(spec, layout, n, num_blocks, rng):
+    """``n`` random tokens, their reference KV, and pages holding it at random slots."""
+    toks = [rng.randrange(1000) for _ in range(n)]
+    dense = prefix_kv(spec, toks)
+    pages = make_pages(spec, layout, num_blocks)
+    slots = random_slots(n, num_blocks, rng)
+    write_dense(spec, layout, pages, slots, dense)
+    return toks, dense, pages, slots
+
+
 def flat(pages):
     if isinstance(pages, tuple):
         return [t.clone() for t in pages[0] + pages[1]]
@@ -275,3 +285,70 @@ async def test_a_store_gathers_from_the_callers_slot_mapping_without_copying_it(
         assert torch.equal(used, slots)
         hit = await c.get(toks)
         assert torch.equal(hit.kv, dense)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+async def test_store_from_host_pages_gathers_into_slots_by_address(layout, monkeypatch):
+    """From host pages, store hands the native gather its slots by address (no tensor view
+    per slot); with a chunk whose head comes from the cache (skip_prefix inside it), as
+    tensors. Either way the bytes are exact, a short tail chunk included."""
+    from musacache import _core
+    from musacache.tiers.memory import MemoryPool
+    from musacache.transfer import DenseAt
+
+    seen = []
+    real = _core._gather_checked
+
+    def spy(pages, slots, dsts, counts, *, stream=None):
+        seen.append([type(d) for d in dsts])
+        return real(pages, slots, dsts, counts, stream=stream)
+
+    def no_views(*a, **k):
+        raise AssertionError("a slot view was made for a store by address")
+
+    monkeypatch.setattr(_core, "_gather_checked", spy)
+    rng = random.Random(11)
+    spec = small_spec(mla=layout.endswith("mla"))
+    toks, dense, pages, slots = paged_request(spec, layout, 57, 32, rng)  # a 9-token tail
+    cfg = mc.CacheConfig(spec, "paged", tiers=(mc.HostTier(spec.nbytes(CH) * 16),), chunk_size=CH)
+    async with mc.Cache(cfg) as c:
+        with monkeypatch.context() as m:
+            m.setattr(MemoryPool, "views", no_views)
+            m.setattr(MemoryPool, "view", no_views)
+            assert await c.store(toks, pages, slots, layout=layout) == 57
+        assert seen == [[DenseAt] * 4]
+        assert torch.equal((await c.get(toks)).kv, dense)
+        # The tail chunk grows: its cached 9 tokens are the head of the new, longer chunk.
+        more = toks + [rng.randrange(1000) for _ in range(5)]
+        dense2 = prefix_kv(spec, more)
+        pages2 = make_pages(spec, layout, 32)
+        slots2 = random_slots(62, 32, rng)
+        write_dense(spec, layout, pages2, slots2, dense2)
+        seen.clear()
+        assert await c.store(more, pages2, slots2, layout=layout, skip_prefix=57) == 62
+        assert seen and all(DenseAt not in kinds for kinds in seen)
+        assert torch.equal((await c.get(more)).kv, dense2)
+
+
+@pytest.mark.parametrize("chunks,calls", [(40, 1), (64, 1), (100, 2)])
+async def test_store_is_one_native_call_per_64_chunks(chunks, calls, monkeypatch):
+    from musacache import _core
+
+    made = []
+    real = _core._gather_checked
+
+    def spy(pages, slots, dsts, counts, *, stream=None):
+        made.append(len(dsts))
+        return real(pages, slots, dsts, counts, stream=stream)
+
+    monkeypatch.setattr(_core, "_gather_checked", spy)
+    rng = random.Random(chunks)
+    spec = small_spec()
+    n = chunks * CH
+    toks, dense, pages, slots = paged_request(spec, "vllm", n, 2 * n // BS, rng)
+    cfg = mc.CacheConfig(spec, "paged", tiers=(mc.HostTier(spec.nbytes(CH) * chunks),),
+                         chunk_size=CH)
+    async with mc.Cache(cfg) as c:
+        assert await c.store(toks, pages, slots, layout="vllm") == n
+        assert len(made) == calls and sum(made) == chunks
+        assert torch.equal((await c.get(toks)).kv, dense)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -86,12 +87,24 @@ _R = TypeVar("_R")
 
 class ColdPath:
     def __init__(self, engine: EngineServices) -> None:
-        self.eng = engine
+        # The engine holds this cold path, which holds its direct reads; each names its
+        # owner by weak reference. The cache's objects are frozen with the heap at its first
+        # entry (``_gcfreeze``) and the collector never frees a frozen cycle: with strong
+        # back-references every closed cache kept its engine, tiers, recency arrays and
+        # entries for the life of the process.
+        self._engine: weakref.ref[EngineServices] = weakref.ref(engine)
         self.errlog = RateLimitedLog(log)
         self.direct = DirectReads(self)
         # Top-tier slots a timed-out read may still write into: (tier, slot index, the
         # storage tier read, the slot's view), released once the read's thread returns.
         self._parked: list[tuple[MemTier, int, StoreTier, torch.Tensor]] = []
+
+    @property
+    def eng(self) -> EngineServices:
+        eng = self._engine()
+        if eng is None:  # only an object that outlived its cache's engine can see this
+            raise _errors.CacheClosedError("the cache is closed")
+        return eng
 
     # -- reads ----------------------------------------------------------------------------
 
@@ -555,7 +568,14 @@ class DirectReads:
     whose counting and guards it uses, so that each class stays small."""
 
     def __init__(self, cold: ColdPath) -> None:
-        self.cold = cold
+        self._cold = weakref.ref(cold)  # see ColdPath.__init__
+
+    @property
+    def cold(self) -> ColdPath:
+        cold = self._cold()
+        if cold is None:
+            raise _errors.CacheClosedError("the cache is closed")
+        return cold
 
     async def read_to_tee(self, e: Entry, tee: Tee) -> tuple[bool, StoreTier | None]:
         """Read ``e`` straight into ``tee`` (a get's own tensor, no top-tier slot in between)

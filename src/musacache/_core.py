@@ -15,6 +15,7 @@ the one place that allocates, copies, re-checks ``dead`` and commits.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -36,7 +37,7 @@ from ._staging import STAGE_KEEP_BYTES, StagePool
 from ._tasks import MustFinish, TaskOwner
 from ._tierstate import MemTier, StoreTier, Tier, counters
 from .tiers.memory import MemoryPool, Slot
-from .transfer import Pages, _gather_checked
+from .transfer import DenseAt, Pages, _gather_checked
 
 __all__ = ["ChunkSource", "DenseSource", "Engine", "PagedSource"]
 
@@ -47,6 +48,10 @@ BATCH = 64
 # New chunks a put plans, moves and commits per round (a put costs several times more per
 # chunk than removing one; one round of a long prompt then stays near a millisecond).
 _PUT_ROUND = 16
+# A store's round: its planning costs a few microseconds a chunk (no tensor per chunk), and
+# each round is a native call and a thread hop of its own: a request of up to 64 chunks
+# (16,384 tokens in chunks of 256) is one call.
+_STORE_ROUND = 64
 # Chunks a lookup or read matches per turn of the loop (a few hundred microseconds).
 _MATCH_RUN = 256
 # Host bytes a put stages at once for chunks that go straight to a storage tier.
@@ -57,7 +62,9 @@ class ChunkSource(Protocol):
     """Where a put's bytes come from: ``move`` fills ``dst`` with tokens ``[start,
     start+n)`` of the request for every ``(start, n, dst)``, as one move."""
 
-    async def move(self, mover: Mover, parts: Sequence[tuple[int, int, torch.Tensor]]) -> None:
+    async def move(self, mover: Mover, parts: Sequence[tuple[int, int, Any]]) -> None:
+        """``dst`` is a tensor, or a :class:`DenseAt` for a source whose
+        ``takes_addresses`` is true."""
         ...
 
 
@@ -83,14 +90,22 @@ class PagedSource:
         self.td = token_dim
         self.skip = skip_prefix
         self.head = head
+        #: Whether ``move`` takes the cache's own host slots by address (``DenseAt``): the
+        #: native gather from host pages, no head to copy into a slot's first tokens.
+        self.takes_addresses = pages.device.type == "cpu" and head is None
 
-    async def move(self, mover: Mover, parts: Sequence[tuple[int, int, torch.Tensor]]) -> None:
+    async def move(self, mover: Mover,
+                   parts: Sequence[tuple[int, int, torch.Tensor | DenseAt]]) -> None:
+        if self.takes_addresses and any(isinstance(d, DenseAt) for _, _, d in parts):
+            await self._move_to(mover, parts)  # host memory only: no device to look for
+            return
         td = self.td
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         dsts: list[torch.Tensor] = []
         runs: list[tuple[int, int]] = []  # [start, end) of self.slots per chunk in dsts
         counts: list[int] = []
         for s, n, dst in parts:
+            assert not isinstance(dst, DenseAt)  # only where takes_addresses
             if self.head is not None and s == self.head[0] and s < self.skip:
                 k = self.skip - s
                 copies.append((dst.narrow(td, 0, k), self.head[1].narrow(td, 0, k)))
@@ -114,6 +129,23 @@ class PagedSource:
                 _gather_checked(self.pages, slots, dsts, counts, stream=stream)
 
         await mover.run(work, device=device, nbytes=max(nbytes, mover.inline_bytes))
+
+    async def _move_to(self, mover: Mover,
+                       parts: Sequence[tuple[int, int, torch.Tensor | DenseAt]]) -> None:
+        """``move`` from host pages, the slots by address or as host tensors."""
+        dsts = [dst for _, _, dst in parts]
+        counts = [n for _, n, _ in parts]
+        slots = _joined(self.slots, [(s, s + n) for s, n, _ in parts])
+        nbytes = sum(d.nbytes for d in dsts)
+
+        def work(_stream: Any) -> None:
+            _gather_checked(self.pages, slots, dsts, counts)
+
+        await mover.run(work, device=None, nbytes=max(nbytes, mover.inline_bytes))
+
+
+def _host_memory(pool: MemoryPool) -> bool:
+    return pool.device.type == "cpu"
 
 
 def _evicted(t: MemTier, directory: Directory, chosen: list[Entry]) -> int:
@@ -156,16 +188,32 @@ class _LazyKeys:
 
 @dataclass(eq=False)
 class _New:
-    """A chunk a put places: where it goes, until its commit."""
+    """A chunk a put places: where it goes, until its commit. Another put of the same
+    chunk meanwhile waits for it through :meth:`settled`."""
 
     start: int
     end: int
     entry: Entry
-    flight: anyio.Event
     tier: MemTier | None = None
     index: int | None = None
     slot: Slot | None = None
     done: bool = False
+    # Made by the first put that waits: almost no chunk has one (an event per chunk was a
+    # tenth of a 16-chunk store's planning, right after a large copy left the caches cold).
+    _settled: asyncio.Event | None = None
+
+    def settled(self) -> asyncio.Event:
+        """Set once this chunk is committed or abandoned."""
+        if self._settled is None:
+            self._settled = asyncio.Event()
+            if self.done:
+                self._settled.set()
+        return self._settled
+
+    def settle(self) -> None:
+        self.done = True
+        if self._settled is not None:
+            self._settled.set()
 
 
 class Engine(Reads):
@@ -191,7 +239,8 @@ class Engine(Reads):
         self.stage = StagePool(STAGE_KEEP_BYTES)  # host buffers of chunks put to storage
         self.wt_sem = anyio.Semaphore(max(2, config.copy_threads * 2))
         self.flights: dict[bytes, Flight] = {}
-        self.put_flights: dict[bytes, anyio.Event] = {}
+        self._dense_at: dict[int, DenseAt] = {}  # by token count, at address 0
+        self.put_flights: dict[bytes, _New] = {}  # chunks a put is placing, by key
         self.inflight = counters("puts", "gets", "lookups", "prefetches", "promotions", "writes")
         self.tok = counters("hit_tokens", "miss_tokens", "put_tokens", "stored_tokens")
         # Pins held over all entries, kept as they change: stats() never walks the directory.
@@ -269,10 +318,11 @@ class Engine(Reads):
         held: list[Entry] = []
         stored_to = 0
         pos = 0
+        cap = _STORE_ROUND if isinstance(source, PagedSource) else _PUT_ROUND
         try:
             while pos < len(plan_keys):
                 items, pos, wait, stop, reached = self._plan_put(toks, plan_keys, pos, held,
-                                                                 skip_prefix, head_start)
+                                                                 skip_prefix, head_start, cap)
                 stored_to = max(stored_to, reached)
                 if items:
                     try:
@@ -313,7 +363,8 @@ class Engine(Reads):
     def _plan_put(self, toks: np.ndarray,
                   keys: _LazyKeys | list[tuple[int, int, bytes, bytes]], pos: int,
                   held: list[Entry], skip_prefix: int, head_start: int | None,
-                  ) -> tuple[list[_New], int, anyio.Event | None, bool, int]:
+                  cap: int = _PUT_ROUND,
+                  ) -> tuple[list[_New], int, asyncio.Event | None, bool, int]:
         """Synchronous: walk keys from ``pos``; pin the cached chunks before the first new
         one, then claim and reserve a top-tier slot for each new chunk of the run. Stops
         before a chunk another put is placing (returned, to wait on), before a cached chunk
@@ -341,23 +392,21 @@ class Engine(Reads):
                 continue
             flight = self.put_flights.get(key)
             if flight is not None:
-                return items, pos, flight, False, reached
+                return items, pos, flight.settled(), False, reached
             if start < skip_prefix and start != head_start:
                 # The caller said not to read these tokens, and we do not hold them: nothing
                 # after them can be chained.
                 return items, pos, None, True, reached
-            fl = anyio.Event()
-            self.put_flights[key] = fl
             n = end - start
-            it = _New(start, end, Entry(key, parent, n, self.spec.nbytes(n),
-                                        toks[start:end]), fl)
+            it = _New(start, end, Entry(key, parent, n, self.spec.nbytes(n), toks[start:end]))
+            self.put_flights[key] = it
             if top is not None:
                 idx = top.pool.reserve()
                 if idx is not None:
                     it.tier, it.index = top, idx
             items.append(it)
             pos += 1
-            if len(items) >= _PUT_ROUND:
+            if len(items) >= cap:
                 break  # a long prompt is planned and placed in rounds: the loop runs between
         return items, pos, None, False, reached
 
@@ -390,7 +439,7 @@ class Engine(Reads):
                 in_mem.append((it, pool, it.index))
             else:
                 overflow.append(it)
-        parts = self._dests(in_mem)
+        parts = self._dests(in_mem, getattr(source, "takes_addresses", False))
         # Staging for storage is bounded: a prompt far larger than memory is moved, encoded and
         # queued a batch at a time (the first batch rides in the memory chunks' move).
         batches: list[list[_New]] = []
@@ -419,10 +468,20 @@ class Engine(Reads):
                     return staged[placed][0].start
         return None
 
-    def _dests(self, placed: list[tuple[_New, MemoryPool, int]],
-               ) -> list[tuple[int, int, torch.Tensor]]:
+    def _dests(self, placed: list[tuple[_New, MemoryPool, int]], addressed: bool = False,
+               ) -> list[tuple[int, int, torch.Tensor | DenseAt]]:
         """``(start, tokens, view of its slot)`` per placed chunk: the whole chunks in each
-        pool viewed together (:meth:`MemoryPool.views`), a short tail alone."""
+        pool viewed together (:meth:`MemoryPool.views`), a short tail alone. ``addressed``:
+        slots in host memory as :class:`DenseAt` instead, no view made."""
+        if addressed and all(_host_memory(pool) for _, pool, _ in placed):
+            out: list[tuple[int, int, torch.Tensor | DenseAt]] = []
+            for it, pool, index in placed:
+                n = it.end - it.start
+                at = self._dense_at.get(n)
+                if at is None:
+                    at = self._dense_at[n] = DenseAt.of(0, self.spec, n)
+                out.append((it.start, n, DenseAt(pool.address(index), *at[1:])))
+            return out
         cs, dtype = self.config.chunk_size, self.spec.dtype
         views: list[torch.Tensor | None] = [None] * len(placed)
         whole: dict[int, list[int]] = {}  # id(pool) -> positions in placed
@@ -442,9 +501,9 @@ class Engine(Reads):
     def _commit_new(self, it: _New, held: list[Entry]) -> None:
         e = it.entry
         self.dir.add(e)
-        it.done = True
-        self.put_flights.pop(e.key, None)
-        it.flight.set()
+        if self.put_flights.get(e.key) is it:
+            del self.put_flights[e.key]
+        it.settle()
         self.pin(e)
         held.append(e)
         self.tok["put_tokens"] += e.num_tokens
@@ -470,9 +529,9 @@ class Engine(Reads):
         it.done = True
         if it.tier is not None and it.index is not None:
             it.tier.pool.release(it.index)
-        if self.put_flights.get(it.entry.key) is it.flight:
+        if self.put_flights.get(it.entry.key) is it:
             del self.put_flights[it.entry.key]
-        it.flight.set()
+        it.settle()
 
     # -- relocation: allocate, copy, re-check dead, commit -------------------------------
 

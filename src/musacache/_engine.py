@@ -225,6 +225,7 @@ class Cache:
         cfg = self.config
         slot_bytes = self.spec.nbytes(cfg.chunk_size)
         started: list[StorageTier] = []
+        mover: Mover | None = None
         try:
             tiers: list[Tier] = []
             for idx, tc in enumerate(cfg.tiers):
@@ -239,8 +240,7 @@ class Cache:
             mem = [t for t in tiers if isinstance(t, MemTier)]
             self._device = (mem[0].device if mem else torch.device("cpu")) \
                 if cfg.device == "auto" else devices.resolve(cfg.device)
-            mover = Mover(anyio.CapacityLimiter(cfg.copy_threads), cfg.copy_threads,
-                          int(cfg.inline_copy_bytes))
+            mover = Mover(cfg.copy_threads, int(cfg.inline_copy_bytes))
             await self._tasks.start()
             eng = Engine(cfg, self.fingerprint, self._chain, tiers, mover, self._tasks)
             ctx = TierContext(self.fingerprint, tenant=self.config.tenant)
@@ -260,6 +260,8 @@ class Cache:
                 for store in started:
                     await store.aclose()
                 await self._tasks.aclose()
+            if mover is not None:
+                mover.close()
             self._state = "closed"
             raise
         self._eng = eng
@@ -294,9 +296,12 @@ class Cache:
                         eng.cold.errlog.warn(st.name, "close", repr(e))
                 for mt in eng.mem:
                     await _removal.release_memory(mt)
+                for st in eng.stores:
+                    await _removal.release_store(st)
                 # A batch of entries freed per loop turn, not a million in one step.
                 old, eng.dir = eng.dir, eng.dir.emptied()
                 await _removal.dismantle(old, BATCH)
+                eng.mover.close()
                 self._state = "closed"
 
     def _check_open(self) -> Engine:

@@ -218,6 +218,16 @@ class KeyLRU:
         self._n -= 1
         return self._take(key, g)
 
+    def take_generations(self) -> list[OrderedDict[bytes, Entry]]:
+        """Forget every key, and hand back the generations that held them (as
+        :meth:`SlotLRU.take_pages`: the caller drops them over several loop turns)."""
+        gens = list(self._gens.values())
+        self._gens = {0: OrderedDict()}
+        self._newest = 0
+        self._where = [{} for _ in range(256)]
+        self._n = 0
+        return gens
+
     def items(self) -> Iterator[tuple[bytes, Entry]]:
         """``(key, entry)`` from the oldest (the order must not change while iterating)."""
         for gen in list(self._gens.values()):

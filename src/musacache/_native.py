@@ -237,6 +237,17 @@ def _check_nonneg(name: str, value: object, *, minimum: int = 0) -> int:
     return value
 
 
+def slot_range_at(ptr: int, n: int) -> tuple[int, int] | None:
+    """The least and greatest of ``n >= 1`` int64 values at address ``ptr`` (memory the
+    caller holds), or None from a module built before ``mc_slot_range``."""
+    fn = getattr(lib, "mc_slot_range", None)
+    if fn is None:
+        return None
+    out = ffi.new("int64_t[2]")
+    _check_status(fn(ptr, n, out, out + 1), "slot_range")
+    return int(out[0]), int(out[1])
+
+
 def check_slots(slots: np.ndarray[Any, Any], num_slots: int) -> bool:
     """Check a slot array: 1-D C-contiguous int64 with every entry -1 or in [0, num_slots).
     Returns whether any entry is -1 (a token with no slot), which the check's minimum tells

@@ -20,12 +20,12 @@ from ._children import Siblings
 from ._directory import Directory, Entry
 from ._placement import delete_roots, subtree_batches
 from ._tasks import TaskOwner, run_steps
-from ._tierstate import MemTier
+from ._tierstate import MemTier, StoreTier
 
 if TYPE_CHECKING:
     from ._core import Engine
 
-__all__ = ["clear", "delete", "dismantle", "release_memory"]
+__all__ = ["clear", "delete", "dismantle", "release_memory", "release_store"]
 
 
 async def delete(eng: Engine, toks: np.ndarray, batch: int) -> int:
@@ -134,3 +134,15 @@ async def release_memory(mt: MemTier) -> None:
         pages.pop()
         await anyio.lowlevel.cancel_shielded_checkpoint()
     await mt.pool.aclear_memory()
+
+
+async def release_store(st: StoreTier) -> None:
+    """Let go of a storage tier's recency order on close, a generation of it per loop turn.
+    Dropped with the directory alone, its references kept every stored entry alive for as
+    long as the closed cache's own objects lived, and those are never freed by the
+    collector once frozen (``_gcfreeze``): a restart that learned a million-object listing
+    left two million objects behind at close."""
+    gens = st.lru.take_generations()
+    while gens:
+        gens.pop()
+        await anyio.lowlevel.cancel_shielded_checkpoint()

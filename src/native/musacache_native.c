@@ -1164,6 +1164,20 @@ int mc_copy_bytes(uintptr_t dst, uintptr_t src, int64_t n) {
     return MC_OK;
 }
 
+int mc_slot_range(uintptr_t slots, int64_t n, int64_t *lo, int64_t *hi) {
+    if (n < 1 || slots == 0 || lo == NULL || hi == NULL) return MC_ERR_ARGUMENT;
+    const int64_t *p = (const int64_t *)slots;
+    int64_t a = p[0], b = p[0];
+    for (int64_t i = 1; i < n; i++) {
+        int64_t v = p[i];
+        a = v < a ? v : a;
+        b = v > b ? v : b;
+    }
+    *lo = a;
+    *hi = b;
+    return MC_OK;
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* LZ4 block decoder                                                                         */
 /* ---------------------------------------------------------------------------------------- */

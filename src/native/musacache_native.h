@@ -126,6 +126,12 @@ int mc_max_simd_level(int *out);
  * without building a pointer object per call. MC_ERR_ARGUMENT for n < 0 or a null address. */
 int mc_copy_bytes(uintptr_t dst, uintptr_t src, int64_t n);
 
+/* The least and greatest of the n int64 values at address slots (a store's slot_mapping,
+ * range-checked before any page is read): one pass, where numpy's min and max reductions cost
+ * about 0.1 ms on a store's critical path with the CPU's caches cold from the copy before.
+ * MC_ERR_ARGUMENT for n < 1 or a null address. */
+int mc_slot_range(uintptr_t slots, int64_t n, int64_t *lo, int64_t *hi);
+
 /* -- chunk decode into its destinations (codec.py, "lz4" codec id 2) ------------------------ */
 
 /* LZ4 block format (no frame): decodes src[0:len] into exactly dst[0:n]. MC_ERR_CORRUPT when

@@ -142,6 +142,11 @@ class MemoryPool:
         start = off * self.slot_bytes // dtype.itemsize  # an attribute: no 0-d tensor
         return self._typed_segment(seg_no, dtype)[start : start + n].view(shape)
 
+    def address(self, index: int) -> int:
+        """Where slot ``index`` (materialized) begins."""
+        seg_no, off = divmod(index, self.slots_per_segment)
+        return self.seg_addr[seg_no] + off * self.slot_bytes
+
     def views(self, indices: Sequence[int], dtype: torch.dtype,
               shape: tuple[int, ...]) -> list[torch.Tensor]:
         """:meth:`view` of each slot in ``indices`` (all materialized), in their order.
