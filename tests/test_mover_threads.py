@@ -89,3 +89,51 @@ async def test_threads_bounded_by_copy_threads() -> None:
         assert most == 2
     finally:
         m.close()
+
+
+@pytest.mark.asyncio
+async def test_cancel_while_queued_takes_it_off_the_queue() -> None:
+    """A caller cancelled while its function still waits for a busy thread does not wait for
+    the queue to drain, and its function never runs."""
+    m, slow = Mover(1, 0), _Slow()
+    ran = threading.Event()
+    try:
+        busy = asyncio.ensure_future(m.in_thread(slow))
+        await anyio.to_thread.run_sync(slow.started.wait)
+        queued = asyncio.ensure_future(m.in_thread(ran.set))
+        await asyncio.sleep(0.01)
+        queued.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        assert not slow.ended.is_set()  # it did not wait for the thread ahead of it
+        assert await busy == "done"
+        await m.in_thread(lambda: None)  # the thread has run everything queued after it
+        assert not ran.is_set()
+    finally:
+        m.close()
+
+
+@pytest.mark.asyncio
+async def test_quiesce_waits_for_running_moves_and_refuses_new_ones() -> None:
+    """The cache's close: the moves under way end first (they may write memory the close
+    frees next), and a move asked for afterwards is a typed error, before it runs."""
+    from musacache import CacheClosedError
+
+    m, slow = Mover(2, 1 << 20), _Slow()
+    wrote = []
+    try:
+        running = asyncio.ensure_future(m.in_thread(slow))
+        await anyio.to_thread.run_sync(slow.started.wait)
+        await m.quiesce()
+        assert slow.ended.is_set()
+        assert await running == "done"
+        with pytest.raises(CacheClosedError):
+            await m.in_thread(lambda: wrote.append("thread"))
+        with pytest.raises(CacheClosedError):  # a small move, done inline on the loop
+            await m.run(lambda _s: wrote.append("inline"), device=None, nbytes=1)
+        m.close()
+        with pytest.raises(CacheClosedError):  # never the pool's bare RuntimeError
+            await m.in_thread(lambda: wrote.append("closed"))
+        assert wrote == []
+    finally:
+        m.close()

@@ -1,8 +1,10 @@
 """Cache.store / Cache.retrieve: the engine API over paged KV caches, one key space with
 put/get, checked before anything is written."""
 
+import asyncio
 import random
 
+import anyio
 import pytest
 import torch
 
@@ -352,3 +354,50 @@ async def test_store_is_one_native_call_per_64_chunks(chunks, calls, monkeypatch
         assert await c.store(toks, pages, slots, layout="vllm") == n
         assert len(made) == calls and sum(made) == chunks
         assert torch.equal((await c.get(toks)).kv, dense)
+
+
+async def test_close_during_a_store_frees_no_slot_the_store_is_writing(monkeypatch):
+    """A store from host pages writes the cache's slots by address, which keeps no memory
+    segment alive: aclose must wait for the copy before it frees the segments (it used to
+    free them under the copy thread: a use after free). The store ends or fails typed."""
+    import threading
+    import time
+
+    from musacache import _core, _removal
+
+    events: list[str] = []
+    started = threading.Event()
+    real_gather, real_release = _core._gather_checked, _removal.release_memory
+
+    def slow_gather(pages, slots, dsts, counts, *, stream=None):
+        started.set()
+        time.sleep(0.3)
+        if "release" in events:  # the segments are gone: writing them would crash
+            events.append("gather after release")
+            return None
+        events.append("gather")
+        return real_gather(pages, slots, dsts, counts, stream=stream)
+
+    async def release(mt):
+        events.append("release")
+        return await real_release(mt)
+
+    monkeypatch.setattr(_core, "_gather_checked", slow_gather)
+    monkeypatch.setattr(_removal, "release_memory", release)
+    rng = random.Random(5)
+    spec = small_spec()
+    toks, _, pages, slots = paged_request(spec, "vllm", 4 * CH, 16, rng)
+    cfg = mc.CacheConfig(spec, "paged", tiers=(mc.HostTier(spec.nbytes(CH) * 8),), chunk_size=CH)
+    c = mc.Cache(cfg)
+    await c.__aenter__()
+    task = asyncio.ensure_future(c.store(toks, pages, slots, layout="vllm"))
+    await anyio.to_thread.run_sync(started.wait)
+    await c.aclose()
+    assert events == ["gather", "release"]
+    try:
+        assert await task == 4 * CH
+    except mc.CacheClosedError:
+        pass
+    # After the close, a store is refused typed, before it moves anything.
+    with pytest.raises(mc.CacheClosedError):
+        await c.store(toks, pages, slots, layout="vllm")

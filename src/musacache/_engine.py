@@ -294,6 +294,9 @@ class Cache:
                         await st.store.aclose()
                     except Exception as e:  # closing must release the rest regardless
                         eng.cold.errlog.warn(st.name, "close", repr(e))
+                # No move may write a slot (by address: that keeps no memory alive) once
+                # its segment is freed: new ones fail, running ones finish first.
+                await eng.mover.quiesce()
                 for mt in eng.mem:
                     await _removal.release_memory(mt)
                 for st in eng.stores:

@@ -23,6 +23,7 @@ import anyio
 import torch
 
 from . import devices
+from ._errors import CacheClosedError
 from .transfer import gather_chunks, scatter_chunks
 
 __all__ = ["Mover", "accelerator_of", "gather_chunks", "scatter_chunks"]
@@ -67,26 +68,60 @@ class Mover:
         #: Moves run, and event waits made (one per device move): structure tests read them.
         self.moves = 0
         self.event_waits = 0
+        # Moves under way (a thread's function, or a device move's event not yet done); a
+        # store writes the cache's slots by address, which keeps no segment alive, so
+        # ``quiesce`` waits for these before the cache frees its memory.
+        self._running = 0
+        self._idle: asyncio.Event | None = None
+        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CacheClosedError("the cache closed while this operation was moving its data")
+
+    def _done(self) -> None:
+        self._running -= 1
+        if not self._running and self._idle is not None:
+            self._idle.set()
 
     async def in_thread(self, fn: Callable[[], Any]) -> Any:
-        """``fn()`` in a copy thread. A caller cancelled meanwhile still waits for ``fn`` to
-        end, then is cancelled: ``fn`` reads and writes memory the caller owns and frees."""
-        fut = asyncio.get_running_loop().run_in_executor(self._pool, fn)
+        """``fn()`` in a copy thread. A caller cancelled while ``fn`` runs still waits for it
+        to end, then is cancelled: ``fn`` reads and writes memory the caller owns and frees.
+        One cancelled while ``fn`` still waits for a thread takes it off the queue instead."""
+        self._check_open()
+        cf = self._pool.submit(fn)
+        self._running += 1
         try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            with anyio.CancelScope(shield=True):  # anyio's scopes re-cancel every turn
-                await _outlive(fut)
-            raise
+            fut = asyncio.wrap_future(cf)
+            try:
+                return await asyncio.shield(fut)
+            except asyncio.CancelledError:
+                if not cf.cancel():  # it has started: wait for it
+                    with anyio.CancelScope(shield=True):  # anyio's scopes re-cancel every turn
+                        await _outlive(fut)
+                raise
+        finally:
+            self._done()
+
+    async def quiesce(self) -> None:
+        """Refuse new moves (they raise :class:`CacheClosedError`) and wait for the running
+        ones to end: the cache is closing and is about to free the memory they touch."""
+        self._closed = True
+        while self._running:
+            self._idle = asyncio.Event()
+            with anyio.CancelScope(shield=True):
+                await self._idle.wait()
 
     def close(self) -> None:
         """Let the copy threads end once idle (the cache is closed: nothing hops any more)."""
+        self._closed = True
         self._pool.shutdown(wait=False)
 
     async def run(self, work: Callable[[Any], None], *, device: torch.device | None,
                   nbytes: int) -> None:
         """Run ``work(stream)``: on the host in a worker thread (inline when tiny), or
         enqueued on ``device``'s copy stream and awaited through one event."""
+        self._check_open()
         self.moves += 1
         if device is None:
             if nbytes < self.inline_bytes:
@@ -106,9 +141,13 @@ class Mover:
 
         done = await self.in_thread(enqueue)
         self.event_waits += 1
-        # Shielded: the memory under these copies must not be freed before they finish.
-        with anyio.CancelScope(shield=True):
-            await devices.wait_event(done)
+        self._running += 1
+        try:
+            # Shielded: the memory under these copies must not be freed before they finish.
+            with anyio.CancelScope(shield=True):
+                await devices.wait_event(done)
+        finally:
+            self._done()
 
     async def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """``dst.copy_(src)`` for every pair, as one move."""
@@ -120,6 +159,7 @@ class Mover:
             d, s = pairs[0]
             if accelerator_of(pairs[0]) is None \
                     and d.numel() * d.element_size() < self.inline_bytes:
+                self._check_open()
                 self.moves += 1
                 d.copy_(s)
                 return
