@@ -38,11 +38,16 @@ def _cfg(chunks: int, **kw: object) -> mc.CacheConfig:
 
 async def _wide(c: mc.Cache) -> np.ndarray:
     """A shared prefix with SIBLINGS conversations after it; returns the prefix."""
-    rng = np.random.default_rng(1)
+    return await _wide_of(c, SIBLINGS, seed=1)
+
+
+async def _wide_of(c: mc.Cache, n: int, seed: int = 2) -> np.ndarray:
+    """A shared prefix with ``n`` one-chunk conversations after it; returns the prefix."""
+    rng = np.random.default_rng(seed)
     system = rng.integers(0, 128000, CH).astype(np.int32)
     kv = torch.zeros(TINY.shape(2 * CH), dtype=TINY.dtype)
     await c.put(system, torch.zeros(TINY.shape(CH), dtype=TINY.dtype))
-    for conv in rng.integers(0, 128000, (SIBLINGS, CH)).astype(np.int32):
+    for conv in rng.integers(0, 128000, (n, CH)).astype(np.int32):
         await c.put(np.concatenate([system, conv]), kv)
     return system
 
@@ -60,6 +65,36 @@ async def test_deleting_a_prompt_with_many_descendants_frees_them_a_batch_per_st
         assert m.turns > SIBLINGS // BATCH  # it did run in batches
         assert m.grew < STEP_BYTES, m.grew
         assert m.shrank < STEP_BYTES, m.shrank
+
+
+async def test_a_wide_deletes_last_children_go_a_few_per_step(monkeypatch):
+    """Entries freed in no particular order leave most of the allocator's 1 MiB arenas with
+    their last object among the very last entries freed, and each arena goes back to the OS
+    as it empties: the last batch of a delete of 200,000 children unmapped 21 to 35 of them
+    (4 to 6 ms). A big index's last ``_TAIL * BATCH`` children go ``BATCH // _TAIL`` per
+    step; a small index still goes a whole batch per step."""
+    from musacache._core import Engine
+    from musacache._placement import _TAIL
+
+    sizes: list[int] = []
+    real = Engine.remove
+    monkeypatch.setattr(Engine, "remove",
+                        lambda self, doomed: (sizes.append(len(doomed)), real(self, doomed))[1])
+    async with mc.Cache(_cfg(SIBLINGS + 8)) as c:
+        system = await _wide(c)
+        assert await c.delete(system) == SIBLINGS + 1
+        tail = _TAIL * BATCH
+        assert sum(sizes) == SIBLINGS + 1
+        assert sizes[0] == 1  # the prompt's own chunk
+        kids = sizes[1:]
+        cut = next(i for i, n in enumerate(kids) if n < BATCH)
+        assert set(kids[:cut]) == {BATCH}
+        assert set(kids[cut:]) == {BATCH // _TAIL}
+        assert tail - BATCH < sum(kids[cut:]) <= tail
+        sizes.clear()
+        small = await _wide_of(c, 3 * BATCH)
+        assert await c.delete(small) == 3 * BATCH + 1
+        assert sizes[1:] == [BATCH] * 3
 
 
 async def test_clearing_a_wide_directory_frees_it_a_batch_per_step():

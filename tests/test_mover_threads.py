@@ -137,3 +137,80 @@ async def test_quiesce_waits_for_running_moves_and_refuses_new_ones() -> None:
         assert wrote == []
     finally:
         m.close()
+
+
+class _FakeDevice:
+    """cuda's stream and event calls, faked: a copy queued on the copy stream ends 0.4 s
+    after its event is recorded (a device busy with it), every other event at once."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import contextlib
+
+        from musacache import devices
+
+        self.copies: list[threading.Event] = []
+        monkeypatch.setattr(devices, "current_stream", lambda d: "caller")
+        monkeypatch.setattr(devices, "copy_stream", lambda d: "copy")
+        monkeypatch.setattr(devices, "wait_for", lambda s, e: None)
+        monkeypatch.setattr(devices, "record_event", self.record)
+        monkeypatch.setattr(devices, "stream_context",
+                            lambda d, s: contextlib.nullcontext())
+
+    def record(self, device: object, stream: object) -> object:
+        done = threading.Event()
+        if stream == "copy":
+            self.copies.append(done)
+            threading.Timer(0.4, done.set).start()
+        else:
+            done.set()
+
+        class Event:
+            def query(self) -> bool:
+                return done.is_set()
+
+            def synchronize(self) -> None:
+                done.wait()
+
+        return Event()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("cancel_after", [0.05, 0.3])  # in the hop; in the event wait
+async def test_a_cancelled_device_move_waits_for_its_copies(monkeypatch, cancel_after) -> None:
+    """A device move is running until its copies end on the device, not when the hop that
+    queued them returns: a caller cancelled (a plain task.cancel(), as asyncio.wait_for and
+    the node server do) while the hop runs or while it waits for the copies' event still
+    waits for them, and the mover counts it running until then (aclose frees nothing
+    under it)."""
+    import torch
+
+    fake = _FakeDevice(monkeypatch)
+    m = Mover(2, 0)
+    try:
+        task = asyncio.ensure_future(m.run(lambda _s: time.sleep(0.2),
+                                           device=torch.device("cuda", 0), nbytes=1 << 20))
+        await asyncio.sleep(cancel_after)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert len(fake.copies) == 1 and fake.copies[0].is_set()
+        assert m._running == 0
+        await m.quiesce()
+    finally:
+        m.close()
+        await anyio.to_thread.run_sync(lambda: [c.wait() for c in fake.copies])
+
+
+@pytest.mark.asyncio
+async def test_a_split_host_copy_after_close_is_one_typed_error() -> None:
+    """A host copy split over several copy threads, asked for once the cache closed: one
+    CacheClosedError, never a group of them."""
+    import torch
+
+    from musacache import CacheClosedError
+
+    m = Mover(4, 0)
+    await m.quiesce()
+    with pytest.raises(CacheClosedError):
+        await m.copy([(torch.empty(1024), torch.ones(1024)) for _ in range(8)])
+    m.close()

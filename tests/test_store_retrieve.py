@@ -401,3 +401,48 @@ async def test_close_during_a_store_frees_no_slot_the_store_is_writing(monkeypat
     # After the close, a store is refused typed, before it moves anything.
     with pytest.raises(mc.CacheClosedError):
         await c.store(toks, pages, slots, layout="vllm")
+
+
+async def test_aclose_cancelled_by_wait_for_still_releases_everything(monkeypatch):
+    """aclose cut off by a plain task.cancel() (asyncio.wait_for) while it waits for a
+    running store's copy: the release goes on to its end (anyio's shield holds off only
+    anyio's own scopes; before, the memory and the copy threads stayed held for good, and a
+    later aclose could not finish it). A put that outlived the close is refused typed and
+    grows no memory back."""
+    import threading
+    import time
+
+    from musacache import _core
+
+    started = threading.Event()
+    real = _core._gather_checked
+
+    def slow_gather(*a, **k):
+        started.set()
+        time.sleep(0.4)
+        return real(*a, **k)
+
+    monkeypatch.setattr(_core, "_gather_checked", slow_gather)
+    spec = small_spec()
+    toks, _, pages, slots = paged_request(spec, "vllm", 4 * CH, 16, random.Random(5))
+    cfg = mc.CacheConfig(spec, "paged", tiers=(mc.HostTier(spec.nbytes(CH) * 8),), chunk_size=CH)
+    c = mc.Cache(cfg)
+    await c.__aenter__()
+    eng = c._engine
+    pool = eng.mem[0].pool
+    task = asyncio.ensure_future(c.store(toks, pages, slots, layout="vllm"))
+    await anyio.to_thread.run_sync(started.wait)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(c.aclose(), 0.05)
+    try:
+        assert await task == 4 * CH
+    except mc.CacheClosedError:
+        pass
+    assert c._state == "closed"
+    assert pool.bytes_allocated == 0
+    assert eng.mover._pool._shutdown
+    with pytest.raises(mc.CacheClosedError):
+        await pool.ensure_segment(0)
+    assert pool.bytes_allocated == 0
+    pool.release(3)  # a slot handed out before the close: nothing to take back
+    assert pool.free_slots == pool.max_slots

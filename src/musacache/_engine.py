@@ -6,6 +6,7 @@ data path (``_move``).
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from asyncio import _get_running_loop as _running_loop
 from collections.abc import Callable, Coroutine, Sequence
@@ -29,7 +30,7 @@ from ._move import Mover, accelerator_of
 from ._pages import PageSource, check_pages, page_keys
 from ._reads import VIEW_RUN
 from ._spec import KVSpec
-from ._tasks import MustFinish, TaskOwner
+from ._tasks import MustFinish, TaskOwner, outlive
 from ._tee import Tee
 from ._tierstate import MemTier, StoreTier, Tier
 from .tiers.base import StorageTier, TierContext
@@ -294,18 +295,15 @@ class Cache:
                         await st.store.aclose()
                     except Exception as e:  # closing must release the rest regardless
                         eng.cold.errlog.warn(st.name, "close", repr(e))
-                # No move may write a slot (by address: that keeps no memory alive) once
-                # its segment is freed: new ones fail, running ones finish first.
-                await eng.mover.quiesce()
-                for mt in eng.mem:
-                    await _removal.release_memory(mt)
-                for st in eng.stores:
-                    await _removal.release_store(st)
-                # A batch of entries freed per loop turn, not a million in one step.
-                old, eng.dir = eng.dir, eng.dir.emptied()
-                await _removal.dismantle(old, BATCH)
-                eng.mover.close()
+                # In a task of its own: a plain task.cancel() of the closing task (anyio's
+                # shield holds off only anyio's scopes) would leave the memory held, and
+                # a later aclose() could not finish it. The cancellation is raised after.
+                release = asyncio.ensure_future(_release(eng))
+                came = await outlive(release)
+                release.result()
                 self._state = "closed"
+                if came is not None:
+                    raise came
 
     def _check_open(self) -> Engine:
         if self._state != "open" or self._eng is None:
@@ -650,6 +648,21 @@ class Cache:
         tok = self._engine.tok
         tok["hit_tokens"] += found
         tok["miss_tokens"] += asked - found
+
+
+async def _release(eng: Engine) -> None:
+    """The end of ``Cache.aclose``: let go of every tier's memory and the directory."""
+    # No move may write a slot (by address: that keeps no memory alive) once its segment is
+    # freed: new ones fail, running ones finish first.
+    await eng.mover.quiesce()
+    for mt in eng.mem:
+        await _removal.release_memory(mt)
+    for st in eng.stores:
+        await _removal.release_store(st)
+    # A batch of entries freed per loop turn, not a million in one step.
+    old, eng.dir = eng.dir, eng.dir.emptied()
+    await _removal.dismantle(old, BATCH)
+    eng.mover.close()
 
 
 async def _get_matched(cache: Cache, eng: Engine, toks: np.ndarray,

@@ -24,6 +24,7 @@ import torch
 
 from . import devices
 from ._errors import CacheClosedError
+from ._tasks import outlive
 from .transfer import gather_chunks, scatter_chunks
 
 __all__ = ["Mover", "accelerator_of", "gather_chunks", "scatter_chunks"]
@@ -40,17 +41,6 @@ def accelerator_of(tensors: Sequence[torch.Tensor]) -> torch.device | None:
         if not t.is_cpu:  # an attribute read; t.device makes an object (a long read has 32k)
             return t.device
     return None
-
-
-async def _outlive(fut: asyncio.Future[Any]) -> None:
-    """Wait until ``fut`` is done, whatever cancels the caller meanwhile."""
-    while not fut.done():
-        try:
-            await asyncio.wait((fut,))
-        except asyncio.CancelledError:
-            continue
-    if not fut.cancelled():
-        fut.exception()  # seen: asyncio would log it as never retrieved
 
 
 class Mover:
@@ -72,7 +62,7 @@ class Mover:
         # store writes the cache's slots by address, which keeps no segment alive, so
         # ``quiesce`` waits for these before the cache frees its memory.
         self._running = 0
-        self._idle: asyncio.Event | None = None
+        self._idle: asyncio.Future[None] | None = None
         self._closed = False
 
     def _check_open(self) -> None:
@@ -81,8 +71,8 @@ class Mover:
 
     def _done(self) -> None:
         self._running -= 1
-        if not self._running and self._idle is not None:
-            self._idle.set()
+        if not self._running and self._idle is not None and not self._idle.done():
+            self._idle.set_result(None)
 
     async def in_thread(self, fn: Callable[[], Any]) -> Any:
         """``fn()`` in a copy thread. A caller cancelled while ``fn`` runs still waits for it
@@ -97,20 +87,22 @@ class Mover:
                 return await asyncio.shield(fut)
             except asyncio.CancelledError:
                 if not cf.cancel():  # it has started: wait for it
-                    with anyio.CancelScope(shield=True):  # anyio's scopes re-cancel every turn
-                        await _outlive(fut)
+                    await outlive(fut)
                 raise
         finally:
             self._done()
 
     async def quiesce(self) -> None:
         """Refuse new moves (they raise :class:`CacheClosedError`) and wait for the running
-        ones to end: the cache is closing and is about to free the memory they touch."""
+        ones to end: the cache is closing and is about to free the memory they touch. A
+        cancellation meanwhile is raised once they have ended."""
         self._closed = True
+        came: BaseException | None = None
         while self._running:
-            self._idle = asyncio.Event()
-            with anyio.CancelScope(shield=True):
-                await self._idle.wait()
+            self._idle = idle = asyncio.get_running_loop().create_future()
+            came = await outlive(idle) or came
+        if came is not None:
+            raise came
 
     def close(self) -> None:
         """Let the copy threads end once idle (the cache is closed: nothing hops any more)."""
@@ -131,23 +123,31 @@ class Mover:
             return
         caller = devices.current_stream(device)  # a handle, taken on this thread: no sync
 
-        def enqueue() -> Any:
+        queued: list[Any] = []  # the copies' event, kept if the caller is cancelled meanwhile
+
+        def enqueue() -> None:
             stream = devices.copy_stream(device)
             # Ordered after the caller's kernels on the device; the host does not wait.
             devices.wait_for(stream, devices.record_event(device, caller))
             with devices.stream_context(device, stream):
                 work(stream)
-            return devices.record_event(device, stream)
+            queued.append(devices.record_event(device, stream))
 
-        done = await self.in_thread(enqueue)
-        self.event_waits += 1
+        # A move is running until its copies end on the device, not when the hop that
+        # queued them returns: the memory under them must not be freed before (by the
+        # caller, or by aclose), whatever cancels the caller meanwhile.
         self._running += 1
         try:
-            # Shielded: the memory under these copies must not be freed before they finish.
-            with anyio.CancelScope(shield=True):
-                await devices.wait_event(done)
+            await self.in_thread(enqueue)
         finally:
-            self._done()
+            try:
+                if queued:
+                    self.event_waits += 1
+                    came = await outlive(asyncio.ensure_future(devices.wait_event(queued[0])))
+                    if came is not None:
+                        raise came
+            finally:
+                self._done()
 
     async def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """``dst.copy_(src)`` for every pair, as one move."""
@@ -196,6 +196,14 @@ class Mover:
             await self.run(serial(pairs), device=None, nbytes=total)
             return
         self.moves += 1
-        async with anyio.create_task_group() as tg:
-            for i in range(nthreads):
-                tg.start_soon(self.in_thread, lambda g=pairs[i::nthreads]: serial(g)(None))
+        try:
+            async with anyio.create_task_group() as tg:
+                for i in range(nthreads):
+                    tg.start_soon(self.in_thread, lambda g=pairs[i::nthreads]: serial(g)(None))
+        except BaseExceptionGroup as group:
+            # The cache closed under the copy: one typed error, not a group of them.
+            _, rest = group.split(CacheClosedError)
+            if rest is None:
+                raise CacheClosedError(
+                    "the cache closed while this operation was moving its data") from None
+            raise

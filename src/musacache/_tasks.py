@@ -18,7 +18,7 @@ from anyio.abc import TaskGroup
 
 from ._errors import CacheClosedError
 
-__all__ = ["MustFinish", "TaskOwner", "run_steps"]
+__all__ = ["MustFinish", "TaskOwner", "outlive", "run_steps"]
 
 log = logging.getLogger("musacache")
 
@@ -81,6 +81,22 @@ class TaskOwner:
             with anyio.CancelScope(shield=True):
                 await asyncio.gather(self._supervisor, return_exceptions=True)
             self._supervisor = None
+
+
+async def outlive(fut: asyncio.Future[Any]) -> BaseException | None:
+    """Wait until ``fut`` is done, whatever cancels the caller meanwhile (anyio's scopes and
+    a plain ``task.cancel()`` alike); the first cancellation that came, for the caller to
+    raise once it may."""
+    came: BaseException | None = None
+    with anyio.CancelScope(shield=True):  # anyio's scopes would re-cancel every turn
+        while not fut.done():
+            try:
+                await asyncio.wait((fut,))
+            except asyncio.CancelledError as e:
+                came = came or e
+    if not fut.cancelled():
+        fut.exception()  # seen: asyncio would log it as never retrieved
+    return came
 
 
 class MustFinish:

@@ -22,6 +22,7 @@ import anyio
 import torch
 
 from .. import devices
+from .._errors import CacheClosedError
 
 __all__ = ["MemoryPool", "Slot"]
 
@@ -74,6 +75,7 @@ class MemoryPool:
         self._next = 0  # slots [0, _next) have been handed out at least once
         self._in_use = 0
         self._grow_lock = anyio.Lock()
+        self._cleared = False  # by aclear_memory, at the cache's close: it never grows again
 
     # -- accounting (synchronous, so check-and-reserve can never interleave) --------------
 
@@ -106,6 +108,8 @@ class MemoryPool:
         return self.max_slots - self._in_use
 
     def release(self, index: int) -> None:
+        if self._cleared:  # a slot handed out before the close: nothing is left to return
+            return
         self._in_use -= 1
         self._free.append(index)
 
@@ -195,10 +199,16 @@ class MemoryPool:
         return self._segments[seg_no][start : start + nbytes]
 
     async def ensure_segment(self, seg_no: int) -> torch.Tensor:
+        if self._cleared:  # an operation that outlived the cache's close
+            raise CacheClosedError("the cache closed: its memory is released")
         async with self._grow_lock:
+            if self._cleared:
+                raise CacheClosedError("the cache closed: its memory is released")
             seg = self._segments.get(seg_no)
             if seg is None:
                 seg = await self._allocate_segment(seg_no)
+                if self._cleared:  # closed while it was allocated
+                    raise CacheClosedError("the cache closed: its memory is released")
                 self._segments[seg_no] = seg
                 self.seg_addr[seg_no] = seg.data_ptr()
             return seg
@@ -237,12 +247,14 @@ class MemoryPool:
             lambda: torch.empty(nbytes, dtype=torch.uint8, device=self.device))
 
     async def aclear_memory(self) -> None:
-        """Drop every segment (after aclose); the pool can still grow again.
+        """Drop every segment (the cache's close); the pool never grows again, and a slot
+        handed out before is not taken back.
 
         The segments are dropped in a worker thread, one at a time: freeing a segment gives
         its pages back to the OS (17 ms of CPU for 256 MiB), and torch lets go of the GIL
         while it frees a tensor's storage, so the loop runs on meanwhile.
         """
+        self._cleared = True
         segments = list(self._segments.values())
         self._segments.clear()
         self.seg_addr.clear()
