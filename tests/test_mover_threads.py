@@ -143,12 +143,13 @@ class _FakeDevice:
     """cuda's stream and event calls, faked: a copy queued on the copy stream ends 0.4 s
     after its event is recorded (a device busy with it), every other event at once."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, fault: str | None = None) -> None:
         import contextlib
 
         from musacache import devices
 
         self.copies: list[threading.Event] = []
+        self.fault = fault
         monkeypatch.setattr(devices, "current_stream", lambda d: "caller")
         monkeypatch.setattr(devices, "copy_stream", lambda d: "copy")
         monkeypatch.setattr(devices, "wait_for", lambda s, e: None)
@@ -158,6 +159,7 @@ class _FakeDevice:
 
     def record(self, device: object, stream: object) -> object:
         done = threading.Event()
+        fault = self.fault if stream == "copy" else None
         if stream == "copy":
             self.copies.append(done)
             threading.Timer(0.4, done.set).start()
@@ -170,6 +172,8 @@ class _FakeDevice:
 
             def synchronize(self) -> None:
                 done.wait()
+                if fault is not None:
+                    raise RuntimeError(fault)
 
         return Event()
 
@@ -214,3 +218,20 @@ async def test_a_split_host_copy_after_close_is_one_typed_error() -> None:
     with pytest.raises(CacheClosedError):
         await m.copy([(torch.empty(1024), torch.ones(1024)) for _ in range(8)])
     m.close()
+
+
+@pytest.mark.asyncio
+async def test_a_device_fault_in_the_copies_event_reaches_the_caller(monkeypatch) -> None:
+    """An error the device reports when the copies' event is waited on (an illegal memory
+    access) is the move's error: never a move that returns as if its bytes were there."""
+    import torch
+
+    fake = _FakeDevice(monkeypatch, fault="CUDA error: an illegal memory access")
+    m = Mover(2, 0)
+    try:
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            await m.run(lambda _s: None, device=torch.device("cuda", 0), nbytes=1 << 20)
+        assert m._running == 0
+    finally:
+        m.close()
+        await anyio.to_thread.run_sync(lambda: [c.wait() for c in fake.copies])

@@ -403,12 +403,9 @@ async def test_close_during_a_store_frees_no_slot_the_store_is_writing(monkeypat
         await c.store(toks, pages, slots, layout="vllm")
 
 
-async def test_aclose_cancelled_by_wait_for_still_releases_everything(monkeypatch):
-    """aclose cut off by a plain task.cancel() (asyncio.wait_for) while it waits for a
-    running store's copy: the release goes on to its end (anyio's shield holds off only
-    anyio's own scopes; before, the memory and the copy threads stayed held for good, and a
-    later aclose could not finish it). A put that outlived the close is refused typed and
-    grows no memory back."""
+async def _store_under_way(monkeypatch, seconds):
+    """An open cache, and a task storing 4 chunks from host pages whose copy takes
+    ``seconds`` in its thread: returned once the copy has started."""
     import threading
     import time
 
@@ -419,7 +416,7 @@ async def test_aclose_cancelled_by_wait_for_still_releases_everything(monkeypatc
 
     def slow_gather(*a, **k):
         started.set()
-        time.sleep(0.4)
+        time.sleep(seconds)
         return real(*a, **k)
 
     monkeypatch.setattr(_core, "_gather_checked", slow_gather)
@@ -428,10 +425,20 @@ async def test_aclose_cancelled_by_wait_for_still_releases_everything(monkeypatc
     cfg = mc.CacheConfig(spec, "paged", tiers=(mc.HostTier(spec.nbytes(CH) * 8),), chunk_size=CH)
     c = mc.Cache(cfg)
     await c.__aenter__()
-    eng = c._engine
-    pool = eng.mem[0].pool
     task = asyncio.ensure_future(c.store(toks, pages, slots, layout="vllm"))
     await anyio.to_thread.run_sync(started.wait)
+    return c, task
+
+
+async def test_aclose_cancelled_by_wait_for_still_releases_everything(monkeypatch):
+    """aclose cut off by a plain task.cancel() (asyncio.wait_for) while it waits for a
+    running store's copy: the release goes on to its end (anyio's shield holds off only
+    anyio's own scopes; before, the memory and the copy threads stayed held for good, and a
+    later aclose could not finish it). A put that outlived the close is refused typed and
+    grows no memory back."""
+    c, task = await _store_under_way(monkeypatch, 0.4)
+    eng = c._engine
+    pool = eng.mem[0].pool
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(c.aclose(), 0.05)
     try:
@@ -446,3 +453,22 @@ async def test_aclose_cancelled_by_wait_for_still_releases_everything(monkeypatc
     assert pool.bytes_allocated == 0
     pool.release(3)  # a slot handed out before the close: nothing to take back
     assert pool.free_slots == pool.max_slots
+
+
+async def test_a_close_cut_short_by_cancelling_every_task_still_releases(monkeypatch):
+    """A shutdown that cancels every task (a SIGTERM handler's loop over all_tasks())
+    while aclose waits for a running store cancels aclose's release task too: it is run
+    again, to its end (before, the memory and copy threads stayed held, and a second
+    aclose only marked the cache closed)."""
+    c, store = await _store_under_way(monkeypatch, 0.3)
+    eng = c._engine
+    closer = asyncio.ensure_future(c.aclose())
+    await asyncio.sleep(0.05)
+    for t in asyncio.all_tasks():
+        if t is not asyncio.current_task():
+            t.cancel()
+    await asyncio.gather(store, closer, return_exceptions=True)
+    assert closer.cancelled()
+    assert c._state == "closed"
+    assert eng.mem[0].pool.bytes_allocated == 0
+    assert eng.mover._pool._shutdown

@@ -183,6 +183,7 @@ class Cache:
         salt = config.tenant.encode() if config.tenant else None
         self._chain = KeyChain(self.fingerprint, salt)
         self._state = "new"
+        self._release_task: asyncio.Task[None] | None = None  # the end of aclose
         self._tasks = TaskOwner()
         self._eng: Engine | None = None
         self._fast: FastPath | None = None  # the direct read path, while open (_fastpath)
@@ -273,6 +274,9 @@ class Cache:
         """Persist (``persist_on_close``) and finish queued writes, within ``close_timeout``
         seconds; then release every tier. What did not make it is counted in
         ``stats()["close"]``. Idempotent."""
+        if self._state == "closing" and self._release_task is not None:
+            await _release_to_end(self)  # one that a cancellation of every task cut short
+            return
         if self._state in ("closed", "closing", "new") or self._eng is None:
             self._state = "closed"
             return
@@ -295,15 +299,7 @@ class Cache:
                         await st.store.aclose()
                     except Exception as e:  # closing must release the rest regardless
                         eng.cold.errlog.warn(st.name, "close", repr(e))
-                # In a task of its own: a plain task.cancel() of the closing task (anyio's
-                # shield holds off only anyio's scopes) would leave the memory held, and
-                # a later aclose() could not finish it. The cancellation is raised after.
-                release = asyncio.ensure_future(_release(eng))
-                came = await outlive(release)
-                release.result()
-                self._state = "closed"
-                if came is not None:
-                    raise came
+                await _release_to_end(self)
 
     def _check_open(self) -> Engine:
         if self._state != "open" or self._eng is None:
@@ -648,6 +644,27 @@ class Cache:
         tok = self._engine.tok
         tok["hit_tokens"] += found
         tok["miss_tokens"] += asked - found
+
+
+async def _release_to_end(cache: Cache) -> None:
+    """Run the end of ``aclose`` (:func:`_release`) in a task of its own, through any
+    cancellation of the caller (raised after): a plain ``task.cancel()`` of the closing task
+    (anyio's shield holds off only anyio's own scopes) would leave the memory and the copy
+    threads held for good. One cut short itself (a cancellation of every task, at a
+    shutdown) is run again: each of its steps can be."""
+    came: BaseException | None = None
+    while True:
+        task = cache._release_task
+        if task is None or task.cancelled():
+            assert cache._eng is not None
+            task = cache._release_task = asyncio.ensure_future(_release(cache._eng))
+        came = await outlive(task) or came
+        if not task.cancelled():
+            break
+    cache._state = "closed"
+    task.result()
+    if came is not None:
+        raise came
 
 
 async def _release(eng: Engine) -> None:

@@ -46,10 +46,11 @@ def accelerator_of(tensors: Sequence[torch.Tensor]) -> torch.device | None:
 class Mover:
     """Runs the move step of every request: one worker-thread hop, one event wait.
 
-    Its hops go to the cache's own ``copy_threads`` worker threads through the loop's
-    ``run_in_executor``: anyio's ``to_thread`` (its limiter, its cancel scope, a thread
-    picked per call) cost about 0.1 ms more per hop here (``docs/scripts/thread_hop.py``),
-    on every store, retrieve and large get, the CPU's caches cold from the copy before."""
+    Its hops are submitted straight to the cache's own ``copy_threads`` worker threads (as
+    the loop's ``run_in_executor`` does): anyio's ``to_thread`` (its limiter, its cancel
+    scope, a thread picked per call) cost about 0.1 ms more per hop here
+    (``docs/scripts/thread_hop.py``), on every store, retrieve and large get, the CPU's
+    caches cold from the copy before."""
 
     def __init__(self, copy_threads: int, inline_bytes: int) -> None:
         self.copy_threads = copy_threads
@@ -143,9 +144,12 @@ class Mover:
             try:
                 if queued:
                     self.event_waits += 1
-                    came = await outlive(asyncio.ensure_future(devices.wait_event(queued[0])))
-                    if came is not None:
-                        raise came
+                    if not queued[0].query():  # done already: no task, no wait
+                        waiter = asyncio.ensure_future(devices.wait_event(queued[0]))
+                        came = await outlive(waiter)
+                        if came is not None:
+                            raise came
+                        waiter.result()  # a device error is the caller's
             finally:
                 self._done()
 
