@@ -33,6 +33,8 @@ __all__ = ["Mover", "accelerator_of", "gather_chunks", "scatter_chunks"]
 _SCAN_RUN = 2048
 # Above about this many bytes per copy, torch's copy_ already runs on all intra-op threads.
 _TORCH_PARALLEL_COPY_BYTES = 4 * 1024 * 1024
+# What a move asked for once the cache closed raises (CacheClosedError).
+_CLOSED = "the cache closed while this operation was moving its data"
 
 
 def accelerator_of(tensors: Sequence[torch.Tensor]) -> torch.device | None:
@@ -68,7 +70,7 @@ class Mover:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise CacheClosedError("the cache closed while this operation was moving its data")
+            raise CacheClosedError(_CLOSED)
 
     def _done(self) -> None:
         self._running -= 1
@@ -208,6 +210,5 @@ class Mover:
             # The cache closed under the copy: one typed error, not a group of them.
             _, rest = group.split(CacheClosedError)
             if rest is None:
-                raise CacheClosedError(
-                    "the cache closed while this operation was moving its data") from None
+                raise CacheClosedError(_CLOSED) from None
             raise

@@ -199,19 +199,19 @@ class MemoryPool:
         return self._segments[seg_no][start : start + nbytes]
 
     async def ensure_segment(self, seg_no: int) -> torch.Tensor:
-        if self._cleared:  # an operation that outlived the cache's close
-            raise CacheClosedError("the cache closed: its memory is released")
         async with self._grow_lock:
-            if self._cleared:
-                raise CacheClosedError("the cache closed: its memory is released")
+            self._check_not_cleared()  # an operation that outlived the cache's close
             seg = self._segments.get(seg_no)
             if seg is None:
                 seg = await self._allocate_segment(seg_no)
-                if self._cleared:  # closed while it was allocated
-                    raise CacheClosedError("the cache closed: its memory is released")
+                self._check_not_cleared()  # closed while it was allocated
                 self._segments[seg_no] = seg
                 self.seg_addr[seg_no] = seg.data_ptr()
             return seg
+
+    def _check_not_cleared(self) -> None:
+        if self._cleared:
+            raise CacheClosedError("the cache closed: its memory is released")
 
     def segment_to_grow(self) -> int | None:
         """The next segment worth allocating ahead of need: the one after the highest slot
