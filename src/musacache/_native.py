@@ -11,9 +11,11 @@ stale build raises :class:`NativeBuildError` that says how to rebuild.
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Sequence
-from typing import Any, TypeVar, overload
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, ParamSpec, TypeVar, overload
 
 import numpy as np
 
@@ -498,8 +500,52 @@ def scatter_rows(
 BufferT = TypeVar("BufferT")
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+class _Held(threading.local):
+    """This thread's buffers taken by :func:`_buffer`, released when the outermost
+    :func:`_releases_buffers` call that took them returns or raises."""
+
+    def __init__(self) -> None:
+        self.buffers: list[Any] = []
+        self.depth = 0
+
+
+_held = _Held()
+
+
+def _releases_buffers(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Release every buffer ``fn`` takes through :func:`_buffer` as soon as it ends.
+
+    A buffer taken with ``ffi.from_buffer`` on a memoryview is an export of that memoryview.
+    Left to the frame's locals, it lives on after an error, in the traceback's frames (an
+    exception kept by a future, a log record). CPython 3.11 crashes when the garbage
+    collector clears a memoryview that still has an export (CPython gh-77894: its tp_clear
+    drops the view's buffer, and the export's later release reads through NULL), which a
+    corrupt chunk object decoded from a memoryview did: a segfault in a later collection.
+    Released here, no memoryview of ours is ever exported once the call is over."""
+
+    @functools.wraps(fn)
+    def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        held = _held
+        mark = len(held.buffers)
+        held.depth += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            held.depth -= 1
+            buffers = held.buffers
+            while len(buffers) > mark:
+                ffi.release(buffers.pop())
+
+    return call
+
+
 def _buffer(obj: object, *, writable: bool, what: str) -> tuple[Any, int, int]:
-    """(uint8_t pointer, byte length, address) of a C-contiguous CPU buffer or torch tensor."""
+    """(uint8_t pointer, byte length, address) of a C-contiguous CPU buffer or torch tensor,
+    valid until the :func:`_releases_buffers` call around the caller ends."""
     data_ptr = getattr(obj, "data_ptr", None)
     if callable(data_ptr) and hasattr(obj, "is_contiguous"):
         # A torch tensor: no buffer protocol, and bf16 has no numpy dtype, so use its pointer.
@@ -524,7 +570,10 @@ def _buffer(obj: object, *, writable: bool, what: str) -> tuple[Any, int, int]:
         if writable and view.readonly:
             raise InvalidInputError(f"{what} must be writable, got a read-only buffer")
         nbytes = view.nbytes
+    if not _held.depth:
+        raise AssertionError("_buffer outside a _releases_buffers call would hold its export")
     pointer = ffi.from_buffer("uint8_t[]", obj, require_writable=writable)
+    _held.buffers.append(pointer)
     return pointer, nbytes, int(ffi.cast("uintptr_t", pointer))
 
 
@@ -534,6 +583,7 @@ def _check_itemsize(itemsize: object) -> int:
     return itemsize
 
 
+@_releases_buffers
 def _shuffle_common(fn: Any, what: str, src: object, itemsize: int, out: Any) -> Any:
     size = _check_itemsize(itemsize)
     src_ptr, nbytes, src_addr = _buffer(src, writable=False, what="src")
@@ -584,6 +634,7 @@ def _overlaps(a_addr: int, a_len: int, b_addr: int, b_len: int) -> bool:
     return a_len > 0 and b_len > 0 and a_addr < b_addr + b_len and b_addr < a_addr + a_len
 
 
+@_releases_buffers
 def crc32c(data: object, value: int = 0) -> int:
     """CRC-32C (Castagnoli) of ``data``, continuing from ``value`` as ``zlib.crc32`` does:
     ``crc32c(b, crc32c(a)) == crc32c(a + b)``."""
@@ -595,6 +646,7 @@ def crc32c(data: object, value: int = 0) -> int:
     return int(out[0])
 
 
+@_releases_buffers
 def nib_size(coded: object, nbytes: int) -> int:
     """The exact size a nibble-coded block of ``nbytes`` bytes must have, from its escape
     count; raises :class:`CorruptChunkError` when ``coded`` is too short to hold one."""
@@ -606,6 +658,7 @@ def nib_size(coded: object, nbytes: int) -> int:
     return NIB_OVERHEAD + (nbytes + 1) // 2 + 5 * escapes
 
 
+@_releases_buffers
 def nib_encode(src: object, out: object) -> int | None:
     """Nibble-code the bytes of ``src`` into the start of ``out`` (a writable buffer not
     overlapping ``src``) and return the coded size, or None when coding would not make the
@@ -629,6 +682,7 @@ def nib_encode(src: object, out: object) -> int | None:
     return int(size[0])
 
 
+@_releases_buffers
 def nib_decode(coded: object, out: object) -> None:
     """Decode a block written by :func:`nib_encode` into all of ``out`` (a writable buffer as
     long as the original block). Raises :class:`CorruptChunkError` when ``coded`` is not the
@@ -653,6 +707,7 @@ def nib_decode(coded: object, out: object) -> None:
 # -- chunk decode into its destinations (codec.py's tagged blocks) ---------------------------
 
 
+@_releases_buffers
 def lz4_decode(block: object, out: object) -> None:
     """Decode an LZ4 block (the format of ``lz4.block.compress(..., store_size=False)``) into
     all of ``out``, a writable buffer of exactly the decoded size. Raises
@@ -702,6 +757,7 @@ class ChunkCopy:
     def close(self) -> None:
         _check_status(lib.mc_tee_close(self._tee), "tee_close")
 
+    @_releases_buffers
     def copy(self, src: object, offset: int) -> None:
         """Copy the bytes of ``src`` to chunk bytes ``[offset, offset + len(src))`` (nothing
         once closed)."""
@@ -734,6 +790,7 @@ def _tagged_dests(out: object | None, copy: ChunkCopy | None, raw_len: int, tab_
     return out_ptr, out_addr
 
 
+@_releases_buffers
 def tagged_decode(payload: object, table: object, *, num_blocks: int, block_size: int,
                   raw_len: int, itemsize: int, scratch: object, out: object | None,
                   copy: ChunkCopy | None = None) -> None:
@@ -778,6 +835,7 @@ def tagged_ring_bytes(*, num_blocks: int, block_size: int, itemsize: int) -> int
     return need
 
 
+@_releases_buffers
 def tagged_read(fd: int, file_offset: int, table: object, *, payload_len: int,
                 num_blocks: int, block_size: int, raw_len: int, itemsize: int, ring: object,
                 out: object | None, copy: ChunkCopy | None = None) -> None:
@@ -807,6 +865,7 @@ def tagged_read(fd: int, file_offset: int, table: object, *, payload_len: int,
     _check_decode_status(status, int(bad[0]), int(err[0]), "tagged_read")
 
 
+@_releases_buffers
 def raw_read(fd: int, file_offset: int, table: object, *, num_blocks: int, block_size: int,
              out: object, copy: ChunkCopy | None = None) -> None:
     """Read a raw chunk object's payload (``codec.py``'s codec id 3) from ``fd`` at
@@ -824,6 +883,7 @@ def raw_read(fd: int, file_offset: int, table: object, *, num_blocks: int, block
     _check_decode_status(status, int(bad[0]), int(err[0]), "raw_read")
 
 
+@_releases_buffers
 def raw_read_runs(fd: int, file_offset: int, table: object, *, num_blocks: int,
                   block_size: int, raw_len: int, scratch: object, copy: ChunkCopy) -> None:
     """:func:`raw_read` with ``copy``'s runs as the only destination (a read straight into a
