@@ -1,9 +1,11 @@
 """The engine over a storage tier: demotion, write-behind, write-through, restart, faults as
 counted misses, and the fail-fast fingerprint check. Uses the in-memory MemStore."""
 
+import asyncio
 import time
 
 import anyio
+import pytest
 import torch
 
 import musacache as mc
@@ -273,3 +275,59 @@ async def test_foreign_format_version_is_a_counted_miss_not_deleted(spec):
         assert st["foreign"] == 1 and st["corrupt"] == 0
         await c.flush()
         assert objects[key] == bytes(head)
+
+
+class _SlowClose(MemStore):
+    """A tier whose ``aclose`` takes a while (a flush to a remote store)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closes = 0
+
+    async def aclose(self) -> None:
+        self.closes += 1
+        await anyio.sleep(0.3)
+        self.closed = True
+
+
+async def _open_with(spec, store):
+    c = mc.Cache(cfg(spec, mc.HostTier(spec.nbytes(CH) * 8), store, persist_on_close=False))
+    await c.__aenter__()
+    a = seq(0, 32)
+    await c.put(a, prefix_kv(spec, a))
+    await c.flush()
+    assert c._engine.mem[0].pool.bytes_allocated > 0
+    return c
+
+
+async def test_aclose_cancelled_while_a_tier_closes_still_closes_and_releases(spec):
+    """A plain task.cancel() of aclose (asyncio.wait_for) while a storage tier's aclose
+    runs: the tier still closes, and the memory is still released (before, the cancel left
+    both undone and the cache "closing" for good)."""
+    store = _SlowClose()
+    c = await _open_with(spec, store)
+    pool = c._engine.mem[0].pool
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(c.aclose(), 0.05)
+    assert store.closed and store.closes == 1
+    assert c._state == "closed" and pool.bytes_allocated == 0
+    await c.aclose()
+    assert store.closes == 1
+
+
+async def test_a_close_cut_short_by_cancelling_every_task_closes_each_tier_once(spec):
+    """A shutdown that cancels every task while a tier's aclose runs: the release is run
+    again to its end, and the tier's aclose is not called a second time."""
+    store = _SlowClose()
+    c = await _open_with(spec, store)
+    pool = c._engine.mem[0].pool
+    closer = asyncio.ensure_future(c.aclose())
+    await asyncio.sleep(0.05)
+    assert store.closes == 1
+    for t in asyncio.all_tasks():
+        if t is not asyncio.current_task():
+            t.cancel()
+    await asyncio.gather(closer, return_exceptions=True)
+    assert closer.cancelled()
+    assert store.closes == 1 and not store.closed  # its own aclose was the one cut short
+    assert c._state == "closed" and pool.bytes_allocated == 0

@@ -149,7 +149,8 @@ class CacheConfig:
     #: left after it is counted (``stats()["close"]``), not waited for.
     close_timeout: float = 10.0
     #: Freeze the process's heap (``gc.freeze()``) at the directory's first new entry and
-    #: every this many new entries after it (0: never). Without it, Python's cyclic garbage
+    #: every this many new entries after it, and at the end of a put that added half that
+    #: many or more (0: never). Without it, Python's cyclic garbage
     #: collector walks every directory entry whenever the process's long-lived objects grew
     #: by a quarter: a pause of about 0.5 s on the event loop at a million entries. It is
     #: process-wide: objects alive at a freeze that later become cyclic garbage are never

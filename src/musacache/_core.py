@@ -318,6 +318,7 @@ class Engine(Reads):
         held: list[Entry] = []
         stored_to = 0
         pos = 0
+        adds = self.dir.adds
         cap = _STORE_ROUND if isinstance(source, PagedSource) else _PUT_ROUND
         try:
             while pos < len(plan_keys):
@@ -357,6 +358,7 @@ class Engine(Reads):
                 if hi > BATCH:
                     await turns.turn()
             turns.done()
+        self.dir.freeze_after(self.dir.adds - adds)
         self.tok["stored_tokens"] += stored_to
         return stored_to
 

@@ -340,6 +340,8 @@ class Directory:
         self.gc_freeze_every = gc_freeze_every
         self._freeze_in = 1 if gc_freeze_every else -1
         self._young_mask = _young_mask(gc_freeze_every)
+        #: Entries added (or replaced) so far: an operation tells how many it added.
+        self.adds = 0
         self.entries = KeyTable()
         # The children of a parent are kept on the parent's entry (``Entry.kids``): a chain
         # of chunks needs no dict entry per link. Here only those of parents without an
@@ -383,10 +385,25 @@ class Directory:
         if self.gc_freeze_every and gc.isenabled():
             gc.freeze()
 
+    def freeze_after(self, added: int) -> None:
+        """An operation that added ``added`` entries ended. When that was at least half a
+        freeze period and at least half a period's entries are not frozen yet, freeze now.
+
+        A long prompt put in one go leaves up to a period's entries unfrozen (16,383 when
+        its first entry was a freeze), and a full collection during the long operation that
+        usually follows on the same prompt (its get) walked every one of them as well as
+        that operation's own per-chunk objects: 8.8 of a 10.9 ms loop gap. Only a long
+        operation freezes early, so puts of short prompts keep the period as it is."""
+        every = self.gc_freeze_every
+        if every and 2 * added >= every and 2 * (every - self._freeze_in) >= every:
+            freeze_heap()
+            self._freeze_in = every
+
     def add(self, e: Entry) -> None:
         old = self.entries.get(e.key)
         if old is e:
             return
+        self.adds += 1
         self._freeze_in -= 1
         if not self._freeze_in:
             freeze_heap()

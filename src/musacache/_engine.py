@@ -24,7 +24,7 @@ from ._core import BATCH, DenseSource, Engine, PagedSource
 from ._directory import Match
 from ._errors import CacheClosedError, ConfigError, DeviceError, InvalidInputError, ShapeError
 from ._fastpath import FastPath
-from ._gcfreeze import full_collections_held
+from ._gcfreeze import full_collections_held, long_read
 from ._keys import Fingerprint, KeyChain, as_tokens
 from ._move import Mover, accelerator_of
 from ._pages import PageSource, check_pages, page_keys
@@ -184,6 +184,7 @@ class Cache:
         self._chain = KeyChain(self.fingerprint, salt)
         self._state = "new"
         self._release_task: asyncio.Task[None] | None = None  # the end of aclose
+        self._closed_stores: set[int] = set()  # storage tiers aclose has closed (by idx)
         self._tasks = TaskOwner()
         self._eng: Engine | None = None
         self._fast: FastPath | None = None  # the direct read path, while open (_fastpath)
@@ -293,12 +294,6 @@ class Cache:
                 self._close["not_persisted"] = self._close["to_persist"] - self._close["persisted"]
                 self._close["writes_abandoned"] = sum(len(st.pending) for st in eng.stores)
             finally:
-                await self._tasks.aclose()
-                for st in eng.stores:
-                    try:
-                        await st.store.aclose()
-                    except Exception as e:  # closing must release the rest regardless
-                        eng.cold.errlog.warn(st.name, "close", repr(e))
                 await _release_to_end(self)
 
     def _check_open(self) -> Engine:
@@ -491,38 +486,11 @@ class Cache:
         eng = self._check_open()
         self._ops["gets"] += 1
         eng.inflight["gets"] += 1
-        td = self.spec.token_dim
         try:
             toks, slots, paged, _holes = await _paged_args(
                 self, tokens, kv_caches, slot_mapping, layout, skip_prefix, ready, ready_timeout)
-            matches = await eng.match(toks)
-            total = _covered(matches)
-            self._count_request(len(toks), total)
-            if total <= skip_prefix:
-                return 0
-            wanted = [m for m in matches if m.start + m.num_tokens > skip_prefix]
-            for m in wanted:
-                eng.pin(m.entry)
-            try:
-                found = await eng.sources(wanted)
-                srcs: list[torch.Tensor] = []
-                runs: list[torch.Tensor] = []
-                for m, src, _name in found:
-                    lo = max(m.start, skip_prefix)
-                    hi = m.start + m.num_tokens
-                    srcs.append(src.narrow(td, lo - m.start, hi - lo))
-                    runs.append(slots[lo:hi])
-                if srcs:
-                    run = torch.cat(runs) if len(runs) > 1 else runs[0]
-                    device = accelerator_of([torch.empty(0, device=paged.device), *srcs])
-                    await eng.mover.run(
-                        lambda stream: _scatter_own(srcs, paged, run, stream=stream),
-                        device=device, nbytes=eng.mover.inline_bytes)
-                eng.touch([m.entry for m, _, _ in found])
-                return sum(s.shape[td] for s in srcs)
-            finally:
-                for m in wanted:
-                    eng.unpin(m.entry)
+            with long_read(-(-len(toks) // self.config.chunk_size)):
+                return await _retrieve_held(self, eng, toks, slots, paged, skip_prefix)
         finally:
             eng.inflight["gets"] -= 1
 
@@ -565,11 +533,12 @@ class Cache:
         self._ops["gets"] += 1
         eng.inflight["gets"] += 1
         try:
-            wanted = [Match(start, cs, e) for start, _end, _parent, key in ks
-                      if (e := eng.dir.get(key)) is not None]
-            found = await _read_into(eng, wanted, lambda m, src: (
-                outs[m.start // cs], src.reshape(outs[m.start // cs].shape)),
-                lambda m: outs[m.start // cs])
+            with long_read(len(ks)):
+                wanted = [Match(start, cs, e) for start, _end, _parent, key in ks
+                          if (e := eng.dir.get(key)) is not None]
+                found = await _read_into(eng, wanted, lambda m, src: (
+                    outs[m.start // cs], src.reshape(outs[m.start // cs].shape)),
+                    lambda m: outs[m.start // cs])
             hit = [False] * len(ks)
             for m, _src, _name in found:
                 hit[m.start // cs] = True
@@ -647,17 +616,18 @@ class Cache:
 
 
 async def _release_to_end(cache: Cache) -> None:
-    """Run the end of ``aclose`` (:func:`_release`) in a task of its own, through any
+    """Run the end of ``aclose`` (:func:`_close_rest`) in a task of its own, through any
     cancellation of the caller (raised after): a plain ``task.cancel()`` of the closing task
-    (anyio's shield holds off only anyio's own scopes) would leave the memory and the copy
-    threads held for good. One cut short itself (a cancellation of every task, at a
-    shutdown) is run again: each of its steps can be."""
+    (anyio's shield holds off only anyio's own scopes) would leave the cache's tasks
+    running, its storage tiers open, and the memory and the copy threads held for good. One
+    cut short itself (a cancellation of every task, at a shutdown) is run again: each of its
+    steps can be, and each storage tier is closed at most once."""
     came: BaseException | None = None
     while True:
         task = cache._release_task
         if task is None or task.cancelled():
             assert cache._eng is not None
-            task = cache._release_task = asyncio.ensure_future(_release(cache._eng))
+            task = cache._release_task = asyncio.ensure_future(_close_rest(cache, cache._eng))
         came = await outlive(task) or came
         if not task.cancelled():
             break
@@ -665,6 +635,21 @@ async def _release_to_end(cache: Cache) -> None:
     task.result()
     if came is not None:
         raise came
+
+
+async def _close_rest(cache: Cache, eng: Engine) -> None:
+    """Stop the cache's own tasks, close each storage tier (once, even when this is run
+    again), then :func:`_release`."""
+    await cache._tasks.aclose()
+    for st in eng.stores:
+        if st.idx in cache._closed_stores:
+            continue
+        cache._closed_stores.add(st.idx)  # first: a tier's aclose is never called twice
+        try:
+            await st.store.aclose()
+        except Exception as e:  # closing must release the rest regardless
+            eng.cold.errlog.warn(st.name, "close", repr(e))
+    await _release(eng)
 
 
 async def _release(eng: Engine) -> None:
@@ -685,6 +670,12 @@ async def _release(eng: Engine) -> None:
 async def _get_matched(cache: Cache, eng: Engine, toks: np.ndarray,
                        out: torch.Tensor | None, td: int) -> Hit:
     """``Cache.get`` once its arguments are checked and counted."""
+    with long_read(-(-len(toks) // cache.config.chunk_size)):
+        return await _get_held(cache, eng, toks, out, td)
+
+
+async def _get_held(cache: Cache, eng: Engine, toks: np.ndarray, out: torch.Tensor | None,
+                    td: int) -> Hit:
     matches = await eng.match(toks)
     total = _covered(matches)
     cache._count_request(len(toks), total)
@@ -708,6 +699,40 @@ async def _get_matched(cache: Cache, eng: Engine, toks: np.ndarray,
         eng.tok["miss_tokens"] += total - served
     await _drop_in_runs(found)  # (its views)
     return Hit(served, _part(dst, td, 0, served), by_tier)
+
+
+async def _retrieve_held(cache: Cache, eng: Engine, toks: np.ndarray, slots: torch.Tensor,
+                         paged: transfer.Pages, skip_prefix: int) -> int:
+    """``Cache.retrieve`` once its arguments are checked and counted."""
+    td = cache.spec.token_dim
+    matches = await eng.match(toks)
+    total = _covered(matches)
+    cache._count_request(len(toks), total)
+    if total <= skip_prefix:
+        return 0
+    wanted = [m for m in matches if m.start + m.num_tokens > skip_prefix]
+    for m in wanted:
+        eng.pin(m.entry)
+    try:
+        found = await eng.sources(wanted)
+        srcs: list[torch.Tensor] = []
+        runs: list[torch.Tensor] = []
+        for m, src, _name in found:
+            lo = max(m.start, skip_prefix)
+            hi = m.start + m.num_tokens
+            srcs.append(src.narrow(td, lo - m.start, hi - lo))
+            runs.append(slots[lo:hi])
+        if srcs:
+            run = torch.cat(runs) if len(runs) > 1 else runs[0]
+            device = accelerator_of([torch.empty(0, device=paged.device), *srcs])
+            await eng.mover.run(
+                lambda stream: _scatter_own(srcs, paged, run, stream=stream),
+                device=device, nbytes=eng.mover.inline_bytes)
+        eng.touch([m.entry for m, _, _ in found])
+        return sum(s.shape[td] for s in srcs)
+    finally:
+        for m in wanted:
+            eng.unpin(m.entry)
 
 
 # -- input checks ------------------------------------------------------------------------------
