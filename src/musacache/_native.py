@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
-import threading
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec, TypeVar, overload
 
@@ -504,48 +504,32 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
-class _Held(threading.local):
-    """This thread's buffers taken by :func:`_buffer`, released when the outermost
-    :func:`_releases_buffers` call that took them returns or raises."""
-
-    def __init__(self) -> None:
-        self.buffers: list[Any] = []
-        self.depth = 0
-
-
-_held = _Held()
-
-
 def _releases_buffers(fn: Callable[_P, _R]) -> Callable[_P, _R]:
-    """Release every buffer ``fn`` takes through :func:`_buffer` as soon as it ends.
+    """Let go of every buffer ``fn`` took through :func:`_buffer` when it raises.
 
-    A buffer taken with ``ffi.from_buffer`` on a memoryview is an export of that memoryview.
-    Left to the frame's locals, it lives on after an error, in the traceback's frames (an
-    exception kept by a future, a log record). CPython 3.11 crashes when the garbage
-    collector clears a memoryview that still has an export (CPython gh-77894: its tp_clear
-    drops the view's buffer, and the export's later release reads through NULL), which a
-    corrupt chunk object decoded from a memoryview did: a segfault in a later collection.
-    Released here, no memoryview of ours is ever exported once the call is over."""
+    A buffer taken with ``ffi.from_buffer`` on a memoryview is an export of that memoryview,
+    held by ``fn``'s locals. On an error the traceback keeps those frames alive (an exception
+    kept by a future, a log record), and CPython 3.11 crashes when its garbage collector
+    clears a memoryview that still has an export (CPython gh-77894: its tp_clear drops the
+    view's buffer, and the export's later release reads through NULL); a corrupt chunk
+    object decoded from a memoryview did, in a later collection. So the frames of a call
+    that raised are cleared (``traceback.clear_frames``), which releases the buffers at once.
+    A call that returns frees its locals itself."""
 
     @functools.wraps(fn)
     def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        held = _held
-        mark = len(held.buffers)
-        held.depth += 1
         try:
             return fn(*args, **kwargs)
-        finally:
-            held.depth -= 1
-            buffers = held.buffers
-            while len(buffers) > mark:
-                ffi.release(buffers.pop())
+        except BaseException as exc:
+            traceback.clear_frames(exc.__traceback__)
+            raise
 
     return call
 
 
 def _buffer(obj: object, *, writable: bool, what: str) -> tuple[Any, int, int]:
-    """(uint8_t pointer, byte length, address) of a C-contiguous CPU buffer or torch tensor,
-    valid until the :func:`_releases_buffers` call around the caller ends."""
+    """(uint8_t pointer, byte length, address) of a C-contiguous CPU buffer or torch tensor.
+    Its caller is wrapped in :func:`_releases_buffers`."""
     data_ptr = getattr(obj, "data_ptr", None)
     if callable(data_ptr) and hasattr(obj, "is_contiguous"):
         # A torch tensor: no buffer protocol, and bf16 has no numpy dtype, so use its pointer.
@@ -570,10 +554,7 @@ def _buffer(obj: object, *, writable: bool, what: str) -> tuple[Any, int, int]:
         if writable and view.readonly:
             raise InvalidInputError(f"{what} must be writable, got a read-only buffer")
         nbytes = view.nbytes
-    if not _held.depth:
-        raise AssertionError("_buffer outside a _releases_buffers call would hold its export")
     pointer = ffi.from_buffer("uint8_t[]", obj, require_writable=writable)
-    _held.buffers.append(pointer)
     return pointer, nbytes, int(ffi.cast("uintptr_t", pointer))
 
 
@@ -770,6 +751,7 @@ def runs_copy(copy: ChunkCopy, src: object, offset: int) -> None:
     copy.copy(src, offset)
 
 
+@_releases_buffers
 def _tagged_dests(out: object | None, copy: ChunkCopy | None, raw_len: int, tab_len: int,
                   num_blocks: int) -> tuple[Any, int]:
     """The checks ``tagged_decode`` and ``tagged_read`` share: ``out`` (its pointer and
