@@ -391,7 +391,8 @@ class Cache:
         eng.inflight["gets"] += 1
         td = self.spec.token_dim
         try:
-            return await _get_matched(self, eng, toks, out, td)
+            with long_read(-(-len(toks) // self.config.chunk_size)):
+                return await _get_matched(self, eng, toks, out, td)
         finally:
             eng.inflight["gets"] -= 1
 
@@ -670,12 +671,6 @@ async def _release(eng: Engine) -> None:
 async def _get_matched(cache: Cache, eng: Engine, toks: np.ndarray,
                        out: torch.Tensor | None, td: int) -> Hit:
     """``Cache.get`` once its arguments are checked and counted."""
-    with long_read(-(-len(toks) // cache.config.chunk_size)):
-        return await _get_held(cache, eng, toks, out, td)
-
-
-async def _get_held(cache: Cache, eng: Engine, toks: np.ndarray, out: torch.Tensor | None,
-                    td: int) -> Hit:
     matches = await eng.match(toks)
     total = _covered(matches)
     cache._count_request(len(toks), total)
