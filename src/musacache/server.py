@@ -57,6 +57,7 @@ from ._errors import (
 from ._keys import Fingerprint
 from ._spawn import SpawnedServer, spawn
 from ._spec import KVSpec
+from ._tasks import outlive
 from ._version import __version__
 from .ipc import _messages as msgs
 from .ipc._protocol import encode_reply_packed, pack
@@ -794,14 +795,20 @@ class Server:
             left = dict(ops)
             for task in left:
                 task.cancel()
-            with anyio.CancelScope(shield=True):
-                await asyncio.gather(*left, return_exceptions=True)
+            # Waited for whatever cancels this task meanwhile: anyio's shield holds off its
+            # own scopes only, and a plain cancel (asyncio.run's at shutdown, a second
+            # task.cancel()) landing here skipped the release below: the peer's fds, its
+            # mapped memory and its socket were kept.
+            came = await outlive(asyncio.gather(*left, return_exceptions=True)) \
+                if left else None
             for fds in left.values():
                 # A task cancelled before its first step never ran its cleanup.
                 ipc.close_fds(fds)
                 fds.clear()
             self._release_peer(peer)
-            await conn.aclose()
+            await conn.aclose()  # (closes before it yields)
+            if came is not None:
+                raise came
 
     def _release_peer(self, peer: _Peer) -> None:
         peer.regs.clear()

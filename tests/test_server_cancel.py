@@ -1,0 +1,71 @@
+"""A peer's cleanup in the node server runs to its end whatever cancels it: anyio's scopes
+and plain ``task.cancel()`` (asyncio.run's at shutdown) alike."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import musacache as mc
+from helpers import prefix_kv, small_spec
+from musacache.server import Server, ServerConfig
+
+CH = 16
+
+
+def _runs(task: asyncio.Task[Any], qualname: str) -> bool:
+    """Whether ``task`` is inside a coroutine named ``qualname`` (at any depth)."""
+    coro: Any = task.get_coro()
+    while coro is not None:
+        if getattr(coro, "__qualname__", None) == qualname:
+            return True
+        coro = getattr(coro, "cr_await", None)
+    return False
+
+
+async def test_a_plain_cancel_while_ops_end_still_releases_the_peer(tmp_path):
+    spec = small_spec()
+    cfg = ServerConfig(str(tmp_path / "r" / "s.sock"), chunk_size=CH,
+                       tiers=(mc.HostTier(spec.nbytes(CH) * 16),))
+    async with Server(cfg) as srv:
+        serving = asyncio.create_task(srv.serve_forever())
+        c = mc.connect(cfg.socket_path, spec=spec, namespace="srv", chunk_size=CH)
+        await c.__aenter__()
+        toks = list(range(2 * CH))
+        await c.put(toks, prefix_kv(spec, toks))  # opens the cache
+        started, ending = asyncio.Event(), asyncio.Event()
+
+        async def slow_to_end(peer: Any, msg: Any, fds: list[int]) -> Any:
+            started.set()
+            try:
+                await asyncio.sleep(3600)
+            finally:
+                # An op whose cleanup takes turns of the loop (a cache op letting go of
+                # its pins in runs): the peer's end waits for it.
+                ending.set()
+                for _ in range(20):
+                    try:
+                        await asyncio.sleep(0)
+                    except asyncio.CancelledError:
+                        pass
+
+        srv._handlers["delete"] = slow_to_end  # (lookup and get may be answered at once)
+        pending = asyncio.create_task(c.delete(toks))
+        await started.wait()
+        (peer,) = srv._peers
+        (task,) = [t for t in asyncio.all_tasks() if _runs(t, "Server._serve_peer")]
+        fds_before = len(os.listdir("/proc/self/fd"))
+        task.cancel()  # lands where it waits for frames: its finally cancels the op
+        await ending.wait()
+        assert not task.done()  # waiting for the op to end
+        task.cancel()  # a second plain cancel, meanwhile
+        done, _ = await asyncio.wait([task], timeout=10)
+        assert task in done and task.cancelled()
+        assert peer not in srv._peers and not peer.buffers  # released
+        assert len(os.listdir("/proc/self/fd")) < fds_before  # its socket closed
+        done, _ = await asyncio.wait([pending], timeout=10)
+        assert pending in done and isinstance(pending.exception(), mc.MusaCacheError)
+        await c.aclose()
+        srv.stop()
+        await serving
