@@ -5,6 +5,7 @@ import random
 import time
 
 import anyio
+import pytest
 import torch
 
 import musacache as mc
@@ -40,23 +41,43 @@ async def test_200_concurrent_puts_and_gets_of_overlapping_prompts(spec):
         assert st["pins"] == 0 and st["tiers"]["host"]["bytes_used"] <= spec.nbytes(CH) * 40
 
 
-async def test_a_chunk_being_read_is_not_evicted_under_its_reader(spec):
+class _HeldRead:
+    """Holds a get's copy until ``gate`` is set (``entered`` says it got there), on either of
+    its paths: by slot address (``_resident``, through ``Mover.run``) or the general one
+    (``Mover.copy``, every chunk a view: forced by a resident minimum no get reaches)."""
+
+    def __init__(self, c, path, monkeypatch):
+        import musacache._engine as engine_mod
+
+        self.gate, self.entered = anyio.Event(), anyio.Event()
+        self.mover = c._engine.mover
+        self.name = "run" if path == "resident" else "copy"
+        self.real = getattr(self.mover, self.name)
+        if path == "general":
+            monkeypatch.setattr(engine_mod, "RESIDENT_MIN", 1 << 62)
+
+    def hold(self):
+        async def held(*a, **k):
+            if not self.gate.is_set():
+                self.entered.set()
+                await self.gate.wait()
+            await self.real(*a, **k)
+
+        setattr(self.mover, self.name, held)
+
+    def restore(self):
+        setattr(self.mover, self.name, self.real)
+
+
+@pytest.mark.parametrize("path", ["resident", "general"])
+async def test_a_chunk_being_read_is_not_evicted_under_its_reader(spec, path, monkeypatch):
     # Copies above inline_copy_bytes go through a worker thread: a read that yields while it
     # holds its chunks (a small read from the host tier never yields, see _fastpath).
     async with mc.Cache(cfg(spec, 2, inline_copy_bytes=0)) as c:
         a = list(range(32))
         await c.put(a, prefix_kv(spec, a))
-        gate, entered = anyio.Event(), anyio.Event()
-        mover = c._engine.mover
-        real = mover.copy
-
-        async def slow_copy(pairs):
-            if any(s.data_ptr() != d.data_ptr() for d, s in pairs) and not gate.is_set():
-                entered.set()
-                await gate.wait()
-            await real(pairs)
-
-        mover.copy = slow_copy
+        held = _HeldRead(c, path, monkeypatch)
+        held.hold()
         result = {}
 
         async def reader():
@@ -64,43 +85,37 @@ async def test_a_chunk_being_read_is_not_evicted_under_its_reader(spec):
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(reader)
-            await entered.wait()
+            await held.entered.wait()
             # The tier is full and both chunks are pinned by the reader: nothing can go.
             b = list(range(500, 532))
-            mover.copy = real
+            held.restore()
             assert await c.put(b, prefix_kv(spec, b)) == 0
             assert (await c.stats())["pins"] == 2
-            gate.set()
+            held.gate.set()
         assert torch.equal(result["hit"].kv, prefix_kv(spec, a))
+        assert result["hit"].tiers == {"host": 32}
         # Once the reader is gone the same put evicts and succeeds.
         b = list(range(500, 532))
         assert await c.put(b, prefix_kv(spec, b)) == 32
 
 
-async def test_deleted_while_read_is_freed_after_the_reader(spec):
+@pytest.mark.parametrize("path", ["resident", "general"])
+async def test_deleted_while_read_is_freed_after_the_reader(spec, path, monkeypatch):
     async with mc.Cache(cfg(spec, 4, inline_copy_bytes=0)) as c:  # a read that yields
         a = list(range(32))
         await c.put(a, prefix_kv(spec, a))
-        gate, entered = anyio.Event(), anyio.Event()
-        mover = c._engine.mover
-        real = mover.copy
-
-        async def slow_copy(pairs):
-            entered.set()
-            await gate.wait()
-            await real(pairs)
-
-        mover.copy = slow_copy
+        held = _HeldRead(c, path, monkeypatch)
+        held.hold()
         out = {}
         async with anyio.create_task_group() as tg:
             async def reader():
                 out["hit"] = await c.get(a)
             tg.start_soon(reader)
-            await entered.wait()
+            await held.entered.wait()
             await c.delete(a)
             assert (await c.stats())["tiers"]["host"]["bytes_used"] == spec.nbytes(CH) * 2  # still held
-            gate.set()
-        mover.copy = real
+            held.gate.set()
+        held.restore()
         assert torch.equal(out["hit"].kv, prefix_kv(spec, a))
         assert (await c.stats())["tiers"]["host"]["bytes_used"] == 0
 

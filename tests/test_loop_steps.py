@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import musacache as mc
+import musacache._engine as engine_mod
 from helpers import StepMemory, most_per_turn
 from musacache import _gcfreeze
 from musacache._core import BATCH
@@ -437,6 +438,13 @@ async def test_long_gets_and_retrieves_run_without_full_collections(monkeypatch)
         return await sources(self, *args, **kwargs)
 
     monkeypatch.setattr(Engine, "sources", spy)
+    resident = engine_mod.read_resident
+
+    async def spy_resident(*args, **kwargs):  # a get of chunks the host tier holds
+        oldest.append(gc.get_threshold()[2])
+        return await resident(*args, **kwargs)
+
+    monkeypatch.setattr(engine_mod, "read_resident", spy_resident)
     n = _gcfreeze.LONG_READ_CHUNKS
     toks = np.arange(n * CH, dtype=np.int32)
     saved = gc.get_threshold()[2]

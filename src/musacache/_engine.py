@@ -29,6 +29,9 @@ from ._keys import Fingerprint, KeyChain, as_tokens
 from ._move import Mover, accelerator_of
 from ._pages import PageSource, check_pages, page_keys
 from ._reads import VIEW_RUN
+from ._resident import MIN_CHUNKS as RESIDENT_MIN
+from ._resident import out_rows, read_resident
+from ._resident import release as release_resident
 from ._spec import KVSpec
 from ._tasks import MustFinish, TaskOwner, outlive
 from ._tee import Tee
@@ -681,14 +684,30 @@ async def _get_matched(cache: Cache, eng: Engine, toks: np.ndarray,
         return Hit(0, empty, {})
     dst = out if out is not None else torch.empty(
         cache.spec.shape(total), dtype=cache.spec.dtype, device=cache._device)
-    found = await _read_into(eng, matches, *_dense_dest(dst, td))
     by_tier: dict[str, int] = {}
+    # The leading chunks the host top tier holds, by slot address in one copy (_resident);
+    # the rest (usually none) by the general path, before those are touched and unpinned.
+    res = await read_resident(
+        eng, matches, dst, out_rows(cache.spec, dst) if accelerator_of((dst,)) is None
+        else None) if len(matches) >= RESIDENT_MIN else None
+    first = 0 if res is None else res.count
+    read = False
+    try:
+        found = await _read_into(eng, matches[first:], *_dense_dest(dst, td)) \
+            if first < len(matches) else []
+        read = True
+    finally:
+        if res is not None:
+            await release_resident(eng, res, served=read)
+    if res is not None:
+        by_tier[eng.tiers[0].name] = res.tokens
     names = eng.tier_by_name
     for m, _src, name in found:
         by_tier[name] = by_tier.get(name, 0) + m.num_tokens
     for name, n in by_tier.items():  # bytes are per token: summed once per tier
         names[name].c["bytes_out"] += cache.spec.nbytes(n)
-    served = found[-1][0].start + found[-1][0].num_tokens if found else 0
+    served = found[-1][0].start + found[-1][0].num_tokens if found else (
+        0 if res is None else res.tokens)
     if served < total:
         eng.tok["hit_tokens"] -= total - served
         eng.tok["miss_tokens"] += total - served

@@ -63,6 +63,9 @@ __all__ = [
     "ChunkCopy",
 ]
 
+#: Ints the row copies take: a sequence, or an int array (a request's table of addresses).
+Ints = Sequence[int] | np.ndarray[Any, Any]
+
 REBUILD_HINT = "rebuild it from the source tree with `pip install -e .` (or `pip install .`)"
 
 try:
@@ -294,7 +297,7 @@ def _max_row_offset(num_slots: int, block_size: int, block_stride: int, slot_str
     return best
 
 
-def _int_array(name: str, values: int | Sequence[int], count: int) -> np.ndarray[Any, Any]:
+def _int_array(name: str, values: int | Ints, count: int) -> np.ndarray[Any, Any]:
     """``values`` (one int for all, or one per plane) as a 1-D int64 array of ``count``."""
     if isinstance(values, bool):
         raise InvalidInputError(f"{name} must be ints, got {values!r}")
@@ -308,7 +311,7 @@ def _int_array(name: str, values: int | Sequence[int], count: int) -> np.ndarray
     return array.astype(np.int64, copy=False)
 
 
-def _plane_array(name: str, planes: Sequence[int], count: int) -> Any:
+def _plane_array(name: str, planes: Ints, count: int) -> Any:
     """The plane addresses as a C ``uintptr_t[]`` (kept alive by the returned array)."""
     array = _int_array(name, planes, count)
     if array.size and int(array.min()) <= 0:
@@ -318,7 +321,7 @@ def _plane_array(name: str, planes: Sequence[int], count: int) -> Any:
     return array.astype(np.uint64)
 
 
-def _check_extents(name: str, extents: int | Sequence[int], count: int, need: int,
+def _check_extents(name: str, extents: int | Ints, count: int, need: int,
                    what: str) -> None:
     array = _int_array(name, extents, count)
     if array.size and int(array.min()) < need:
@@ -330,20 +333,20 @@ def _check_extents(name: str, extents: int | Sequence[int], count: int, need: in
 def _transfer_rows(
     fn: Any,
     what: str,
-    paged_planes: Sequence[int],
-    dense_planes: Sequence[int],
+    paged_planes: Ints,
+    dense_planes: Ints,
     slots: np.ndarray[Any, Any],
     *,
     row_bytes: int,
     num_slots: int,
-    paged_extents: int | Sequence[int],
-    dense_extents: int | Sequence[int],
+    paged_extents: int | Ints,
+    dense_extents: int | Ints,
     block_size: int,
     block_stride: int | None,
     slot_stride: int | None,
     dense_row_stride: int | None,
     threads: int | None,
-    chunk_starts: Sequence[int] | None = None,
+    chunk_starts: Ints | None = None,
 ) -> None:
     num_planes = len(paged_planes)
     _check_nonneg("row_bytes", row_bytes)
@@ -411,7 +414,7 @@ def _transfer_rows(
     _check_status(fn(copy, nthreads), what)
 
 
-def _chunk_starts(chunk_starts: Sequence[int] | None, num_tokens: int) -> np.ndarray[Any, Any]:
+def _chunk_starts(chunk_starts: Ints | None, num_tokens: int) -> np.ndarray[Any, Any]:
     """The chunk boundaries as a checked int64 array from 0 to ``num_tokens``."""
     if chunk_starts is None:
         return np.array([0, num_tokens], dtype=np.int64)
@@ -428,20 +431,20 @@ def _chunk_starts(chunk_starts: Sequence[int] | None, num_tokens: int) -> np.nda
 
 
 def gather_rows(
-    paged_planes: Sequence[int],
-    dense_planes: Sequence[int],
+    paged_planes: Ints,
+    dense_planes: Ints,
     slots: np.ndarray[Any, Any],
     *,
     row_bytes: int,
     num_slots: int,
-    paged_extents: int | Sequence[int],
-    dense_extents: int | Sequence[int],
+    paged_extents: int | Ints,
+    dense_extents: int | Ints,
     block_size: int = 1,
     block_stride: int | None = None,
     slot_stride: int | None = None,
     dense_row_stride: int | None = None,
     threads: int | None = None,
-    chunk_starts: Sequence[int] | None = None,
+    chunk_starts: Ints | None = None,
 ) -> None:
     """Copy paged rows to dense rows for every plane in one call (many layers, K and V).
 
@@ -468,20 +471,20 @@ def gather_rows(
 
 
 def scatter_rows(
-    paged_planes: Sequence[int],
-    dense_planes: Sequence[int],
+    paged_planes: Ints,
+    dense_planes: Ints,
     slots: np.ndarray[Any, Any],
     *,
     row_bytes: int,
     num_slots: int,
-    paged_extents: int | Sequence[int],
-    dense_extents: int | Sequence[int],
+    paged_extents: int | Ints,
+    dense_extents: int | Ints,
     block_size: int = 1,
     block_stride: int | None = None,
     slot_stride: int | None = None,
     dense_row_stride: int | None = None,
     threads: int | None = None,
-    chunk_starts: Sequence[int] | None = None,
+    chunk_starts: Ints | None = None,
 ) -> None:
     """The reverse of :func:`gather_rows`: dense rows to paged rows.
 

@@ -1,0 +1,265 @@
+"""A get of chunks held by a host top tier copies them by slot address, in one native call
+(``musacache._resident``): the same bytes as the general path for every layout of ``out``,
+no view per chunk, pins held for the copy and let go of whatever happens."""
+
+from __future__ import annotations
+
+import anyio
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import musacache as mc
+import musacache._engine as engine_mod
+from helpers import host_config, prefix_kv, small_spec
+from musacache import _native
+from musacache._reads import Reads
+from musacache.tiers.memory import MemoryPool
+
+CH = 16
+
+
+def _spy(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts the native row copies and the slot views (one per chunk on the general path)."""
+    calls = {"scatter": 0, "chunks": 0, "view": 0}
+    scatter, view = _native.scatter_rows, MemoryPool.view
+
+    def counting_scatter(*a, **k):
+        calls["scatter"] += 1
+        starts = k.get("chunk_starts")
+        calls["chunks"] += 1 if starts is None else len(starts) - 1
+        return scatter(*a, **k)
+
+    def counting_view(self, *a, **k):
+        calls["view"] += 1
+        return view(self, *a, **k)
+
+    monkeypatch.setattr(_native, "scatter_rows", counting_scatter)
+    monkeypatch.setattr(MemoryPool, "view", counting_view)
+    return calls
+
+
+def _outs(spec: mc.KVSpec, n: int) -> dict[str, torch.Tensor]:
+    """``out`` tensors of ``n`` tokens laid out in several ways."""
+    shape = spec.shape(n)
+    outs = {"contiguous": torch.empty(shape, dtype=spec.dtype)}
+    if spec.mla:
+        # (L, T, D) from (T, L, D) storage; and every other layer of a bigger tensor
+        outs["tokens_outer"] = torch.empty(n, shape[0], shape[2], dtype=spec.dtype).transpose(0, 1)
+        outs["layer_slice"] = torch.empty(2 * shape[0], n, shape[2], dtype=spec.dtype)[::2]
+        outs["strided_dim"] = torch.empty(shape[0], n, 2 * shape[2], dtype=spec.dtype)[..., ::2]
+    else:
+        layers, _, _, h, d = shape
+        # heads outside tokens: a row per head and token
+        outs["heads_outer"] = torch.empty(layers, 2, h, n, d, dtype=spec.dtype).transpose(2, 3)
+        outs["kv_outer"] = torch.empty(2, layers, n, h, d, dtype=spec.dtype).transpose(0, 1)
+        outs["padded_tokens"] = torch.empty(layers, 2, n, h + 1, d, dtype=spec.dtype)[:, :, :, :h]
+        outs["strided_dim"] = torch.empty(layers, 2, n, h, 2 * d, dtype=spec.dtype)[..., ::2]
+    return outs
+
+
+SPECS = {
+    "mha": small_spec(),
+    "gqa_bf16": mc.KVSpec(num_layers=3, num_kv_heads=4, head_dim=8, dtype=torch.bfloat16),
+    "mla": small_spec(mla=True),
+}
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+async def test_every_layout_of_out_gets_the_bytes_put(name, monkeypatch):
+    spec = SPECS[name]
+    toks = list(range(1000, 1000 + 5 * CH + 7))  # five whole chunks and a short one
+    want = prefix_kv(spec, toks)
+    calls = _spy(monkeypatch)
+    async with mc.Cache(host_config(spec, chunks=16, inline_copy_bytes=0)) as c:
+        await c.put(toks, want)
+        for layout, out in _outs(spec, len(toks)).items():
+            out.fill_(-1)
+            before = dict(calls)
+            hit = await c.get(toks, out=out)
+            assert hit.num_tokens == len(toks) and hit.tiers == {"host": len(toks)}, layout
+            assert torch.equal(out, want), layout
+            assert hit.kv.data_ptr() == out.data_ptr(), layout
+            if layout == "strided_dim":  # rows that are not contiguous: the general path
+                assert calls["view"] - before["view"] == 6, layout
+                continue
+            assert calls["scatter"] - before["scatter"] == 1, layout
+            assert calls["chunks"] - before["chunks"] == 6, layout
+            assert calls["view"] == before["view"], layout  # no view of any slot
+        hit = await c.get(toks)
+        assert torch.equal(hit.kv, want)
+        assert c._engine.pins_held == 0
+
+
+async def test_a_match_that_ends_inside_a_chunk(spec, monkeypatch):
+    calls = _spy(monkeypatch)
+    toks = list(range(3 * CH + 8))
+    async with mc.Cache(host_config(spec, chunks=8, inline_copy_bytes=0)) as c:
+        await c.put(toks, prefix_kv(spec, toks))
+        for n in (3 * CH + 5, 2 * CH + 3, 2 * CH + 8):  # within the short chunk, the third
+            calls["scatter"] = 0
+            hit = await c.get(toks[:n])
+            assert hit.num_tokens == n
+            assert torch.equal(hit.kv, prefix_kv(spec, toks[:n]))
+            assert calls["scatter"] == 1
+
+
+async def test_the_rest_comes_from_below_after_the_leading_resident_chunks(spec, tmp_path):
+    toks = list(range(6 * CH))
+    tiers = (mc.HostTier(spec.nbytes(CH) * 8), mc.DiskTier(path=str(tmp_path), capacity_bytes=1 << 24))
+    async with mc.Cache(host_config(spec, tiers=tiers, inline_copy_bytes=0)) as c:
+        await c.put(toks, prefix_kv(spec, toks))
+        await c.flush()
+        eng = c._engine
+        top = eng.mem[0]
+        assert await eng.evict(top, 2) == 2  # the leaves go first: the last two chunks
+        await c.flush()
+        hit = await c.get(toks)
+        assert hit.num_tokens == len(toks)
+        assert hit.tiers == {"host": 4 * CH, "disk": 2 * CH}
+        assert torch.equal(hit.kv, prefix_kv(spec, toks))
+        assert eng.pins_held == 0
+        st = await c.stats()
+        assert st["tiers"]["host"]["hits"] >= 4
+
+
+async def test_a_single_resident_chunk_then_disk_takes_the_general_path(spec, tmp_path,
+                                                                         monkeypatch):
+    calls = _spy(monkeypatch)
+    toks = list(range(3 * CH))
+    tiers = (mc.HostTier(spec.nbytes(CH) * 8), mc.DiskTier(path=str(tmp_path), capacity_bytes=1 << 24))
+    async with mc.Cache(host_config(spec, tiers=tiers, inline_copy_bytes=0)) as c:
+        await c.put(toks, prefix_kv(spec, toks))
+        await c.flush()
+        assert await c._engine.evict(c._engine.mem[0], 2) == 2
+        await c.flush()
+        hit = await c.get(toks)
+        assert torch.equal(hit.kv, prefix_kv(spec, toks))
+        assert calls["scatter"] == 0  # one chunk alone is not worth the arrays
+
+
+async def test_eviction_and_delete_during_the_copy_keep_the_slots(spec):
+    toks = list(range(4 * CH))
+    async with mc.Cache(host_config(spec, chunks=4, inline_copy_bytes=0)) as c:
+        await c.put(toks, prefix_kv(spec, toks))
+        mover = c._engine.mover
+        real = mover.run
+        entered, gate = anyio.Event(), anyio.Event()
+
+        async def held(*a, **k):
+            entered.set()
+            await gate.wait()
+            await real(*a, **k)
+
+        mover.run = held
+        got = {}
+        async with anyio.create_task_group() as tg:
+            async def reader():
+                got["hit"] = await c.get(toks)
+            tg.start_soon(reader)
+            await entered.wait()
+            mover.run = real
+            # every chunk pinned: a put that needs their room fails, a delete waits for them
+            other = list(range(500, 500 + 4 * CH))
+            assert await c.put(other, prefix_kv(spec, other)) == 0
+            await c.delete(toks)
+            assert c._engine.pins_held == 4
+            gate.set()
+        assert torch.equal(got["hit"].kv, prefix_kv(spec, toks))
+        assert c._engine.pins_held == 0
+        assert (await c.stats())["tiers"]["host"]["bytes_used"] == 0
+
+
+async def _cancel_get(c: mc.Cache, toks: np.ndarray, turns: int | None) -> None:
+    """A get cancelled after ``turns`` turns of the loop, or (None) once its copy started."""
+    moves = c._engine.mover.moves
+    with anyio.CancelScope() as scope:
+        async def cancel_soon() -> None:
+            if turns is None:
+                while c._engine.mover.moves == moves:
+                    await anyio.lowlevel.checkpoint()
+            else:
+                for _ in range(turns):
+                    await anyio.lowlevel.checkpoint()
+            scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(cancel_soon)
+            await c.get(toks)
+            pytest.fail("the get was not cancelled")
+    assert scope.cancelled_caught
+
+
+async def test_a_cancelled_long_get_lets_go_of_every_pin():
+    spec = mc.KVSpec(num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float16)
+    n = 700  # several runs of pins, each a turn of the loop
+    toks = np.arange(n * CH, dtype=np.int32)
+    async with mc.Cache(host_config(spec, chunks=n, inline_copy_bytes=0)) as c:
+        kv = torch.arange(int(np.prod(spec.shape(n * CH))), dtype=torch.int16).view(
+            spec.shape(n * CH)).view(spec.dtype)
+        await c.put(toks, kv)
+        for turns in (1, 2, 3, 4, 5, 6, None):
+            await _cancel_get(c, toks, turns)
+            assert c._engine.pins_held == 0, turns
+        hit = await c.get(toks)  # and the cache still serves it whole
+        assert hit.num_tokens == n * CH and hit.kv.view(torch.int16).equal(kv.view(torch.int16))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(layers=st.integers(1, 3), heads=st.integers(1, 3), dim=st.sampled_from([1, 4, 8]),
+       mla=st.booleans(), chunks=st.integers(2, 9), extra=st.integers(0, CH - 1),
+       cut=st.integers(0, 3 * CH), layout=st.integers(0, 5),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.int8]))
+def test_by_address_matches_the_general_path(layers, heads, dim, mla, chunks, extra, cut,
+                                             layout, dtype):
+    spec = mc.KVSpec(num_layers=layers, num_kv_heads=1 if mla else heads, head_dim=dim,
+                     dtype=dtype, mla=mla)
+    toks = list(range(7, 7 + chunks * CH + extra))
+    ask = toks[: max(1, len(toks) - cut)]
+    kv = prefix_kv(spec, toks) if dtype != torch.int8 else (
+        torch.arange(int(np.prod(spec.shape(len(toks))))) % 127).to(torch.int8).view(
+            spec.shape(len(toks)))
+
+    async def run() -> tuple[list[torch.Tensor], list[mc.Hit]]:
+        outs = list(_outs(spec, len(ask)).values())
+        out = outs[layout % len(outs)].fill_(0)
+        async with mc.Cache(host_config(spec, chunks=chunks + 1, inline_copy_bytes=0)) as c:
+            await c.put(toks, kv)
+            hits = [await c.get(ask), await c.get(ask, out=out)]
+            assert c._engine.pins_held == 0
+        return [out], hits
+
+    by_address = anyio.run(run)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(engine_mod, "RESIDENT_MIN", 1 << 62)
+    try:
+        general = anyio.run(run)
+    finally:
+        mp.undo()
+    def raw(t: torch.Tensor) -> torch.Tensor:  # bit for bit (NaN == NaN)
+        return t.contiguous().view(torch.uint8)
+
+    assert raw(by_address[0][0]).equal(raw(general[0][0]))
+    for a, g in zip(by_address[1], general[1], strict=True):
+        assert a.num_tokens == g.num_tokens == len(ask) and a.tiers == g.tiers
+        assert raw(a.kv).equal(raw(g.kv))
+    assert raw(by_address[1][1].kv).equal(raw(kv.narrow(spec.token_dim, 0, len(ask))))
+
+
+def test_top_view_is_not_called_for_resident_chunks(monkeypatch):
+    spec = small_spec()
+    toks = list(range(40 * CH))
+    views = []
+    real = Reads.top_view
+    monkeypatch.setattr(Reads, "top_view", lambda self, e: views.append(e) or real(self, e))
+
+    async def main() -> None:
+        async with mc.Cache(host_config(spec, chunks=40)) as c:
+            await c.put(toks, prefix_kv(spec, toks))
+            hit = await c.get(toks)
+            assert torch.equal(hit.kv, prefix_kv(spec, toks))
+
+    anyio.run(main)
+    assert views == []
