@@ -445,6 +445,13 @@ async def test_long_gets_and_retrieves_run_without_full_collections(monkeypatch)
         return await resident(*args, **kwargs)
 
     monkeypatch.setattr(engine_mod, "read_resident", spy_resident)
+    resident_retrieve = engine_mod.retrieve_resident
+
+    async def spy_retrieve(*args, **kwargs):  # a retrieve of them into host pages
+        oldest.append(gc.get_threshold()[2])
+        return await resident_retrieve(*args, **kwargs)
+
+    monkeypatch.setattr(engine_mod, "retrieve_resident", spy_retrieve)
     n = _gcfreeze.LONG_READ_CHUNKS
     toks = np.arange(n * CH, dtype=np.int32)
     saved = gc.get_threshold()[2]

@@ -4,6 +4,8 @@ no view per chunk, pins held for the copy and let go of whatever happens."""
 
 from __future__ import annotations
 
+import random
+
 import anyio
 import numpy as np
 import pytest
@@ -263,3 +265,45 @@ def test_top_view_is_not_called_for_resident_chunks(monkeypatch):
 
     anyio.run(main)
     assert views == []
+
+
+@pytest.mark.parametrize("layout", ["vllm", "sglang", "vllm-mla"])
+@pytest.mark.parametrize("skip", [0, 5, CH, 2 * CH + 3])
+async def test_retrieve_into_host_pages_by_slot_address(layout, skip, monkeypatch, tmp_path):
+    """A retrieve into host pages takes the leading chunks the host tier holds by address
+    (no view of their slots), the rest (on disk here) the general way; holes (-1) and a
+    skipped prefix are left as they were."""
+    from test_store_retrieve import BS, make_pages, random_slots, read_dense
+
+    spec = small_spec(mla=layout == "vllm-mla")
+    rng = np.random.default_rng(skip)
+    toks = list(range(300, 300 + 5 * CH + 6))
+    n = len(toks)
+    want = prefix_kv(spec, toks)
+    nb = 4 * n // BS
+    calls = _spy(monkeypatch)
+    tiers = (mc.HostTier(spec.nbytes(CH) * 8), mc.DiskTier(path=str(tmp_path), capacity_bytes=1 << 24))
+    async with mc.Cache(host_config(spec, tiers=tiers, inline_copy_bytes=0)) as c:
+        assert await c.put(toks, want) == n
+        await c.flush()
+        eng = c._engine
+        assert await eng.evict(eng.mem[0], 1) == 1  # the short last chunk: to disk only
+        await c.flush()
+        pages = make_pages(spec, layout, nb)
+        slots = random_slots(n, nb, random.Random(skip))
+        holes = [int(i) for i in rng.choice(n, 3, replace=False)]
+        slots[holes] = -1
+        views = calls["view"]
+        got = await c.retrieve(toks, pages, slots, layout=layout, skip_prefix=skip)
+        assert got == n - skip
+        after = read_dense(spec, layout, pages, slots.clamp(min=0))
+        td = spec.token_dim
+        for i in range(n):
+            col = after.narrow(td, i, 1)
+            if i < skip or i in holes:
+                continue
+            assert torch.equal(col, want.narrow(td, i, 1)), i
+        assert calls["scatter"] >= 1
+        # one view for the chunk read from disk (its promotion's slot), none for the rest
+        assert calls["view"] - views <= 2
+        assert eng.pins_held == 0

@@ -30,7 +30,7 @@ from ._move import Mover, accelerator_of
 from ._pages import PageSource, check_pages, page_keys
 from ._reads import VIEW_RUN
 from ._resident import MIN_CHUNKS as RESIDENT_MIN
-from ._resident import out_rows, read_resident
+from ._resident import out_rows, read_resident, retrieve_resident
 from ._resident import release as release_resident
 from ._spec import KVSpec
 from ._tasks import MustFinish, TaskOwner, outlive
@@ -725,6 +725,27 @@ async def _retrieve_held(cache: Cache, eng: Engine, toks: np.ndarray, slots: tor
     if total <= skip_prefix:
         return 0
     wanted = [m for m in matches if m.start + m.num_tokens > skip_prefix]
+    # Into host pages, the leading chunks the host top tier holds go by slot address
+    # (_resident); the rest by the general path, before those are touched and unpinned.
+    got = await retrieve_resident(eng, wanted, slots, paged, skip_prefix) \
+        if len(wanted) >= RESIDENT_MIN else None
+    if got is None:
+        return await _retrieve_rest(eng, td, wanted, slots, paged, skip_prefix)
+    res, written = got
+    read = False
+    try:
+        written += await _retrieve_rest(eng, td, wanted[res.count:], slots, paged, skip_prefix) \
+            if res.count < len(wanted) else 0
+        read = True
+    finally:
+        await release_resident(eng, res, served=read)
+    return written
+
+
+async def _retrieve_rest(eng: Engine, td: int, wanted: list[Match], slots: torch.Tensor,
+                         paged: transfer.Pages, skip_prefix: int) -> int:
+    """``retrieve``'s chunks ``wanted`` by the general path: pinned, their data from the
+    tier holding each (promoted from below), one scatter of their views."""
     for m in wanted:
         eng.pin(m.entry)
     try:

@@ -35,12 +35,14 @@ from ._reads import VIEW_RUN
 from ._spec import KVSpec, may_overlap, storage_short
 from ._tasks import MustFinish
 from ._tierstate import MemTier
+from .transfer import DenseAt, Pages, _native_rows, backend_for
 
 if TYPE_CHECKING:
     from ._core import Engine
     from ._directory import Entry, Match
 
-__all__ = ["MIN_CHUNKS", "OutRows", "Resident", "out_rows", "read_resident", "release"]
+__all__ = ["MIN_CHUNKS", "OutRows", "Resident", "out_rows", "read_resident", "release",
+           "retrieve_resident"]
 
 #: Fewer chunks than this take the general path: a short request gains nothing from the
 #: arrays built here (and the direct path, ``_fastpath``, serves most of them anyway).
@@ -124,12 +126,9 @@ class Resident:
         last = self._matches[len(self.index) - 1]
         return last.start + last.num_tokens
 
-    def copy_args(self, eng: Engine, top: MemTier, out: torch.Tensor,
-                  rows: OutRows) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
-                                          np.ndarray, np.ndarray, int]:
-        """The native copy's arguments: ``out``'s plane addresses and extents, each chunk's
-        plane addresses and extents (chunk-major), the slot (token row of ``out``) of every
-        token, the chunk boundaries and ``out``'s token count."""
+    def addresses(self, top: MemTier) -> np.ndarray:
+        """Each chunk's slot address in ``top``'s pool (int64): its segment's base plus its
+        offset, for all of them at once."""
         pool = top.pool
         idx = np.frombuffer(self.index, dtype=np.int64)
         seg, off = np.divmod(idx, pool.slots_per_segment)
@@ -139,7 +138,15 @@ class Resident:
                 bases[s] = addr
         if not bool((bases[seg] > 0).all()):  # a pinned slot's segment is always there
             raise AssertionError("a held slot in a segment that is not allocated")
-        addr = bases[seg] + off * pool.slot_bytes
+        return bases[seg] + off * pool.slot_bytes
+
+    def copy_args(self, eng: Engine, top: MemTier, out: torch.Tensor,
+                  rows: OutRows) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                                          np.ndarray, np.ndarray, int]:
+        """The native copy's arguments: ``out``'s plane addresses and extents, each chunk's
+        plane addresses and extents (chunk-major), the slot (token row of ``out``) of every
+        token, the chunk boundaries and ``out``'s token count."""
+        addr = self.addresses(top)
         stored = np.frombuffer(self.stored, dtype=np.int64)
         served = np.frombuffer(self.served, dtype=np.int64)
         dense = addr[:, None] + rows.slot_coef[None, :] * stored[:, None] + rows.slot_head
@@ -152,17 +159,15 @@ class Resident:
                 np.arange(self.tokens, dtype=np.int64), int(out.shape[eng.spec.token_dim]))
 
 
-async def read_resident(eng: Engine, matches: Sequence[Match], out: torch.Tensor,
-                        rows: OutRows | None) -> Resident | None:
-    """Pin the leading chunks of ``matches`` the host top tier holds and copy them into
-    ``out`` (see the module docstring). Returns them (still pinned: :func:`release` lets
-    go of them once the caller has read the rest), or None where this does not apply: no
-    host top tier, an ``out`` the copy cannot write (``rows`` None), or fewer than
-    :data:`MIN_CHUNKS` of them held."""
+def _host_top(eng: Engine) -> MemTier | None:
     top = eng.tiers[0]
-    if rows is None or not isinstance(top, MemTier) or not _core._host_memory(top.pool) \
-            or len(matches) < MIN_CHUNKS:
-        return None
+    return top if isinstance(top, MemTier) and _core._host_memory(top.pool) else None
+
+
+async def _pin_leading(eng: Engine, top: MemTier, matches: Sequence[Match]) -> Resident | None:
+    """Pin the leading chunks of ``matches`` that ``top`` holds, each in the step that reads
+    its slot, a run per turn of the loop; None (nothing pinned) for fewer than
+    :data:`MIN_CHUNKS`. The caller lets go of them with :func:`release`."""
     held = top.idx
     res = Resident(matches)
     try:
@@ -181,7 +186,27 @@ async def read_resident(eng: Engine, matches: Sequence[Match], out: torch.Tensor
         if res.count < MIN_CHUNKS:
             await release(eng, res, served=False)
             return None
-        top.c["hits"] += res.count
+    except BaseException:
+        await release(eng, res, served=False)  # (idempotent: its pins are let go of once)
+        raise
+    top.c["hits"] += res.count
+    return res
+
+
+async def read_resident(eng: Engine, matches: Sequence[Match], out: torch.Tensor,
+                        rows: OutRows | None) -> Resident | None:
+    """Pin the leading chunks of ``matches`` the host top tier holds and copy them into
+    ``out`` (see the module docstring). Returns them (still pinned: :func:`release` lets
+    go of them once the caller has read the rest), or None where this does not apply: no
+    host top tier, an ``out`` the copy cannot write (``rows`` None), or fewer than
+    :data:`MIN_CHUNKS` of them held."""
+    top = _host_top(eng)
+    if rows is None or top is None or len(matches) < MIN_CHUNKS:
+        return None
+    res = await _pin_leading(eng, top, matches)
+    if res is None:
+        return None
+    try:
         paged, paged_ext, dense, dense_ext, starts, slots, num_slots = res.copy_args(
             eng, top, out, rows)
 
@@ -194,9 +219,50 @@ async def read_resident(eng: Engine, matches: Sequence[Match], out: torch.Tensor
 
         await eng.mover.run(copy, device=None, nbytes=eng.spec.nbytes(res.tokens))
     except BaseException:
-        await release(eng, res, served=False)  # (idempotent: its pins are let go of once)
+        await release(eng, res, served=False)
         raise
     return res
+
+
+async def retrieve_resident(eng: Engine, matches: Sequence[Match], slots: torch.Tensor,
+                            pages: Pages, skip_prefix: int) -> tuple[Resident, int] | None:
+    """``retrieve``'s leading chunks that the host top tier holds, written into host
+    ``pages`` at ``slots`` (from ``skip_prefix`` on) with the slots given by address
+    (:class:`~musacache.transfer.DenseAt`, as ``store`` reads them): no view per chunk.
+    Returns them (pinned, as :func:`read_resident` does) and the tokens written, or None
+    where this does not apply (pages on a device, no host top tier, fewer than
+    :data:`MIN_CHUNKS` held). ``matches`` each end past ``skip_prefix``."""
+    top = _host_top(eng)
+    if top is None or len(matches) < MIN_CHUNKS or backend_for(pages.tensors[0]) != "native":
+        return None
+    res = await _pin_leading(eng, top, matches)
+    if res is None:
+        return None
+    try:
+        spec = eng.spec
+        addr = res.addresses(top).tolist()
+        shapes: dict[int, DenseAt] = {}
+        denses: list[DenseAt] = []
+        starts = [0]
+        first = max(matches[0].start, skip_prefix)
+        for i in range(res.count):
+            m, stored = matches[i], res.stored[i]
+            at = shapes.get(stored)
+            if at is None:
+                at = shapes[stored] = DenseAt.of(0, spec, stored)
+            skip = (max(m.start, skip_prefix) - m.start) * at.strides[2] * at.itemsize
+            denses.append(DenseAt(addr[i] + skip, at.nbytes - skip, at.strides, at.itemsize))
+            starts.append(starts[-1] + m.start + m.num_tokens - max(m.start, skip_prefix))
+        run = slots[first : first + starts[-1]]
+
+        def copy(_stream: object) -> None:
+            _native_rows(pages, run, denses, starts, False, None)
+
+        await eng.mover.run(copy, device=None, nbytes=spec.nbytes(starts[-1]))
+    except BaseException:
+        await release(eng, res, served=False)
+        raise
+    return res, starts[-1]
 
 
 async def release(eng: Engine, res: Resident, *, served: bool = True) -> None:
