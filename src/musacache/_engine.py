@@ -30,7 +30,7 @@ from ._move import Mover, accelerator_of
 from ._pages import PageSource, check_pages, page_keys
 from ._reads import VIEW_RUN
 from ._resident import MIN_CHUNKS as RESIDENT_MIN
-from ._resident import out_rows, read_resident, retrieve_resident
+from ._resident import read_resident, retrieve_resident
 from ._resident import release as release_resident
 from ._spec import KVSpec
 from ._tasks import MustFinish, TaskOwner, outlive
@@ -687,9 +687,7 @@ async def _get_matched(cache: Cache, eng: Engine, toks: np.ndarray,
     by_tier: dict[str, int] = {}
     # The leading chunks the host top tier holds, by slot address in one copy (_resident);
     # the rest (usually none) by the general path, before those are touched and unpinned.
-    res = await read_resident(
-        eng, matches, dst, out_rows(cache.spec, dst) if accelerator_of((dst,)) is None
-        else None) if len(matches) >= RESIDENT_MIN else None
+    res = await read_resident(eng, matches, dst) if len(matches) >= RESIDENT_MIN else None
     first = 0 if res is None else res.count
     read = False
     try:

@@ -8,8 +8,8 @@ the views and pairs were about 12 µs a chunk of the loop's time (the get took 2
 chunk), each pair a few tracked objects for the collector, and the copy threads' Python
 loops took turns at the GIL with the loop.
 
-Here each chunk's slot is an address (its segment's base plus its offset, as
-``MemoryPool.address`` has it), and ``out`` is described once by its strides. One
+Here each chunk's slot is an address (its segment's base plus its offset:
+``MemoryPool.addresses``), and ``out`` is described once by its strides. One
 :func:`~musacache._native.scatter_rows` call (the chunks' slots as the dense side, ``out``'s
 token rows as the paged side, a slot per token) copies every plane of every chunk, with the
 bounds of both sides checked in Python first. Only the leading chunks the top tier holds go
@@ -30,7 +30,7 @@ import anyio
 import numpy as np
 import torch
 
-from . import _core, _native
+from . import _core, _move, _native
 from ._reads import VIEW_RUN
 from ._spec import KVSpec, may_overlap, storage_short
 from ._tasks import MustFinish
@@ -127,18 +127,8 @@ class Resident:
         return last.start + last.num_tokens
 
     def addresses(self, top: MemTier) -> np.ndarray:
-        """Each chunk's slot address in ``top``'s pool (int64): its segment's base plus its
-        offset, for all of them at once."""
-        pool = top.pool
-        idx = np.frombuffer(self.index, dtype=np.int64)
-        seg, off = np.divmod(idx, pool.slots_per_segment)
-        bases = np.zeros(int(seg.max()) + 1, dtype=np.int64)
-        for s, addr in pool.seg_addr.items():
-            if s < bases.size:
-                bases[s] = addr
-        if not bool((bases[seg] > 0).all()):  # a pinned slot's segment is always there
-            raise AssertionError("a held slot in a segment that is not allocated")
-        return bases[seg] + off * pool.slot_bytes
+        """Each chunk's slot address in ``top``'s pool (int64)."""
+        return top.pool.addresses(np.frombuffer(self.index, dtype=np.int64))
 
     def copy_args(self, eng: Engine, top: MemTier, out: torch.Tensor,
                   rows: OutRows) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
@@ -193,15 +183,18 @@ async def _pin_leading(eng: Engine, top: MemTier, matches: Sequence[Match]) -> R
     return res
 
 
-async def read_resident(eng: Engine, matches: Sequence[Match], out: torch.Tensor,
-                        rows: OutRows | None) -> Resident | None:
+async def read_resident(eng: Engine, matches: Sequence[Match],
+                        out: torch.Tensor) -> Resident | None:
     """Pin the leading chunks of ``matches`` the host top tier holds and copy them into
     ``out`` (see the module docstring). Returns them (still pinned: :func:`release` lets
     go of them once the caller has read the rest), or None where this does not apply: no
-    host top tier, an ``out`` the copy cannot write (``rows`` None), or fewer than
-    :data:`MIN_CHUNKS` of them held."""
+    host top tier, an ``out`` the copy cannot write (on a device, or see :func:`out_rows`),
+    or fewer than :data:`MIN_CHUNKS` of them held."""
     top = _host_top(eng)
-    if rows is None or top is None or len(matches) < MIN_CHUNKS:
+    if top is None or len(matches) < MIN_CHUNKS or _move.accelerator_of((out,)) is not None:
+        return None
+    rows = out_rows(eng.spec, out)
+    if rows is None:
         return None
     res = await _pin_leading(eng, top, matches)
     if res is None:
