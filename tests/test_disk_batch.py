@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import hashlib
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -110,8 +112,10 @@ async def test_a_get_of_many_disk_chunks_is_one_batch_on_a_few_threads(
         monkeypatch.setattr(store, "read_to", spy_to)
         monkeypatch.setattr(store, "read_to_many", spy_many)
         monkeypatch.setattr(anyio.to_thread, "run_sync", spy_thread)
-        # One slice per lane however slow the machine (slices are tested below).
+        # One slice per lane however slow the machine (slices are tested below), and as
+        # many lanes as max_concurrency however few its CPUs (lanes by CPUs: below).
         monkeypatch.setattr(disk_mod, "_LANE_SLICE", 60.0)
+        monkeypatch.setattr(disk_mod, "_cores", lambda: 64)
         out = torch.full_like(kv, float("nan"))
         hit = await c.get(toks, out=out)
         monkeypatch.setattr(anyio.to_thread, "run_sync", run_sync)
@@ -412,3 +416,81 @@ async def test_a_read_that_hangs_in_a_replaced_file_does_not_quarantine_the_new_
         hit = await c.get(toks, out=out)
         assert hit.num_tokens == len(toks) and hit.tiers == {"disk": len(toks)}
         assert torch.equal(out, kv2)
+
+
+_BLOB = bytes(256 << 10)
+
+
+_REAL_READ = disk_mod._read_file_to
+
+
+def _reads_at_once(monkeypatch: pytest.MonkeyPatch, *, wait: float = 0.0,
+                   spin: float = 0.0) -> dict[str, int]:
+    """Count the reads of chunk files in progress at once (``most``) and in all (``reads``),
+    each read taking ``wait`` seconds asleep (a disk) and ``spin`` seconds on a CPU first."""
+    seen = {"now": 0, "most": 0, "reads": 0}
+    lock = threading.Lock()
+    real = _REAL_READ
+
+    def counted(*a: Any, **kw: Any) -> Any:
+        with lock:
+            seen["now"] += 1
+            seen["reads"] += 1
+            seen["most"] = max(seen["most"], seen["now"])
+        try:
+            # Work that lets go of the GIL, as a decode does, so that lanes share the CPUs
+            # and not the interpreter.
+            until = time.thread_time() + spin
+            while time.thread_time() < until:
+                hashlib.sha256(_BLOB)
+            time.sleep(wait)
+            return real(*a, **kw)
+        finally:
+            with lock:
+                seen["now"] -= 1
+
+    monkeypatch.setattr(disk_mod, "_read_file_to", counted)
+    return seen
+
+
+async def test_a_batch_of_reads_on_the_cpus_has_a_lane_per_cpu_and_one_that_waits_has_all(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # From a warm page cache a read is a copy and a decode: lanes past the CPUs would only
+    # take turns on them. Reads that wait on the disk want every lane: a batch whose reads
+    # wait starts the others as its first lane ends a slice, and the next batch starts them
+    # all; once reads stop waiting, batches go back to a lane per CPU.
+    monkeypatch.setattr(disk_mod, "_cores", lambda: 1)
+    monkeypatch.setattr(disk_mod, "_LANE_SLICE", 0.0)  # a slice is one read
+    async with _on_disk(tmp_path, 8, seed=21, max_concurrency=4) as (c, _spec, toks, kv):
+        store = _store(c)
+
+        async def get(**cost: float) -> dict[str, int]:
+            seen = _reads_at_once(monkeypatch, **cost)
+            out = torch.zeros_like(kv)
+            hit = await c.get(toks, out=out)
+            assert hit.tiers == {"disk": len(toks)} and torch.equal(out, kv)
+            await on_disk_only(c)
+            return seen
+
+        # Reads on a CPU (5 ms of spinning each): one lane, one read at a time.
+        seen = await get(spin=0.005)
+        assert seen["reads"] == 8 and seen["most"] == 1 and not store._reads_wait
+        # Reads that sleep 30 ms on a "disk": the first lane's first read starts the others.
+        seen = await get(wait=0.03)
+        assert seen["reads"] == 8 and seen["most"] == 4 and store._reads_wait
+        # The next batch starts every lane at once (even with reads that no longer wait), and
+        # its reads, on the CPU, set the one after back to one lane.
+        seen = await get(spin=0.005)
+        assert seen["most"] > 1 and not store._reads_wait
+        seen = await get(spin=0.005)
+        assert seen["most"] == 1
+
+
+def test_a_read_is_judged_by_the_blocks_it_read_or_the_share_of_its_time_on_a_cpu() -> None:
+    lanes = disk_mod._Lanes(deque(), 0, 1)
+    assert not lanes.io_bound  # no read judged yet
+    lanes.judge(0.010, 0.009, 0)  # on a CPU: warm
+    lanes.judge(0.010, 0.009, 8)  # read 8 blocks from storage
+    assert not lanes.io_bound  # one of two: not most
+    lanes.judge(0.010, 0.001, 0)  # asleep for most of it (a network file system)
+    assert lanes.io_bound and (lanes.judged, lanes.waited) == (3, 2)

@@ -673,5 +673,6 @@ async def test_a_disk_promotion_is_one_worker_thread_call_per_chunk(
         monkeypatch.setattr(anyio.to_thread, "run_sync", run_sync)
         assert hit.tiers == {"disk": len(toks)}
         assert torch.equal(out.view(torch.uint8), kv.view(torch.uint8))
-        # One call per chunk, plus at most one for the copy into out.
-        assert chunks <= len(hops) <= chunks + 1, hops
+        # At most one call per chunk (a batch's lanes each read several in one call), plus
+        # at most one for the copy into out.
+        assert 1 <= len(hops) <= chunks + 1, hops

@@ -1327,6 +1327,61 @@ static void interleave(const uint8_t *const *p, size_t k, uint8_t *d, size_t n) 
     interleave_base(p, k, d, n);
 }
 
+#if MC_X86
+/* Two planes straight into d with streaming stores, whole 64-byte lines only (the unaligned
+ * head and the tail with cached stores). d must be 2-byte aligned. */
+__attribute__((target("avx2"))) static void interleave2_stream_avx2(const uint8_t *p0,
+                                                                    const uint8_t *p1,
+                                                                    uint8_t *d, size_t n) {
+    size_t head = ((size_t)(-(uintptr_t)d) & 63u) / 2;
+    if (head > n) head = n;
+    interleave2_body(p0, p1, d, head);
+    size_t i = head;
+    for (; i + 32 <= n; i += 32) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)(p0 + i));
+        __m256i b = _mm256_loadu_si256((const __m256i *)(p1 + i));
+        __m256i lo = _mm256_unpacklo_epi8(a, b);
+        __m256i hi = _mm256_unpackhi_epi8(a, b);
+        _mm256_stream_si256((__m256i *)(void *)(d + 2 * i),
+                            _mm256_permute2x128_si256(lo, hi, 0x20));
+        _mm256_stream_si256((__m256i *)(void *)(d + 2 * i + 32),
+                            _mm256_permute2x128_si256(lo, hi, 0x31));
+    }
+    interleave2_body(p0 + i, p1 + i, d + 2 * i, n - i);
+}
+#endif
+
+/* Whether interleave_to writes k planes with streaming stores of its own (itemsizes 1 and 2:
+ * a plane copied, or two planes interleaved): the strip loop then writes a single destination
+ * straight from the planes, with no strip buffer in between (each output byte is stored once,
+ * not stored into the buffer, loaded back and streamed). */
+static int interleave_streams(size_t k) {
+#if MC_X86
+    return k == 1 || (k == 2 && MC_LOAD(&simd_level) >= MC_SIMD_AVX2);
+#else
+    (void)k;
+    return 0;
+#endif
+}
+
+/* n elements of k planes into d, streaming (put is the streaming copy) where
+ * interleave_streams(k) says so and d is aligned to the element, else with cached stores. The
+ * caller fences. */
+static void interleave_to(const uint8_t *const *p, size_t k, uint8_t *d, size_t n, copy_fn put) {
+    if (k == 1) {
+        put((char *)d, (const char *)p[0], n);
+        return;
+    }
+#if MC_X86
+    if (k == 2 && ((uintptr_t)d & 1u) == 0 && n * 2 >= MC_MIN_STREAM_RUN &&
+        MC_LOAD(&simd_level) >= MC_SIMD_AVX2) {
+        interleave2_stream_avx2(p[0], p[1], d, n);
+        return;
+    }
+#endif
+    interleave(p, k, d, n);
+}
+
 int mc_tee_close(mc_tee *tee) {
     if (tee == NULL) return MC_ERR_ARGUMENT;
     __atomic_store_n(&tee->closed, 1, __ATOMIC_SEQ_CST);
@@ -1338,7 +1393,7 @@ int mc_tee_close(mc_tee *tee) {
 /* Bytes [off, off + n) of the chunk into the runs; 0 (and nothing written) once the tee is
  * closed. busy is raised before closed is read, and mc_tee_close sets closed before it reads
  * busy (both sequentially consistent), so one of the two always sees the other. */
-static int runs_put(const mc_runs *c, const uint8_t *src, int64_t off, int64_t n, copy_fn put) {
+static int runs_enter(const mc_runs *c) {
     mc_tee *tee = c->tee;
     if (tee != NULL) {
         __atomic_store_n(&tee->busy, 1, __ATOMIC_SEQ_CST);
@@ -1347,6 +1402,20 @@ static int runs_put(const mc_runs *c, const uint8_t *src, int64_t off, int64_t n
             return 0;
         }
     }
+    return 1;
+}
+
+static void runs_leave(const mc_runs *c, int64_t n, copy_fn put) {
+    /* Streaming stores are weakly ordered: drain them before the tee may be closed. */
+    store_fence(put);
+    if (c->tee != NULL) {
+        __atomic_fetch_add(&c->tee->written, n, __ATOMIC_RELAXED);
+        __atomic_store_n(&c->tee->busy, 0, __ATOMIC_RELEASE);
+    }
+}
+
+static int runs_put(const mc_runs *c, const uint8_t *src, int64_t off, int64_t n, copy_fn put) {
+    if (!runs_enter(c)) return 0;
     int64_t r = off / c->run_bytes, o = off % c->run_bytes, left = n;
     while (left > 0) {
         int64_t k = c->run_bytes - o < left ? c->run_bytes - o : left;
@@ -1356,12 +1425,30 @@ static int runs_put(const mc_runs *c, const uint8_t *src, int64_t off, int64_t n
         r++;
         o = 0;
     }
-    /* Streaming stores are weakly ordered: drain them before the tee may be closed. */
-    store_fence(put);
-    if (tee != NULL) {
-        __atomic_fetch_add(&tee->written, n, __ATOMIC_RELAXED);
-        __atomic_store_n(&tee->busy, 0, __ATOMIC_RELEASE);
+    runs_leave(c, n, put);
+    return 1;
+}
+
+/* n elements of k planes (interleave_streams(k)) into the runs from byte off of the chunk,
+ * which a run boundary never splits inside an element (run_bytes % k == 0): runs_put without
+ * the strip buffer. 0 (and nothing written) once the tee is closed. */
+static int runs_interleave(const mc_runs *c, const uint8_t *const *p, size_t k, int64_t off,
+                           size_t n, copy_fn put) {
+    if (!runs_enter(c)) return 0;
+    const uint8_t *q[2] = {p[0], k > 1 ? p[1] : NULL};
+    int64_t r = off / c->run_bytes, o = off % c->run_bytes;
+    size_t left = n;
+    while (left > 0) {
+        size_t m = (size_t)(c->run_bytes - o) / k;
+        if (m > left) m = left;
+        interleave_to(q, k, (uint8_t *)(uintptr_t)c->addrs[r] + o, m, put);
+        q[0] += m;
+        if (k > 1) q[1] += m;
+        left -= m;
+        r++;
+        o = 0;
     }
+    runs_leave(c, (int64_t)(n * k), put);
     return 1;
 }
 
@@ -1529,13 +1616,17 @@ static int tagged_strips(tagged_blocks *t, int64_t num_blocks, int64_t itemsize,
     size_t bs = (size_t)t->block_size;
     size_t strip = MC_STRIP_BYTES / k ? MC_STRIP_BYTES / k : 1;
     int copying = copy != NULL;
+    /* One destination, streamed: each piece is unshuffled straight into it (a slot, or the
+     * caller's runs), not into the strip buffer first. */
+    int direct = put != copy_cached && interleave_streams(k) &&
+                 (copy == NULL ? dst != NULL : dst == NULL && copy->run_bytes % (int64_t)k == 0);
     static _Thread_local uint8_t strip_buf[MC_STRIP_BYTES] __attribute__((aligned(64)));
     const uint8_t *planes[MC_MAX_PLANES];
     const uint8_t *b;
     for (size_t e0 = 0; e0 < n;) {
         size_t e1 = n - e0 < strip ? n : e0 + strip;
         /* Without dst (a read straight into the caller's runs) every strip goes through the
-         * buffer. */
+         * buffer, unless it is direct. */
         uint8_t *to = put == copy_cached && dst != NULL ? dst + e0 * k : strip_buf;
         for (size_t e = e0; e < e1;) {
             size_t cnt = e1 - e;
@@ -1549,8 +1640,18 @@ static int tagged_strips(tagged_blocks *t, int64_t num_blocks, int64_t itemsize,
                 }
                 planes[j] = b + off;
             }
-            interleave(planes, k, to + (e - e0) * k, cnt);
+            if (!direct) {
+                interleave(planes, k, to + (e - e0) * k, cnt);
+            } else if (dst != NULL) {
+                interleave_to(planes, k, dst + e * k, cnt, put);
+            } else if (!runs_interleave(copy, planes, k, (int64_t)(e * k), cnt, put)) {
+                return MC_OK; /* the tee was closed: nothing left to write */
+            }
             e += cnt;
+        }
+        if (direct) {
+            e0 = e1;
+            continue;
         }
         if (put != copy_cached && dst != NULL)
             put((char *)(dst + e0 * k), (const char *)strip_buf, (e1 - e0) * k);
