@@ -17,7 +17,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import anyio.to_thread
@@ -379,6 +379,58 @@ async def test_a_get_the_cache_closes_under_raises_the_closed_error_not_a_group(
     assert len(outcome) == 1
     assert outcome[0] is None or isinstance(outcome[0], mc.CacheClosedError), repr(outcome[0])
 
+
+
+@pytest.mark.parametrize("split", [True, False])
+async def test_a_get_over_two_disk_tiers_reads_each_as_its_batch_and_falls_back_below(
+        tmp_path: Path, split: bool) -> None:
+    """Every chunk is on both disks (``lower`` written through). ``split``: the directory
+    forgets the odd chunks on ``upper``, so the get reads two batches at once (one per
+    tier, in a task group); else one batch from ``upper`` (awaited by the get itself),
+    where two damaged files miss and are read from ``lower`` instead. Either way ``out`` is
+    the KV put and each tier counts what it served."""
+    spec = small_spec()
+    chunks = 6
+    upper = mc.DiskTier(path=str(tmp_path / "upper"), capacity_bytes="64MiB", name="upper")
+    lower = mc.DiskTier(path=str(tmp_path / "lower"), capacity_bytes="64MiB", name="lower",
+                        write_through=True)
+    cfg = mc.CacheConfig(spec, "two-batches", chunk_size=CH, tiers=(
+        mc.HostTier(capacity_bytes=spec.nbytes(CH) * (chunks + 2)), upper, lower))
+    toks = random_tokens(chunks * CH, seed=21)
+    kv = prefix_kv(spec, toks)
+    async with mc.Cache(cfg) as c:
+        await c.put(toks, kv)
+        await on_disk_only(c)
+        eng = c._engine
+        up = eng.tier_by_name["upper"]
+        matches = await eng.match(np.asarray(toks, dtype=np.int32))
+        assert all(up.holds(m.entry) for m in matches)
+        batches: list[int] = []
+        for st in eng.stores:
+            many = st.store.read_to_many
+
+            async def spy(items: Any, fp: Any, many: Any = many) -> list[Any]:
+                batches.append(len(items))
+                return cast(list[Any], await many(items, fp))
+
+            st.store.read_to_many = spy
+        if split:
+            for m in matches[1::2]:
+                eng.cold.forget(up, m.entry)
+        else:
+            for i in (1, 4):
+                flip_byte(_file_of_chunk(c, tmp_path / "upper", toks, i), -3)
+        out = torch.full_like(kv, float("nan"))
+        hit = await c.get(toks, out=out)
+        assert hit.num_tokens == len(toks)
+        assert torch.equal(out, kv)
+        if split:
+            assert sorted(batches) == [chunks // 2, chunks // 2]
+            assert hit.tiers == {"upper": chunks // 2 * CH, "lower": chunks // 2 * CH}
+        else:
+            assert batches == [chunks]  # the two that missed: each read alone, from lower
+            assert hit.tiers == {"upper": (chunks - 2) * CH, "lower": 2 * CH}
+            assert (await c.stats())["tiers"]["upper"]["corrupt"] == 2
 
 
 @pytest.mark.parametrize("batched", [True, False])

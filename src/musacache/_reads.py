@@ -125,25 +125,44 @@ class Reads:
                 found[i] = await self.fetch(matches[i].entry, tee, promote, skip)
 
             async def batch(tier: StoreTier, items: list[tuple[int, Tee]],
-                            tg: TaskGroup) -> None:
+                            ) -> list[tuple[int, Tee | None, tuple[Tier, ...]]]:
+                # The chunks read: their data found. Returns what fetch is to read instead.
                 served = await self.cold.direct.read_to_tees(
                     tier, [(matches[i].entry, tee) for i, tee in items])
+                again: list[tuple[int, Tee | None, tuple[Tier, ...]]] = []
                 for (i, tee), ok in zip(items, served, strict=True):
                     if ok:
                         promote.append(matches[i].entry)
                         found[i] = (tee.dst, tier.name)
                     elif ok is None:  # the batch never started it: read on its own
-                        tg.start_soon(fetch, i, tee)
+                        again.append((i, tee, ()))
                     else:  # missed (as fetch handles a direct read that missed)
                         tee.close()
-                        tg.start_soon(fetch, i, None, (tier,))
+                        again.append((i, None, (tier,)))
+                return again
+
+            async def batch_then_fetch(tier: StoreTier, items: list[tuple[int, Tee]],
+                                       tg: TaskGroup) -> None:
+                for i, tee, skip in await batch(tier, items):
+                    tg.start_soon(fetch, i, tee, skip)
 
             try:
-                async with anyio.create_task_group() as tg:
-                    for tier, items in batches.items():
-                        tg.start_soon(batch, tier, items, tg)
-                    for i in alone:
-                        tg.start_soon(fetch, i, tees.get(i))
+                if len(batches) == 1 and not alone:
+                    # The usual get that reaches the disk: its one batch, awaited here (a
+                    # task group and a task for it cost the get a loop turn before its
+                    # first read), and a task group only for the chunks it did not serve.
+                    [(tier, items)] = batches.items()
+                    again = await batch(tier, items)
+                    if again:
+                        async with anyio.create_task_group() as tg:
+                            for i, tee, skip in again:
+                                tg.start_soon(fetch, i, tee, skip)
+                else:
+                    async with anyio.create_task_group() as tg:
+                        for tier, items in batches.items():
+                            tg.start_soon(batch_then_fetch, tier, items, tg)
+                        for i in alone:
+                            tg.start_soon(fetch, i, tees.get(i))
             except BaseExceptionGroup as group:
                 # The cache closed under the get (a fetch could start no promotion): the
                 # caller gets the one error of the tree it asked for, not a group of them.

@@ -24,9 +24,11 @@ or one strip's, copy).
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from itertools import pairwise
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -126,10 +128,29 @@ class _Sink:
 def _native_copy(dst: torch.Tensor) -> ChunkCopy | None:
     """``dst`` as a native copy target (its runs of contiguous bytes in row-major order), or
     None when its runs are shorter than :data:`MIN_RUN_BYTES` or it overlaps itself."""
-    from ._native import ChunkCopy
+    layout = _run_layout(tuple(dst.shape), dst.stride(), dst.element_size())
+    if layout is None:
+        return None
+    offsets, run_bytes = layout
+    return _native_mod().ChunkCopy(offsets + np.uint64(dst.data_ptr()), run_bytes)
 
-    size = dst.element_size()
-    dims = [(n, st) for n, st in zip(dst.shape, dst.stride(), strict=True) if n != 1]
+
+@functools.cache
+def _native_mod() -> ModuleType:
+    """``musacache._native``, imported on first use (it loads the compiled module)."""
+    from . import _native
+
+    return _native
+
+
+@functools.lru_cache(maxsize=64)
+def _run_layout(shape: tuple[int, ...], strides: tuple[int, ...], size: int,
+                ) -> tuple[np.ndarray, int] | None:
+    """Where the runs of a tensor of this shape, strides and element size start, in bytes
+    from its first element (uint64, row-major order), and their length; None as
+    :func:`_native_copy` says. Memoised: a get's tees are views of one ``out``, all alike
+    but for their address, and working the runs out again cost each a few µs on the loop."""
+    dims = [(n, st) for n, st in zip(shape, strides, strict=True) if n != 1]
     run = 1  # elements per contiguous run: merge the innermost dimensions while they abut
     while dims and dims[-1][1] == run:
         run *= dims.pop()[0]
@@ -138,24 +159,26 @@ def _native_copy(dst: torch.Tensor) -> ChunkCopy | None:
     count = 1
     for n, _st in dims:
         count *= n
-    base = dst.data_ptr()
     if count <= _FEW_RUNS:
         # A slice of a dense tensor has a few dozen runs: plain ints beat numpy's per-call
-        # cost here (a tee is made on the loop for each chunk a get reads from disk).
-        starts = [base]
+        # cost here.
+        starts = [0]
         for n, st in dims:
             step = st * size
             starts = [a + k * step for a in starts for k in range(n)]
         ordered = sorted(starts)
         if any(b - a < run * size for a, b in pairwise(ordered)):
             return None  # runs that overlap (an expanded view): the Python copy's business
-        return ChunkCopy(np.array(starts, dtype=np.uint64), run * size)
-    offsets = np.zeros(1, dtype=np.int64)
-    for n, st in dims:
-        offsets = (offsets[:, None] + np.arange(n, dtype=np.int64) * (st * size)).reshape(-1)
-    if int(np.diff(np.sort(offsets)).min()) < run * size:
-        return None
-    return ChunkCopy((offsets + base).astype(np.uint64), run * size)
+        offsets = np.array(starts, dtype=np.uint64)
+    else:
+        wide = np.zeros(1, dtype=np.int64)
+        for n, st in dims:
+            wide = (wide[:, None] + np.arange(n, dtype=np.int64) * (st * size)).reshape(-1)
+        if int(np.diff(np.sort(wide)).min()) < run * size:
+            return None
+        offsets = wide.astype(np.uint64)
+    offsets.flags.writeable = False  # shared by every tee of this layout
+    return offsets, run * size
 
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
