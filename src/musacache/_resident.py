@@ -191,8 +191,10 @@ async def read_resident(eng: Engine, matches: Sequence[Match],
     host top tier, an ``out`` the copy cannot write (on a device, or see :func:`out_rows`),
     or fewer than :data:`MIN_CHUNKS` of them held."""
     top = _host_top(eng)
-    if top is None or len(matches) < MIN_CHUNKS or _move.accelerator_of((out,)) is not None:
-        return None
+    if top is None or len(matches) < MIN_CHUNKS \
+            or matches[0].entry.slot_index(top.idx) is None \
+            or _move.accelerator_of((out,)) is not None:
+        return None  # (the first chunk not on top: a get from below, no arrays worked out)
     rows = out_rows(eng.spec, out)
     if rows is None:
         return None

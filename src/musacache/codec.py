@@ -537,7 +537,9 @@ def _check_header(fp: Fingerprint, hdr: ChunkHeader, expect: ChunkMeta | None,
     if not hdr.matches(fp):
         raise FingerprintMismatchError(
             f"chunk written for {hdr.describe_fingerprint()}, this cache is {fp.describe()}")
-    if expect is not None:
+    if expect is not None and (expect.key != hdr.key or expect.parent != hdr.parent
+                               or expect.num_tokens != hdr.num_tokens):
+        # (Compared first, described only on a mismatch: this runs on every read.)
         checks: tuple[tuple[str, object, object], ...] = (
             ("key", expect.key.hex(), hdr.key.hex()),
             ("parent", expect.parent.hex(), hdr.parent.hex()),
