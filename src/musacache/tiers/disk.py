@@ -261,7 +261,7 @@ class _Lanes:
 
 class _Raised:
     """An exception a lane's read raised (the codec's: a corrupt or foreign object), apart
-    from the ``OSError`` that :meth:`DiskStore._with_file` returns for a fault."""
+    from the ``OSError`` that :func:`_with_file` returns for a fault."""
 
     __slots__ = ("exc",)
 
@@ -701,7 +701,7 @@ class DiskStore(StorageTier):
             with os.fdopen(fd, "rb", closefd=False) as f:
                 return f.read()
 
-        return DiskStore._with_file(path, whole)
+        return _with_file(path, whole)
 
     @staticmethod
     def _read_regular_into(path: Path, fp: Fingerprint, meta: ChunkMeta, out: torch.Tensor,
@@ -711,41 +711,7 @@ class DiskStore(StorageTier):
             read_chunk_into(fp, fd, size, out, expect=meta, on_block=on_block)
             return size
 
-        return DiskStore._with_file(path, into)
-
-    @staticmethod
-    def _with_file(path: str | Path, use: Callable[[int, int], _T],
-                   ) -> _T | OSError | _NotAFile | None:
-        """``use(fd, size)`` on the regular file at ``path``; None if absent, _NOT_A_FILE if
-        the name holds something else, the OSError of any other fault. The codec's errors
-        (a corrupt or foreign object) propagate."""
-        try:
-            # O_NONBLOCK: opening a FIFO for reading otherwise waits for a writer, forever.
-            # O_NOFOLLOW: we only ever write regular files, so a symlink is not ours.
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            if e.errno != errno.ELOOP:
-                return e
-            fd = -1  # a symlink
-        try:
-            if fd < 0:
-                return _NOT_A_FILE
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                return _NOT_A_FILE
-            got = use(fd, st.st_size)
-            # Recency for the LRU order rebuilt after a restart (by the open file: no second
-            # lookup of its path); losing it is harmless.
-            with contextlib.suppress(OSError):
-                os.utime(fd)
-        except OSError as e:
-            return e
-        finally:
-            if fd >= 0:
-                os.close(fd)
-        return got
+        return _with_file(path, into)
 
     @staticmethod
     def _remove_not_file(path: Path) -> OSError | bool:
@@ -799,16 +765,50 @@ class DiskStore(StorageTier):
                 f"codec={self.codec!r}, capacity_bytes={self.capacity_bytes})")
 
 
+def _with_file(path: str | Path, use: Callable[[int, int], _T],
+               ) -> _T | OSError | _NotAFile | None:
+    """``use(fd, size)`` on the regular file at ``path``; None if absent, _NOT_A_FILE if
+    the name holds something else, the OSError of any other fault. The codec's errors
+    (a corrupt or foreign object) propagate."""
+    try:
+        # O_NONBLOCK: opening a FIFO for reading otherwise waits for a writer, forever.
+        # O_NOFOLLOW: we only ever write regular files, so a symlink is not ours.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            return e
+        fd = -1  # a symlink
+    try:
+        if fd < 0:
+            return _NOT_A_FILE
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return _NOT_A_FILE
+        got = use(fd, st.st_size)
+        # Recency for the LRU order rebuilt after a restart (by the open file: no second
+        # lookup of its path); losing it is harmless.
+        with contextlib.suppress(OSError):
+            os.utime(fd)
+    except OSError as e:
+        return e
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    return got
+
+
 def _read_file_to(path: str | Path, fingerprint: Fingerprint, meta: ChunkMeta,
                   copy: ChunkCopy) -> int | OSError | _NotAFile | None:
     """The chunk in the file at ``path`` read, verified and decoded straight into ``copy``'s
     runs (:func:`~musacache.codec.read_chunk_to`): its size, or what
-    :meth:`DiskStore._with_file` returns for no file or a fault."""
+    :func:`_with_file` returns for no file or a fault."""
     def to(fd: int, size: int) -> int:
         read_chunk_to(fingerprint, fd, size, copy, expect=meta)
         return size
 
-    return DiskStore._with_file(path, to)
+    return _with_file(path, to)
 
 
 def _refusal(store: DiskStore, path: Path) -> TierError | None:
