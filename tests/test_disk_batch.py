@@ -176,6 +176,27 @@ async def test_a_hung_read_in_a_batch_is_abandoned_and_the_others_are_served(
         assert (await c.get(toks)).num_tokens == CH
 
 
+async def test_a_hung_first_read_abandons_the_lane_the_get_runs_itself(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batch's first lane runs in the get's own task (its first read starts with no loop
+    turn before it): a read there that hangs is abandoned within the timeout all the same,
+    the other lane reads the rest, and the get is a miss from chunk 0 on."""
+    async with _on_disk(tmp_path, 4, seed=13, timeout=0.3, max_concurrency=2) as (
+            c, spec, toks, kv):
+        hit, out, elapsed, returned = await _get_with_a_hung_file(
+            c, tmp_path, toks, kv, monkeypatch, 0)
+        assert elapsed < 5
+        assert hit.num_tokens == 0
+        td = spec.token_dim
+        assert torch.equal(out.narrow(td, CH, 3 * CH), kv.narrow(td, CH, 3 * CH))
+        await until_set(returned)
+        await anyio.sleep(0.05)
+        assert not out.narrow(td, 0, CH).any()  # the abandoned read wrote nothing
+        store = _store(c).stats()
+        assert store["read_timeouts"] == 1 and store["quarantined"] == 1
+        assert store["stuck_reads"] == 0
+
+
 async def test_a_chunk_the_batch_never_started_is_read_on_its_own(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     async with _on_disk(tmp_path, 5, seed=4) as (c, _spec, toks, kv):
