@@ -28,14 +28,11 @@ import functools
 import threading
 from collections.abc import Callable
 from itertools import pairwise
-from types import ModuleType
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from ._native import ChunkCopy
+from ._native import ChunkCopy
 
 __all__ = ["MIN_RUN_BYTES", "Tee", "fill_flat"]
 
@@ -132,15 +129,7 @@ def _native_copy(dst: torch.Tensor) -> ChunkCopy | None:
     if layout is None:
         return None
     offsets, run_bytes = layout
-    return _native_mod().ChunkCopy(offsets + np.uint64(dst.data_ptr()), run_bytes)
-
-
-@functools.cache
-def _native_mod() -> ModuleType:
-    """``musacache._native``, imported on first use (it loads the compiled module)."""
-    from . import _native
-
-    return _native
+    return ChunkCopy(offsets + np.uint64(dst.data_ptr()), run_bytes)
 
 
 @functools.lru_cache(maxsize=64)

@@ -1007,11 +1007,6 @@ async def _read_batch(store: DiskStore, items: Sequence[tuple[ChunkMeta, ChunkCo
         if isinstance(got, _Raised):
             out[i] = got.exc
             continue
-        if type(got) is int:  # read (what _settle counts, without a coroutine per chunk)
-            store._c["reads"] += 1
-            store._c["bytes_out"] += got
-            out[i] = got
-            continue
         try:
             out[i] = size = await store._settle(items[i][0], path_of(i), got)
         except TierError as exc:
