@@ -207,6 +207,10 @@ def test_copy_stream_is_one_per_device_and_kept(fakes):
     assert other is not first and other.device == torch.device("cuda", 1)
     assert len(mod.Stream.made) == 2
     assert devices.copy_stream(torch.device("cpu")) is None
+    side = devices.side_stream(torch.device("cuda", 0))
+    assert side is not first and side is devices.side_stream(torch.device("cuda"))
+    assert side.device == torch.device("cuda", 0) and len(mod.Stream.made) == 3
+    assert devices.side_stream(torch.device("cpu")) is None
 
 
 def test_record_event_and_wait_for_order_streams_without_the_host(fakes):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from musacache import _native, transfer
+from musacache import _native, _relay, transfer
 from musacache._errors import (
     DeviceError,
     DTypeError,
@@ -353,6 +353,7 @@ class FakeAiter(ModuleType):
 def fake_musa(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[ModuleType | None], None]]:
     """Make every tensor look like a MUSA tensor; install a fake musa_aiter (or none)."""
     monkeypatch.setattr(transfer, "_device_type", lambda tensor: "musa")
+    monkeypatch.setattr(_relay, "host_side", lambda tensor: False)  # device tensors
 
     def install(module: ModuleType | None) -> None:
         monkeypatch.setitem(sys.modules, "musa_aiter", module)  # None makes the import fail

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from musacache import _kernels, _native, devices, transfer
+from musacache import _kernels, _native, _relay, devices, transfer
 from musacache._errors import DeviceError, InvalidInputError, ShapeError, SlotRangeError
 
 NB, BS, H, D = 4, 4, 2, 8
@@ -335,6 +335,8 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
     mod.entered, mod.syncs = entered, syncs
     monkeypatch.setitem(devices._module_overrides, "cuda", mod)
     monkeypatch.setattr(transfer, "_device_type", lambda tensor: "cuda")
+    # The chunks stand for device tensors (host chunks take the piped path: test_relay.py).
+    monkeypatch.setattr(_relay, "host_side", lambda tensor: False)
     devices._reset_probes()
     yield mod
     devices._reset_probes()
@@ -484,6 +486,7 @@ def test_musa_aiter_moves_each_staging_window(monkeypatch: pytest.MonkeyPatch,
 
     aiter = FakeAiter()
     monkeypatch.setattr(transfer, "_device_type", lambda tensor: "musa")
+    monkeypatch.setattr(_relay, "host_side", lambda tensor: False)  # device chunks
     monkeypatch.setitem(sys.modules, "musa_aiter", aiter)
     transfer._musa_aiter.cache_clear()
     token_bytes = 2 * 2 * H * D * 2

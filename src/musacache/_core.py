@@ -319,7 +319,12 @@ class Engine(Reads):
         stored_to = 0
         pos = 0
         adds = self.dir.adds
-        cap = _STORE_ROUND if isinstance(source, PagedSource) else _PUT_ROUND
+        # A source on a device moves in rounds as large as a store's: each round is a hop
+        # and an event wait, and between two rounds the bus idles (a 1 GiB put from a
+        # device in rounds of 16 chunks was two moves).
+        on_device = isinstance(source, PagedSource) or (
+            isinstance(source, DenseSource) and accelerator_of((source.kv,)) is not None)
+        cap = _STORE_ROUND if on_device else _PUT_ROUND
         try:
             while pos < len(plan_keys):
                 items, pos, wait, stop, reached = self._plan_put(toks, plan_keys, pos, held,

@@ -24,6 +24,7 @@ import torch
 
 from . import devices
 from ._errors import CacheClosedError
+from ._relay import queue_copies
 from ._tasks import outlive
 from .transfer import gather_chunks, scatter_chunks
 
@@ -179,9 +180,8 @@ class Mover:
                 device = accelerator_of([t for p in run for t in p])
             total += sum(d.nbytes for d, _ in run)
         if device is not None:
-            def on_stream(_stream: Any) -> None:
-                for d, s in pairs:
-                    d.copy_(s, non_blocking=True)
+            def on_stream(stream: Any) -> None:
+                queue_copies(pairs, device, stream)
 
             await self.run(on_stream, device=device, nbytes=total)
             return

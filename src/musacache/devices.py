@@ -41,6 +41,7 @@ __all__ = [
     "has_accelerator",
     "record_event",
     "resolve",
+    "side_stream",
     "stream_context",
     "synchronize",
     "wait_event",
@@ -331,7 +332,7 @@ def synchronize(device: torch.device, stream: Any | None) -> None:
         stream.synchronize()
 
 
-_copy_streams: dict[tuple[str, int], Any] = {}
+_copy_streams: dict[tuple[str, int, int], Any] = {}
 _copy_streams_lock = threading.Lock()
 
 
@@ -342,16 +343,28 @@ def copy_stream(device: torch.device) -> Any | None:
     and never block it; they are ordered against it by events (:func:`record_event`,
     :func:`wait_for`), not by synchronizing.
     """
+    return _kept_stream(device, 0)
+
+
+def side_stream(device: torch.device) -> Any | None:
+    """A second kept stream on ``device`` (None on the CPU): the device-side half of a
+    two-stage transfer (``musacache._relay``), so that the copy engine's bus transfer of one
+    chunk overlaps the SMs' gather or scatter of the next."""
+    return _kept_stream(device, 1)
+
+
+def _kept_stream(device: torch.device, lane: int) -> Any | None:
     if device.type == "cpu":
         return None
     mod = accelerator_module(device.type)
     if mod is None:
         raise DeviceError(f"{device.type} is not available")
-    key = (device.type, 0 if device.index is None else device.index)
+    index = 0 if device.index is None else device.index
+    key = (device.type, index, lane)
     with _copy_streams_lock:
         stream = _copy_streams.get(key)
         if stream is None:
-            stream = mod.Stream(device=torch.device(*key))
+            stream = mod.Stream(device=torch.device(device.type, index))
             _copy_streams[key] = stream
         return stream
 

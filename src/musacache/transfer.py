@@ -60,7 +60,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from . import _kernels, _native, devices
+from . import _kernels, _native, _relay, devices
 from ._errors import (
     ConfigError,
     DeviceError,
@@ -1033,9 +1033,82 @@ def _device_chunks(request: _Chunks, to_dense: bool, stream: Any | None) -> None
     if stream is not None and kind != "cpu":
         context = devices.stream_context(torch.device(kind, request.info.device.index), stream)
     with context:
-        if _fused_transfer(request, to_dense):
+        if kind != "cpu" and _piped_host_chunks(request, to_dense, stream, kind):
             return
+        _kernel_or_ops(request, to_dense)
+
+
+def _kernel_or_ops(request: _Chunks, to_dense: bool) -> None:
+    if not _fused_transfer(request, to_dense):
         _staged_transfer(request, to_dense)
+
+
+#: Bytes of chunks one window of a piped transfer stages on the device (two windows are in
+#: flight, so STAGING_BYTES in all).
+PIPE_WINDOW_BYTES = STAGING_BYTES // 2
+
+
+def _piped_host_chunks(request: _Chunks, to_dense: bool, stream: Any | None,
+                       kind: str) -> bool:
+    """Device pages and chunks in host memory: the request in windows of whole chunks, each
+    gathered into (or scattered from) dense device buffers on the side stream while the copy
+    engine moves the window before (or after) it over the bus (``musacache._relay``).
+
+    A kernel that reaches pinned host memory through its device address moves 42 to 46 GB/s
+    on an H200 where the copy engine moves 55; gathering into device memory first costs a
+    ~1.5 ms pass per GiB, which the pipeline hides behind the bus. False (nothing queued)
+    for fewer than two windows, or for a gather that skips tokens (a skipped token's rows
+    must keep their values in the host chunk, and a window's dense copy would overwrite
+    them)."""
+    denses = request.denses
+    if len(denses) < 2 or not all(_relay.host_side(x) for x in denses):
+        return False
+    if to_dense and bool((request.slots < 0).any()):
+        return False
+    info = request.info
+    spec = info.spec()
+    starts = request.starts
+    sizes = [spec.nbytes(b - a) for a, b in itertools.pairwise(starts)]
+    limit = min(PIPE_WINDOW_BYTES, max(max(sizes), sum(sizes) // 2))
+    windows: list[list[int]] = [[]]
+    size = 0
+    for k, n in enumerate(sizes):
+        if windows[-1] and size + n > limit:
+            windows.append([])
+            size = 0
+        windows[-1].append(k)
+        size += n
+    if len(windows) < 2:
+        return False
+    device = torch.device(kind, info.device.index)
+    main = stream if stream is not None else devices.current_stream(device)
+    depth = 2
+    room = max(sum(sizes[k] for k in w) for w in windows)
+    ring = [torch.empty(room, dtype=torch.uint8, device=info.device) for _ in range(depth)]
+    steps: list[_relay.Step] = []
+    for j, window in enumerate(windows):
+        stage: list[torch.Tensor] = []
+        at = 0
+        for k in window:
+            stage.append(ring[j % depth][at : at + sizes[k]].view(info.dtype)
+                         .view(spec.shape(starts[k + 1] - starts[k])))
+            at += sizes[k]
+        lo, hi = starts[window[0]], starts[window[-1] + 1]
+        sub = _Chunks(request.pages, request.slots[lo:hi], stage,
+                      [x - lo for x in starts[window[0] : window[-1] + 2]])
+        host = [denses[k] for k in window]
+
+        def device_half(sub: _Chunks = sub) -> None:
+            _kernel_or_ops(sub, to_dense)
+
+        def bus_half(stage: list[torch.Tensor] = stage, host: list[torch.Tensor] = host,
+                     ) -> None:
+            for x, y in zip(host, stage):
+                _relay._copy(*((x, y) if to_dense else (y, x)))
+
+        steps.append((device_half, bus_half) if to_dense else (bus_half, device_half))
+    _relay.relay(device, main, steps, first_on_main=not to_dense, depth=depth)
+    return True
 
 
 def _fused_transfer(request: _Chunks, to_dense: bool) -> bool:

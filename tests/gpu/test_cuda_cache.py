@@ -115,31 +115,48 @@ async def test_store_retrieve_cuda_pages_with_a_device_ready_event():
 
 
 def test_node_server_registers_cuda_pages(tmp_path):
-    """A client registers cuda pages; the server (in this process's loop) maps them by IPC."""
-    from musacache.server import Server, ServerConfig
+    """A client registers cuda pages with a node server in another process (a CUDA IPC handle
+    cannot be opened by the process that made it); the server maps them by memory IPC, fills
+    them on retrieve, reads them on store after the client's event, and the bytes match."""
+    from musacache._spawn import spawn
 
     spec = spec_()
-    cfg = ServerConfig(str(tmp_path / "r" / "s.sock"),
-                       mc.CacheConfig(spec, "gpu-srv",
-                                      tiers=(mc.HostTier(spec.nbytes(CH) * 32),), chunk_size=CH))
+    (tmp_path / "r").mkdir()
+    conf = tmp_path / "server.toml"
+    conf.write_text(
+        f'namespace = "gpu-srv"\nchunk_size = {CH}\n[spec]\nnum_layers = {spec.num_layers}\n'
+        f"num_kv_heads = {spec.num_kv_heads}\nhead_dim = {spec.head_dim}\n"
+        f'dtype = "bfloat16"\n[[tiers]]\nkind = "host"\ncapacity = {spec.nbytes(CH) * 32}\n')
+    sock = str(tmp_path / "r" / "s.sock")
+    server = spawn(conf, sock)
 
     async def run():
-        async with Server(cfg) as srv:
-            task = asyncio.create_task(srv.serve_forever())
-            async with mc.connect(cfg.socket_path, spec=spec, namespace="gpu-srv") as cl:
-                pages = [torch.zeros(2, 16, 16, 2, 64, dtype=spec.dtype, device="cuda")
-                         for _ in range(4)]
-                await cl.register_kv_caches(pages, "vllm")
-                toks = list(range(60))
-                await cl.put(toks, kv_for(spec, 60, "cpu"))
-                assert await cl.retrieve(toks, list(range(60))) == 60
-                ev = ipc.IpcEvent.create("cuda")
-                await ev.record()
-                assert await cl.store(list(range(500, 560)), list(range(60)), ready=ev) == 60
-            srv.stop()
-            await task
+        async with mc.connect(sock, spec=spec, namespace="gpu-srv", chunk_size=CH) as cl:
+            pages = [torch.zeros(2, 16, 16, 2, 64, dtype=spec.dtype, device="cuda")
+                     for _ in range(4)]
+            await cl.register_kv_caches(pages, "vllm")
+            toks = list(range(64))
+            kv = kv_for(spec, 64, "cpu")
+            await cl.put(toks, kv)
+            slots = torch.randperm(256)[:64]
+            assert await cl.retrieve(toks, slots.tolist()) == 64
+            back = torch.empty_like(kv, device="cuda")
+            transfer.gather(pages, slots.cuda(), back, "vllm")
+            assert torch.equal(back.cpu(), kv)  # the server wrote the right slots
+            for p in pages:  # new content, written on the stream the event is recorded on
+                p.copy_(torch.randn(p.shape, device="cuda").to(spec.dtype))
+            ev = ipc.IpcEvent.create("cuda")
+            await ev.record()
+            toks2 = list(range(500, 564))
+            assert await cl.store(toks2, slots.tolist(), ready=ev) == 64
+            transfer.gather(pages, slots.cuda(), back, "vllm")
+            hit = await cl.get(toks2)
+            assert hit.num_tokens == 64 and torch.equal(hit.kv.cpu(), back.cpu())
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    finally:
+        server.stop(30)
 
 
 async def test_host_only_cache_returns_device_tensors_when_asked():
