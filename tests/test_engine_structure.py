@@ -230,3 +230,29 @@ async def test_device_tokens_and_slots_are_read_off_the_loop_after_ready() -> No
         assert await c.lookup(toks) == n
     assert len(reads) == 2
     assert all(thread != threading.get_ident() and was_ready for thread, was_ready in reads)
+
+
+async def test_a_put_and_a_get_into_consecutive_slots_are_one_copy_each(
+        fake_cuda: Calls, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a device, a copy launch costs more than a chunk's copy: a prompt whose chunks go
+    into slots that follow each other is one strided copy (``_relay.runs``), and so is a
+    get of it into a dense ``out``."""
+    from musacache import _relay
+
+    copies: list[torch.Tensor] = []
+    real = _relay._copy
+    monkeypatch.setattr(_relay, "_copy", lambda d, s: (copies.append(d), real(d, s))[1])
+    monkeypatch.setattr(_relay, "host_side", lambda t: False)  # all of it on "the device"
+    spec = small_spec()
+    config = mc.CacheConfig(spec, "structure", chunk_size=CH, tiers=(
+        mc.DeviceTier(spec.nbytes(CH) * 16, device="cpu", name="dev"),))
+    async with mc.Cache(config) as c:
+        toks = list(range(8 * CH))
+        kv = prefix_kv(spec, toks)
+        assert await c.put(toks, kv) == 8 * CH
+        assert len(copies) == 1 and copies[0].shape[0] == 8
+        out = torch.zeros_like(kv)
+        copies.clear()
+        hit = await c.get(toks, out=out)
+        assert hit.num_tokens == 8 * CH and torch.equal(out, kv)
+        assert len(copies) == 1

@@ -78,6 +78,12 @@ class Device:
         finally:
             self.current.pop()
 
+    def set_stream(self, s: Stream) -> None:
+        if self.current:
+            self.current[-1] = s
+        else:
+            self.current.append(s)
+
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self.draining:  # inside a queued half: this is the device running it
             self.ran_on.append((self.current[-1], dst))
@@ -119,9 +125,11 @@ class Device:
         return op[0] != "wait" or op[1].query()
 
 
-@pytest.fixture
-def device(monkeypatch: pytest.MonkeyPatch) -> Device:
+@pytest.fixture(params=["set_stream", "stream contexts"])
+def device(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Device:
     dev = Device()
+    if request.param == "set_stream":  # the cheap switch (devices.stream_switch)
+        dev.module.set_stream = dev.set_stream
     monkeypatch.setitem(devices._module_overrides, "cuda", dev.module)
     monkeypatch.setattr(devices, "_copy_streams", {})
     devices._reset_probes()
@@ -328,3 +336,78 @@ def test_a_gather_that_skips_tokens_or_fits_one_window_is_not_piped(
         assert torch.equal(concat(dsts, "vllm"),
                            reference_gather(caches, "vllm", slots, before))
     assert relayed == []
+
+
+# -- runs: consecutive pairs merged into one strided copy ------------------------------------
+
+
+def _pool_and_prompt(chunks: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    pool = torch.zeros(chunks + 2, 3, 2, 4, 2, 8, dtype=torch.bfloat16)
+    kv = _prompt(tokens=4 * chunks)
+    slots = list(pool.unbind(0))  # views of one base, a slot's bytes apart
+    return pool, kv, slots
+
+
+def test_runs_merge_a_prompt_going_into_consecutive_slots_into_one_copy() -> None:
+    pool, kv, slots = _pool_and_prompt(6)
+    pairs = [(slots[1 + k], kv.narrow(2, 4 * k, 4)) for k in range(6)]
+    merged = _relay.runs(pairs)
+    assert len(merged) == 1 and merged[0][0].shape == (6, 3, 2, 4, 2, 8)
+    for d, s in merged:
+        d.copy_(s)
+    assert all(torch.equal(slots[1 + k], kv.narrow(2, 4 * k, 4)) for k in range(6))
+    assert not pool[0].any() and not pool[7].any()  # nothing outside the slots written
+
+
+def test_runs_keep_apart_what_is_not_one_strided_copy() -> None:
+    pool, kv, slots = _pool_and_prompt(6)
+    other = torch.zeros_like(pool)
+    chunk = [kv.narrow(2, 4 * k, 4) for k in range(6)]
+    cases = {
+        "falling slots": [(slots[6 - k], chunk[k]) for k in range(6)],
+        "uneven step": [(slots[k if k < 3 else k + 1], chunk[k]) for k in range(5)],
+        "two bases": [(slots[1], chunk[0]), (other[2], chunk[1])],
+        "a base tensor itself": [(pool, pool.clone()), (pool, pool.clone())],
+        "other dtypes": [(slots[1].float(), chunk[0]), (slots[2].float(), chunk[1])],
+        "a shorter tail": [(slots[1], chunk[0]), (slots[2][:, :, :3], chunk[1][:, :, :3])],
+    }
+    want = {"falling slots": 6, "uneven step": 2, "two bases": 2, "a base tensor itself": 2,
+            "other dtypes": 2, "a shorter tail": 2}
+    for name, pairs in cases.items():
+        assert len(_relay.runs(pairs)) == want[name], name
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_runs_copy_exactly_what_the_pairs_copy(seed: int) -> None:
+    """Random slot orders (runs of consecutive slots, breaks, reversals): the merged copies
+    write every slot as the pairs would, and nothing else."""
+    rng = random.Random(seed)
+    n = 12
+    pool, kv, slots = _pool_and_prompt(n)
+    order = list(range(1, n + 1))
+    cut = sorted(rng.sample(range(1, n), 3))
+    pieces = [order[a:b] for a, b in zip([0, *cut], [*cut, n])]
+    rng.shuffle(pieces)
+    order = [i for p in pieces for i in (p if rng.random() < 0.7 else p[::-1])]
+    pairs = [(slots[i], kv.narrow(2, 4 * k, 4)) for k, i in enumerate(order)]
+    expected = pool.clone()
+    for k, i in enumerate(order):
+        expected[i] = kv.narrow(2, 4 * k, 4)
+    merged = _relay.runs(pairs)
+    assert len(merged) <= len(pairs)
+    for d, s in merged:
+        d.copy_(s)
+    assert torch.equal(pool, expected)
+
+
+def test_device_pairs_into_consecutive_slots_are_one_launch(
+        device: Device, monkeypatch: pytest.MonkeyPatch) -> None:
+    _host_tensors(monkeypatch, [])  # everything stands for device memory
+    _pool, kv, slots = _pool_and_prompt(6)
+    with device.stream(device.main):
+        _relay.queue_copies([(slots[1 + k], kv.narrow(2, 4 * k, 4)) for k in range(6)],
+                            CUDA, device.main)
+    assert len(device.main.queue) == 1  # one copy, of all six chunks
+    device.drain(random.Random(0))
+    assert [dst.dtype for _, dst in device.ran_on] == [torch.int64]
+    assert all(torch.equal(slots[1 + k], kv.narrow(2, 4 * k, 4)) for k in range(6))
