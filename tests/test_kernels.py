@@ -9,6 +9,7 @@ missing triton fails them instead of skipping.
 
 from __future__ import annotations
 
+import random
 import types
 from typing import Any
 
@@ -18,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from musacache import _kernels, devices, transfer
+from musacache import _kernels, _relay, devices, transfer
 from test_transfer_chunks import (
     NUM_SLOTS,
     chunk_tensors,
@@ -50,6 +51,9 @@ def interpreted(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setattr(_kernels, "launch", counting)
     monkeypatch.setattr(transfer, "_device_type", lambda tensor: "cuda")
     monkeypatch.setattr(transfer, "_device_visible", lambda dense, device: True)
+    # The chunks stand for device tensors (or for one window of pinned host ones, which the
+    # kernel writes through their device address); host chunks in windows are tested below.
+    monkeypatch.setattr(_relay, "host_side", lambda tensor: False)
     mod = types.SimpleNamespace(is_available=lambda: True, device_count=lambda: 1,
                                 stream=lambda s: _Null(), current_stream=lambda d=None: None)
     monkeypatch.setitem(devices._module_overrides, "cuda", mod)
@@ -109,3 +113,43 @@ def test_transfer_gather_on_cuda_uses_the_fused_kernel(interpreted: Any) -> None
     transfer.gather(caches, slots, out, "vllm")
     assert interpreted == [(5, 3, 2)]
     assert torch.equal(out, reference_gather(caches, "vllm", slots, torch.zeros_like(out)))
+
+
+@pytest.mark.parametrize("to_dense", [True, False], ids=["store", "retrieve"])
+def test_host_chunks_in_windows_go_through_the_kernel_on_device_buffers(
+        interpreted: Any, monkeypatch: pytest.MonkeyPatch, to_dense: bool) -> None:
+    """Chunks in host memory, on a simulated device (test_relay.Device: streams run in a
+    random interleaving): each window is one kernel launch into (or out of) dense device
+    buffers, and the bus copies move the windows; the result is the reference's."""
+    from test_relay import Device
+
+    dev = Device()
+    dev.module.set_stream = dev.set_stream
+    monkeypatch.setitem(devices._module_overrides, "cuda", dev.module)
+    devices._reset_probes()
+    monkeypatch.setattr(_relay, "_copy", dev.copy)
+    monkeypatch.setattr(_relay, "_enqueue", dev.enqueue)
+    monkeypatch.setattr(transfer, "PIPE_WINDOW_BYTES", 8 * 2 * 2 * 2 * 8 * 2)  # 8 tokens
+    caches = make_caches("vllm", 2)
+    sizes = [4, 4, 4, 3]
+    chunks = chunk_tensors("vllm", 2, sizes, [False, True, False, False])
+    spans = [(c.untyped_storage().data_ptr(), c.untyped_storage().nbytes()) for c in chunks]
+    monkeypatch.setattr(_relay, "host_side", lambda t: any(
+        a <= t.untyped_storage().data_ptr() < a + n for a, n in spans))
+    slots = torch.randperm(NUM_SLOTS)[:15]
+    before = concat([c.clone() for c in chunks], "vllm")
+    expected = reference_scatter(before, clone_caches(caches), "vllm", slots.tolist())
+    with dev.stream(dev.main):
+        if to_dense:
+            transfer.gather_chunks(caches, slots, chunks, "vllm", stream=dev.main)
+        else:
+            transfer.scatter_chunks(chunks, caches, slots, "vllm", stream=dev.main)
+    dev.drain(random.Random(0))
+    # Windows of at most 7.5 tokens (half the request; 8 is the cap): 4 | 4 | 4 + 3, a launch
+    # each, grid (tokens, layers, planes).
+    assert interpreted == [(4, 2, 2), (4, 2, 2), (7, 2, 2)]
+    if to_dense:
+        assert torch.equal(concat(chunks, "vllm"),
+                           reference_gather(caches, "vllm", slots.tolist(), before))
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(flat(caches), flat(expected), strict=True))
