@@ -411,3 +411,51 @@ def test_device_pairs_into_consecutive_slots_are_one_launch(
     device.drain(random.Random(0))
     assert [dst.dtype for _, dst in device.ran_on] == [torch.int64]
     assert all(torch.equal(slots[1 + k], kv.narrow(2, 4 * k, 4)) for k in range(6))
+
+
+@pytest.mark.parametrize("error", ["torch", "plain"])
+def test_no_room_for_the_ring_moves_the_pairs_the_old_way(
+        device: Device, monkeypatch: pytest.MonkeyPatch, error: str) -> None:
+    """An engine may hold nearly all of the device's memory: when the relay's buffers cannot
+    be had, the pairs are copied one by one (torch stages each itself), still exactly."""
+    kv = _prompt()
+    host = [torch.zeros(3, 2, 8, 2, 8, dtype=torch.bfloat16) for _ in range(5)]
+    _host_tensors(monkeypatch, host)
+    real_empty = torch.empty
+
+    def no_room(*a: Any, **k: Any) -> torch.Tensor:
+        if k.get("dtype") is torch.uint8:
+            raise (torch.OutOfMemoryError("CUDA out of memory") if error == "torch"
+                   else RuntimeError("MUSA error: out of memory"))
+        return real_empty(*a, **k)
+
+    monkeypatch.setattr(torch, "empty", no_room)
+    with device.stream(device.main):
+        _relay.queue_copies([(h, kv.narrow(2, 8 * i, 8)) for i, h in enumerate(host)], CUDA,
+                            device.main)
+    assert devices.side_stream(CUDA).queue == []  # nothing relayed
+    device.drain(random.Random(0))
+    assert all(torch.equal(h, kv.narrow(2, 8 * i, 8)) for i, h in enumerate(host))
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: (_ for _ in ()).throw(
+        RuntimeError("some other failure")))
+    with pytest.raises(RuntimeError, match="some other failure"):
+        _relay.buffers(8, torch.device("cpu"), 2)
+
+
+def test_no_room_for_two_windows_leaves_a_store_to_the_kernel(
+        paged: Device, monkeypatch: pytest.MonkeyPatch) -> None:
+    caches = make_caches("vllm", 3)
+    sizes = [3, 3, 3, 3, 3, 1]
+    slots = torch.randperm(NUM_SLOTS, generator=torch.Generator().manual_seed(1))
+    dsts = chunk_tensors("vllm", 3, sizes, [False] * 6)
+    _host_tensors(monkeypatch, dsts)
+    before = concat([d.clone() for d in dsts], "vllm")
+    monkeypatch.setattr(_relay, "buffers", lambda *a: None)
+    relayed: list[int] = []
+    monkeypatch.setattr(_relay, "relay", lambda *a, **k: relayed.append(1))
+    with paged.stream(paged.main):
+        transfer.gather_chunks(caches, slots, dsts, "vllm", stream=paged.main)
+    paged.drain(random.Random(0))
+    assert relayed == []
+    assert torch.equal(concat(dsts, "vllm"),
+                       reference_gather(caches, "vllm", slots.tolist(), before))

@@ -25,7 +25,7 @@ import torch
 
 from . import devices
 
-__all__ = ["DEPTH", "host_side", "queue_copies", "relay", "runs", "words"]
+__all__ = ["DEPTH", "buffers", "host_side", "queue_copies", "relay", "runs", "words"]
 
 #: Buffers in flight: one being filled, one being moved, one spare so neither waits.
 DEPTH = 3
@@ -170,8 +170,11 @@ def _relay_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]], device: torch.d
     is safe."""
     depth = min(DEPTH, len(pairs))
     size = max(d.numel() * d.element_size() for d, _ in pairs)
-    where = pairs[0][0 if up else 1].device  # the device side's
-    ring = [torch.empty(size, dtype=torch.uint8, device=where) for _ in range(depth)]
+    ring = buffers(size, pairs[0][0 if up else 1].device, depth)
+    if ring is None:  # no room on the device: torch's own copies, a chunk at a time
+        for d, s in pairs:
+            _copy(d, s)
+        return
     steps: list[Step] = []
     for k, (d, s) in enumerate(pairs):
         dense = ring[k % depth][: d.numel() * d.element_size()].view(d.dtype).view(d.shape)
@@ -181,6 +184,21 @@ def _relay_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]], device: torch.d
         steps.append((_copier(*bus), _copier(*words(*spread))) if up
                      else (_copier(*words(*spread)), _copier(*bus)))
     relay(device, main, steps, first_on_main=up)
+
+
+def buffers(nbytes: int, device: torch.device, count: int) -> list[torch.Tensor] | None:
+    """``count`` device buffers of ``nbytes`` for a relay, or None when the device has no
+    room for them (an engine may hold nearly all of its memory): the caller then moves its
+    data the way it did before the relay, which needs less or no staging, before anything
+    of the request is queued."""
+    try:
+        return [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(count)]
+    except torch.OutOfMemoryError:
+        return None
+    except RuntimeError as e:  # an accelerator whose allocator raises a plain RuntimeError
+        if "out of memory" in str(e).lower():
+            return None
+        raise
 
 
 # The structure tests replace these two: they queue the work on fake streams and run the

@@ -1084,7 +1084,9 @@ def _piped_host_chunks(request: _Chunks, to_dense: bool, stream: Any | None,
     main = stream if stream is not None else devices.current_stream(device)
     depth = 2
     room = max(sum(sizes[k] for k in w) for w in windows)
-    ring = [torch.empty(room, dtype=torch.uint8, device=info.device) for _ in range(depth)]
+    ring = _relay.buffers(room, info.device, depth)
+    if ring is None:
+        return False  # no room on the device for two windows: the kernel (or ops) as before
     steps: list[_relay.Step] = []
     for j, window in enumerate(windows):
         stage: list[torch.Tensor] = []
