@@ -132,7 +132,7 @@ def test_host_chunks_in_windows_go_through_the_kernel_on_device_buffers(
     monkeypatch.setattr(transfer, "PIPE_WINDOW_BYTES", 8 * 2 * 2 * 2 * 8 * 2)  # 8 tokens
     caches = make_caches("vllm", 2)
     sizes = [4, 4, 4, 3]
-    chunks = chunk_tensors("vllm", 2, sizes, [False, True, False, False])
+    chunks = chunk_tensors("vllm", 2, sizes, [False] * 4)
     spans = [(c.untyped_storage().data_ptr(), c.untyped_storage().nbytes()) for c in chunks]
     monkeypatch.setattr(_relay, "host_side", lambda t: any(
         a <= t.untyped_storage().data_ptr() < a + n for a, n in spans))

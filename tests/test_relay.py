@@ -281,7 +281,7 @@ def test_piped_gather_of_host_chunks_matches_the_reference(
     caches = make_caches(layout, 3)
     sizes = [3, 3, 3, 3, 3, 1]  # windows of eight tokens: three, through two buffers
     slots = torch.randperm(NUM_SLOTS, generator=torch.Generator().manual_seed(seed))
-    dsts = chunk_tensors(layout, 3, sizes, [False, True, False, False, False, False])
+    dsts = chunk_tensors(layout, 3, sizes, [False] * 6)
     _host_tensors(monkeypatch, dsts)
     before = concat([d.clone() for d in dsts], layout)
     relayed: list[int] = []
@@ -305,7 +305,7 @@ def test_piped_scatter_of_host_chunks_skips_minus_one_and_ends_on_the_main_strea
     sizes = [3, 3, 3, 3, 2]
     slots = torch.randperm(NUM_SLOTS, generator=torch.Generator().manual_seed(seed))[:14]
     slots[5] = slots[11] = -1
-    srcs = chunk_tensors("vllm", 3, sizes, [False, False, True, False, False])
+    srcs = chunk_tensors("vllm", 3, sizes, [False] * 5)
     _host_tensors(monkeypatch, srcs)
     expected = reference_scatter(concat(srcs, "vllm"), caches, "vllm", slots.tolist())
     with paged.stream(paged.main):
@@ -319,14 +319,16 @@ def test_piped_scatter_of_host_chunks_skips_minus_one_and_ends_on_the_main_strea
     paged.drain(rng)
 
 
-def test_a_gather_that_skips_tokens_or_fits_one_window_is_not_piped(
+def test_a_gather_that_skips_tokens_fits_one_window_or_has_strided_chunks_is_not_piped(
         paged: Device, monkeypatch: pytest.MonkeyPatch) -> None:
     caches = make_caches("vllm", 3)
     relayed: list[int] = []
     monkeypatch.setattr(_relay, "relay", lambda *a, **k: relayed.append(1))
-    for sizes, slots in (([4, 4, 4], [0, 1, 2, -1, 4, 5, 6, 7, 8, 9, 10, 11]),
-                         ([4], [3, 2, 1, 0])):
-        dsts = chunk_tensors("vllm", 3, sizes, [False] * len(sizes))
+    for sizes, slots, permuted in (
+            ([4, 4, 4], [0, 1, 2, -1, 4, 5, 6, 7, 8, 9, 10, 11], [False] * 3),  # a skip
+            ([4], [3, 2, 1, 0], [False]),  # one window
+            ([4, 4, 4], list(range(12)), [False, True, False])):  # a chunk not contiguous
+        dsts = chunk_tensors("vllm", 3, sizes, permuted)
         _host_tensors(monkeypatch, dsts)
         before = concat([d.clone() for d in dsts], "vllm")
         with paged.stream(paged.main):

@@ -1057,11 +1057,12 @@ def _piped_host_chunks(request: _Chunks, to_dense: bool, stream: Any | None,
     A kernel that reaches pinned host memory through its device address moves 42 to 46 GB/s
     on an H200 where the copy engine moves 55; gathering into device memory first costs a
     ~1.5 ms pass per GiB, which the pipeline hides behind the bus. False (nothing queued)
-    for fewer than two windows, or for a gather that skips tokens (a skipped token's rows
-    must keep their values in the host chunk, and a window's dense copy would overwrite
-    them)."""
+    for fewer than two windows; for a gather that skips tokens (a skipped token's rows must
+    keep their values in the host chunk, and a window's dense copy would overwrite them);
+    for a host chunk that is not contiguous (a bus copy into it would be staged by torch in
+    pageable memory and wait on the host, where the kernel writes it as it is)."""
     denses = request.denses
-    if len(denses) < 2 or not all(_relay.host_side(x) for x in denses):
+    if len(denses) < 2 or not all(_relay.host_side(x) and x.is_contiguous() for x in denses):
         return False
     if to_dense and bool((request.slots < 0).any()):
         return False
