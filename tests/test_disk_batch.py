@@ -35,6 +35,7 @@ from helpers import (
     small_spec,
     until_set,
 )
+from musacache import devices
 from musacache._errors import CorruptChunkError
 from musacache._tee import Tee
 from musacache.tiers import disk as disk_mod
@@ -115,7 +116,7 @@ async def test_a_get_of_many_disk_chunks_is_one_batch_on_a_few_threads(
         # One slice per lane however slow the machine (slices are tested below), and as
         # many lanes as max_concurrency however few its CPUs (lanes by CPUs: below).
         monkeypatch.setattr(disk_mod, "_LANE_SLICE", 60.0)
-        monkeypatch.setattr(disk_mod, "_cores", lambda: 64)
+        monkeypatch.setattr(devices, "usable_cpus", lambda: 64)
         out = torch.full_like(kv, float("nan"))
         hit = await c.get(toks, out=out)
         monkeypatch.setattr(anyio.to_thread, "run_sync", run_sync)
@@ -532,7 +533,7 @@ async def test_a_batch_of_reads_on_the_cpus_has_a_lane_per_cpu_and_one_that_wait
     # take turns on them. Reads that wait on the disk want every lane: a batch whose reads
     # wait starts the others as its first lane ends a slice, and the next batch starts them
     # all; once reads stop waiting, batches go back to a lane per CPU.
-    monkeypatch.setattr(disk_mod, "_cores", lambda: 1)
+    monkeypatch.setattr(devices, "usable_cpus", lambda: 1)
     monkeypatch.setattr(disk_mod, "_LANE_SLICE", 0.0)  # a slice is one read
     async with _on_disk(tmp_path, 8, seed=21, max_concurrency=4) as (c, _spec, toks, kv):
         store = _store(c)

@@ -121,21 +121,14 @@ def test_host_chunks_in_windows_go_through_the_kernel_on_device_buffers(
     """Chunks in host memory, on a simulated device (test_relay.Device: streams run in a
     random interleaving): each window is one kernel launch into (or out of) dense device
     buffers, and the bus copies move the windows; the result is the reference's."""
-    from test_relay import Device
+    from test_relay import host_tensors, simulate
 
-    dev = Device()
-    dev.module.set_stream = dev.set_stream
-    monkeypatch.setitem(devices._module_overrides, "cuda", dev.module)
-    devices._reset_probes()
-    monkeypatch.setattr(_relay, "_copy", dev.copy)
-    monkeypatch.setattr(_relay, "_enqueue", dev.enqueue)
+    dev = simulate(monkeypatch)
     monkeypatch.setattr(transfer, "PIPE_WINDOW_BYTES", 8 * 2 * 2 * 2 * 8 * 2)  # 8 tokens
     caches = make_caches("vllm", 2)
     sizes = [4, 4, 4, 3]
     chunks = chunk_tensors("vllm", 2, sizes, [False] * 4)
-    spans = [(c.untyped_storage().data_ptr(), c.untyped_storage().nbytes()) for c in chunks]
-    monkeypatch.setattr(_relay, "host_side", lambda t: any(
-        a <= t.untyped_storage().data_ptr() < a + n for a, n in spans))
+    host_tensors(monkeypatch, chunks)
     slots = torch.randperm(NUM_SLOTS)[:15]
     before = concat([c.clone() for c in chunks], "vllm")
     expected = reference_scatter(before, clone_caches(caches), "vllm", slots.tolist())

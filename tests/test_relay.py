@@ -125,21 +125,26 @@ class Device:
         return op[0] != "wait" or op[1].query()
 
 
-@pytest.fixture(params=["set_stream", "stream contexts"])
-def device(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Device:
+def simulate(monkeypatch: pytest.MonkeyPatch, *, set_stream: bool = True) -> Device:
+    """A simulated device installed as "cuda", the relay queueing its work on it."""
     dev = Device()
-    if request.param == "set_stream":  # the cheap switch (devices.stream_switch)
+    if set_stream:  # the cheap switch (devices.stream_switch)
         dev.module.set_stream = dev.set_stream
     monkeypatch.setitem(devices._module_overrides, "cuda", dev.module)
     monkeypatch.setattr(devices, "_copy_streams", {})
     devices._reset_probes()
     monkeypatch.setattr(_relay, "_copy", dev.copy)
     monkeypatch.setattr(_relay, "_enqueue", dev.enqueue)
-    yield dev
+    return dev
+
+
+@pytest.fixture(params=["set_stream", "stream contexts"])
+def device(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Device:
+    yield simulate(monkeypatch, set_stream=request.param == "set_stream")
     devices._reset_probes()
 
 
-def _host_tensors(monkeypatch: pytest.MonkeyPatch, host: list[torch.Tensor]) -> None:
+def host_tensors(monkeypatch: pytest.MonkeyPatch, host: list[torch.Tensor]) -> None:
     """Only these tensors (and views of their memory) stand for host memory; every other
     CPU tensor stands for device memory."""
     spans = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in host]
@@ -161,7 +166,7 @@ def test_device_to_host_relay_moves_every_chunk_under_any_interleaving(
     kv = torch.zeros(3, 2, 40, 2, 8, dtype=torch.bfloat16)  # "on the device"
     produced = _prompt()
     host = [torch.zeros(3, 2, n, 2, 8, dtype=torch.bfloat16) for n in (8, 8, 8, 8, 8)]
-    _host_tensors(monkeypatch, host)
+    host_tensors(monkeypatch, host)
     pairs = [(h, kv.narrow(2, 8 * i, 8)) for i, h in enumerate(host)]
     with device.stream(device.main):
         device.copy(kv, produced)  # the caller's kernel that makes the KV, still queued
@@ -183,7 +188,7 @@ def test_host_to_device_relay_writes_every_chunk_before_the_main_stream_ends(
         device: Device, monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
     out = torch.zeros(3, 2, 48, 2, 8, dtype=torch.bfloat16)  # "on the device"
     host = [_prompt(tokens=n) for n in (16, 16, 12)]
-    _host_tensors(monkeypatch, host)
+    host_tensors(monkeypatch, host)
     starts = [0, 16, 32]
     pairs = [(out.narrow(2, a, h.shape[2]), h) for a, h in zip(starts, host)]
     copies_at_end: list[int] = []
@@ -208,7 +213,7 @@ def test_a_ring_shorter_than_the_request_reuses_buffers_only_after_they_are_empt
     times, and no item reads a buffer another item has refilled."""
     kv = _prompt(tokens=72)
     host = [torch.zeros(3, 2, 8, 2, 8, dtype=torch.bfloat16) for _ in range(9)]
-    _host_tensors(monkeypatch, host)
+    host_tensors(monkeypatch, host)
     for seed in range(20):
         for h in host:
             h.zero_()
@@ -224,7 +229,7 @@ def test_contiguous_and_device_pairs_are_plain_copies_on_the_main_stream(
     kv = _prompt()
     host_whole = torch.zeros_like(kv)
     other = torch.zeros_like(kv)  # "on the device"
-    _host_tensors(monkeypatch, [host_whole])
+    host_tensors(monkeypatch, [host_whole])
     one_host = host_whole.narrow(2, 0, 8)
     pairs = [(host_whole, kv),  # the device side is one run: one bus copy
              (other.narrow(2, 0, 8), kv.narrow(2, 0, 8))]  # device to device
@@ -282,7 +287,7 @@ def test_piped_gather_of_host_chunks_matches_the_reference(
     sizes = [3, 3, 3, 3, 3, 1]  # windows of eight tokens: three, through two buffers
     slots = torch.randperm(NUM_SLOTS, generator=torch.Generator().manual_seed(seed))
     dsts = chunk_tensors(layout, 3, sizes, [False] * 6)
-    _host_tensors(monkeypatch, dsts)
+    host_tensors(monkeypatch, dsts)
     before = concat([d.clone() for d in dsts], layout)
     relayed: list[int] = []
     real = _relay.relay
@@ -306,7 +311,7 @@ def test_piped_scatter_of_host_chunks_skips_minus_one_and_ends_on_the_main_strea
     slots = torch.randperm(NUM_SLOTS, generator=torch.Generator().manual_seed(seed))[:14]
     slots[5] = slots[11] = -1
     srcs = chunk_tensors("vllm", 3, sizes, [False] * 5)
-    _host_tensors(monkeypatch, srcs)
+    host_tensors(monkeypatch, srcs)
     expected = reference_scatter(concat(srcs, "vllm"), caches, "vllm", slots.tolist())
     with paged.stream(paged.main):
         transfer.scatter_chunks(srcs, caches, slots, "vllm", stream=paged.main)
@@ -329,7 +334,7 @@ def test_a_gather_that_skips_tokens_fits_one_window_or_has_strided_chunks_is_not
             ([4], [3, 2, 1, 0], [False]),  # one window
             ([4, 4, 4], list(range(12)), [False, True, False])):  # a chunk not contiguous
         dsts = chunk_tensors("vllm", 3, sizes, permuted)
-        _host_tensors(monkeypatch, dsts)
+        host_tensors(monkeypatch, dsts)
         before = concat([d.clone() for d in dsts], "vllm")
         with paged.stream(paged.main):
             transfer.gather_chunks(caches, torch.tensor(slots), dsts, "vllm",
@@ -404,7 +409,7 @@ def test_runs_copy_exactly_what_the_pairs_copy(seed: int) -> None:
 
 def test_device_pairs_into_consecutive_slots_are_one_launch(
         device: Device, monkeypatch: pytest.MonkeyPatch) -> None:
-    _host_tensors(monkeypatch, [])  # everything stands for device memory
+    host_tensors(monkeypatch, [])  # everything stands for device memory
     _pool, kv, slots = _pool_and_prompt(6)
     with device.stream(device.main):
         _relay.queue_copies([(slots[1 + k], kv.narrow(2, 4 * k, 4)) for k in range(6)],
@@ -422,7 +427,7 @@ def test_no_room_for_the_ring_moves_the_pairs_the_old_way(
     be had, the pairs are copied one by one (torch stages each itself), still exactly."""
     kv = _prompt()
     host = [torch.zeros(3, 2, 8, 2, 8, dtype=torch.bfloat16) for _ in range(5)]
-    _host_tensors(monkeypatch, host)
+    host_tensors(monkeypatch, host)
     real_empty = torch.empty
 
     def no_room(*a: Any, **k: Any) -> torch.Tensor:
@@ -450,7 +455,7 @@ def test_no_room_for_two_windows_leaves_a_store_to_the_kernel(
     sizes = [3, 3, 3, 3, 3, 1]
     slots = torch.randperm(NUM_SLOTS, generator=torch.Generator().manual_seed(1))
     dsts = chunk_tensors("vllm", 3, sizes, [False] * 6)
-    _host_tensors(monkeypatch, dsts)
+    host_tensors(monkeypatch, dsts)
     before = concat([d.clone() for d in dsts], "vllm")
     monkeypatch.setattr(_relay, "buffers", lambda *a: None)
     relayed: list[int] = []

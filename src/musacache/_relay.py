@@ -111,13 +111,13 @@ def runs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
             step_d = pairs[j][0].data_ptr() - d0.data_ptr()
             step_s = pairs[j][1].data_ptr() - s0.data_ptr()
             if step_d > 0 and step_s > 0 and not step_d % item and not step_s % item:
-                layout = (d0.shape, d0.stride(), s0.shape, s0.stride(), d0.dtype)
+                layout = (d0.shape, d0.stride(), d0.dtype, s0.shape, s0.stride(), s0.dtype)
                 while j < n:
                     d, s = pairs[j]
                     prev_d, prev_s = pairs[j - 1]
                     if (d._base is not d0._base or s._base is not s0._base
-                            or s.dtype != d.dtype
-                            or (d.shape, d.stride(), s.shape, s.stride(), d.dtype) != layout
+                            or (d.shape, d.stride(), d.dtype, s.shape, s.stride(),
+                                s.dtype) != layout
                             or d.data_ptr() - prev_d.data_ptr() != step_d
                             or s.data_ptr() - prev_s.data_ptr() != step_s):
                         break
@@ -128,7 +128,6 @@ def runs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
                         s0.as_strided((k, *s0.shape), (step_s // item, *s0.stride()))))
         else:
             out.append((d0, s0))
-            j = i + 1
         i = j
     return out
 
@@ -138,9 +137,9 @@ def queue_copies(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], device: tor
     """``dst.copy_(src)`` for every pair, queued on ``main`` (current) and the side stream.
 
     Device to device: runs of pairs merged (:func:`runs`), as words. Between the host and
-    the device, where the device side is
-    not one run of bytes: relayed through dense device buffers, when there are at least two
-    such pairs one way. Anything else: ``copy_`` as it is."""
+    the device, where the device side is not one run of bytes: relayed through dense device
+    buffers, when there are at least two such pairs one way. Anything else: ``copy_`` as it
+    is."""
     to_host: list[tuple[torch.Tensor, torch.Tensor]] = []
     to_device: list[tuple[torch.Tensor, torch.Tensor]] = []
     direct: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -178,11 +177,10 @@ def _relay_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]], device: torch.d
     steps: list[Step] = []
     for k, (d, s) in enumerate(pairs):
         dense = ring[k % depth][: d.numel() * d.element_size()].view(d.dtype).view(d.shape)
-        # up: the bus into the dense buffer, then the scatter into the strided dst; down: the
-        # gather into the dense buffer, then the bus out of it.
-        bus, spread = ((dense, s), (d, dense)) if up else ((d, dense), (dense, s))
-        steps.append((_copier(*bus), _copier(*words(*spread))) if up
-                     else (_copier(*words(*spread)), _copier(*bus)))
+        if up:  # the bus into the dense buffer, then the scatter into the strided dst
+            steps.append((_copier(dense, s), _copier(*words(d, dense))))
+        else:  # the gather into the dense buffer, then the bus out of it
+            steps.append((_copier(*words(dense, s)), _copier(d, dense)))
     relay(device, main, steps, first_on_main=up)
 
 
@@ -201,12 +199,12 @@ def buffers(nbytes: int, device: torch.device, count: int) -> list[torch.Tensor]
         raise
 
 
+def _copier(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
+    return lambda: _copy(dst, src)  # _copy looked up when it runs (the tests replace it)
+
+
 # The structure tests replace these two: they queue the work on fake streams and run the
 # streams in random interleavings, as a device may.
-
-
-def _copier(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
-    return lambda: _copy(dst, src)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -12,6 +12,7 @@ appear in ``Cache.stats()``).
 from __future__ import annotations
 
 import importlib
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -45,6 +46,7 @@ __all__ = [
     "stream_context",
     "stream_switch",
     "synchronize",
+    "usable_cpus",
     "wait_event",
     "wait_for",
     "wait_ready",
@@ -81,6 +83,23 @@ def accelerator_module(kind: str) -> ModuleType | None:
             mod = getattr(torch, "musa", None)
         return mod
     return None
+
+
+def _module(device: torch.device) -> ModuleType:
+    """``device``'s accelerator module (``torch.cuda`` or ``torch.musa``); DeviceError if it
+    is not available here."""
+    mod = accelerator_module(device.type)
+    if mod is None:
+        raise DeviceError(f"{device.type} is not available")
+    return mod
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, where the system has one)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # sched_getaffinity is Linux-only
+        return max(1, os.cpu_count() or 1)
 
 
 def available(kind: str) -> bool:
@@ -307,9 +326,7 @@ def current_stream(device: torch.device) -> Any | None:
     """
     if device.type == "cpu":
         return None
-    mod = accelerator_module(device.type)
-    if mod is None:
-        raise DeviceError(f"{device.type} is not available")
+    mod = _module(device)
     return mod.current_stream(device)
 
 
@@ -320,9 +337,7 @@ def stream_context(device: torch.device, stream: Any | None) -> Iterator[None]:
         with nullcontext():
             yield
         return
-    mod = accelerator_module(device.type)
-    if mod is None:
-        raise DeviceError(f"{device.type} is not available")
+    mod = _module(device)
     with mod.stream(stream):
         yield
 
@@ -338,9 +353,7 @@ def stream_switch(device: torch.device, home: Any | None) -> Iterator[Callable[[
     if home is None or device.type == "cpu":
         yield lambda stream: None
         return
-    mod = accelerator_module(device.type)
-    if mod is None:
-        raise DeviceError(f"{device.type} is not available")
+    mod = _module(device)
     setter = getattr(mod, "set_stream", None)
     if setter is not None:
         try:
@@ -386,9 +399,7 @@ def side_stream(device: torch.device) -> Any | None:
 def _kept_stream(device: torch.device, lane: int) -> Any | None:
     if device.type == "cpu":
         return None
-    mod = accelerator_module(device.type)
-    if mod is None:
-        raise DeviceError(f"{device.type} is not available")
+    mod = _module(device)
     index = 0 if device.index is None else device.index
     key = (device.type, index, lane)
     with _copy_streams_lock:
@@ -404,9 +415,7 @@ def record_event(device: torch.device, stream: Any | None = None) -> Any | None:
     where work is done when the call that queued it returns."""
     if device.type == "cpu":
         return None
-    mod = accelerator_module(device.type)
-    if mod is None:
-        raise DeviceError(f"{device.type} is not available")
+    mod = _module(device)
     event = mod.Event()
     event.record(stream if stream is not None else mod.current_stream(device))
     return event

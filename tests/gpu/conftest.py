@@ -14,3 +14,16 @@ import torch
 def _require_cuda() -> None:
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         pytest.skip("needs a CUDA device")
+
+
+@pytest.fixture(params=["triton", "torch ops"])
+def device_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run the test with each device backend of the paged transfer: the fused Triton kernel
+    (skipped where triton is not importable) and the torch ops."""
+    from musacache import _kernels
+
+    if request.param == "triton" and not _kernels.available():
+        pytest.skip("triton is not importable here")
+    if request.param == "torch ops":
+        monkeypatch.setattr(_kernels, "available", lambda: False)
+    return str(request.param)

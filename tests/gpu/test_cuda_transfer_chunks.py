@@ -8,7 +8,7 @@ import anyio
 import pytest
 import torch
 
-from musacache import _kernels, devices, transfer
+from musacache import devices, transfer
 
 pytestmark = pytest.mark.gpu
 
@@ -33,13 +33,7 @@ def request(seed: int) -> tuple[list[torch.Tensor], torch.Tensor, list[int]]:
     return pages, slots, sizes
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["triton", "torch ops"])
-def test_gather_chunks_into_pinned_host_chunks(fused: bool,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    if fused and not _kernels.available():
-        pytest.skip("triton is not importable here")
-    if not fused:
-        monkeypatch.setattr(_kernels, "available", lambda: False)
+def test_gather_chunks_into_pinned_host_chunks(device_backend: str) -> None:
     pages, slots, sizes = request(0)
     expected = cpu_reference(pages, slots, sizes)
     chunks = [torch.zeros(L, 2, n, H, D, dtype=torch.bfloat16, pin_memory=True)
@@ -52,13 +46,7 @@ def test_gather_chunks_into_pinned_host_chunks(fused: bool,
     assert all(torch.equal(a, b) for a, b in zip(chunks, expected, strict=True))
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["triton", "torch ops"])
-def test_scatter_chunks_from_pinned_host_chunks(fused: bool,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    if fused and not _kernels.available():
-        pytest.skip("triton is not importable here")
-    if not fused:
-        monkeypatch.setattr(_kernels, "available", lambda: False)
+def test_scatter_chunks_from_pinned_host_chunks(device_backend: str) -> None:
     pages, slots, sizes = request(1)
     gen = torch.Generator().manual_seed(2)
     chunks = [torch.randn(L, 2, n, H, D, generator=gen).to(torch.bfloat16).pin_memory()

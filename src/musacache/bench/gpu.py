@@ -358,12 +358,12 @@ class Bench:
         # The same suffix forward over the KV the prefill made, not through the cache: what a
         # restore must reproduce exactly. The full prefill differs from any cached-KV forward
         # by bf16 rounding (other attention kernels, other GEMM shapes), whatever the cache.
-        same_path, _ = _model.first_token_logits(
-            model, tokens[reused:], _model.hf_from_dense(kv.narrow(2, 0, reused), model))
-        forward = (await _best(self.device, reps, {"forward": _call(
-            lambda: _model.first_token_logits(
-                model, tokens[reused:], _model.hf_from_dense(kv.narrow(2, 0, reused), model)))}
-        ))["forward"]
+        def uncached() -> torch.Tensor:
+            return _model.first_token_logits(
+                model, tokens[reused:], _model.hf_from_dense(kv.narrow(2, 0, reused), model))[0]
+
+        same_path = uncached()
+        forward = (await _best(self.device, reps, {"forward": _call(uncached)}))["forward"]
         for name, tier in tiers.items():
             config = CacheConfig(spec=spec, namespace=f"bench-gpu-ttft-{name}", tiers=(tier,),
                                  chunk_size=self.args.chunk_size, persist_on_close=False)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 
 from .. import devices
@@ -26,14 +25,6 @@ __all__ = ["main"]
 EXIT_OK = 0
 EXIT_LOGITS_MISMATCH = 1
 EXIT_USAGE = 2
-
-
-def _default_threads() -> int:
-    """The CPUs this process may run on: more intra-op threads than that only contend."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # sched_getaffinity is Linux-only
-        return max(1, os.cpu_count() or 1)
 
 
 def _workload_list(text: str) -> tuple[str, ...]:
@@ -116,8 +107,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return EXIT_USAGE
 
+    # Intra-op threads: one per CPU this process may run on (more only contend).
     opts = DemoOptions(
-        size=SIZES[args.size], seed=args.seed, threads=args.threads or _default_threads(),
+        size=SIZES[args.size], seed=args.seed, threads=args.threads or devices.usable_cpus(),
         scale=args.scale, chunk_size=args.chunk_size,
         host_bytes=int(args.host_mib * 1024**2), disk_bytes=int(args.disk_mib * 1024**2),
         disk_dir=args.disk_dir, workloads=args.workloads, progress=not args.no_progress,

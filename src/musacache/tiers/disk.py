@@ -72,6 +72,7 @@ import anyio
 import anyio.to_thread
 import torch
 
+from .. import devices
 from .._errors import (
     ConfigError,
     CorruptChunkError,
@@ -172,14 +173,6 @@ def _blocks_read() -> int:
         return resource.getrusage(resource.RUSAGE_THREAD).ru_inblock
     except (AttributeError, OSError):
         return 0
-
-
-def _cores() -> int:
-    """The CPUs this process may run on."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
 
 
 class _ThreadRead:
@@ -869,7 +862,7 @@ async def _read_batch(store: DiskStore, items: Sequence[tuple[ChunkMeta, ChunkCo
     # longer on 4 lanes than on 2). Reads that wait on the disk want every lane. The last
     # batch's reads tell which (_Lanes.judge), and so do this one's: a lane that ends a
     # slice of reads that waited starts the others.
-    count = full if store._reads_wait else min(full, _cores())
+    count = full if store._reads_wait else min(full, devices.usable_cpus())
     lanes = _Lanes(todo, n, full)
     calls = [_ThreadRead() for _ in items]
     for i in todo:
