@@ -351,3 +351,41 @@ async def test_store_from_meta_caches_is_a_typed_error(spec):
         with pytest.raises(mc.MusaCacheError):
             await cache.store(toks, caches, torch.arange(20))
         assert await cache.lookup(toks) == 0
+
+
+@pytest.mark.parametrize("which", ["tokens", "slot_mapping"])
+@pytest.mark.parametrize("op", ["store", "retrieve"])
+async def test_meta_tokens_or_slots_in_store_and_retrieve_are_typed_and_change_nothing(
+        spec, op, which):
+    # Found by a probe: both raised torch's NotImplementedError ("Cannot copy out of meta
+    # tensor") from the copy to the host, where put and get said TokensError.
+    caches = [torch.randn(2, 4, 16, spec.num_kv_heads, spec.head_dim).to(spec.dtype)
+              for _ in range(spec.num_layers)]
+    before = [c.clone() for c in caches]
+    toks, slots = torch.arange(20), torch.arange(20)
+    meta = torch.zeros(20, dtype=torch.int64, device="meta")
+    args = (meta, slots) if which == "tokens" else (toks, meta)
+    error = mc.TokensError if which == "tokens" else mc.DeviceError
+    async with mc.Cache(host_config(spec)) as cache:
+        if op == "retrieve":
+            await cache.put(toks, prefix_kv(spec, toks))
+        with pytest.raises(error, match="meta device"):
+            await getattr(cache, op)(args[0], caches, args[1])
+        assert all(torch.equal(a, b) for a, b in zip(caches, before, strict=True))
+        assert await cache.lookup(toks) == (20 if op == "retrieve" else 0)
+
+
+async def test_a_put_of_kv_that_requires_grad_caches_its_values(spec):
+    # A prefill run with grad on hands over such KV. Found by a probe: the put raised
+    # autograd's RuntimeError from the copy into a slot, after it had evicted other chunks
+    # to make room for it.
+    toks, other = torch.arange(32), torch.arange(100, 132)
+    async with mc.Cache(host_config(spec, chunks=4)) as cache:
+        await cache.put(toks, prefix_kv(spec, toks))
+        kv = prefix_kv(spec, other).requires_grad_(spec.dtype.is_floating_point)
+        assert kv.requires_grad
+        assert await cache.put(other, kv) == 32
+        hit = await cache.get(other)
+        assert hit.num_tokens == 32 and not hit.kv.requires_grad
+        assert torch.equal(hit.kv, kv.detach())
+        assert await cache.lookup(toks) == 32  # room for both: nothing was evicted

@@ -260,6 +260,11 @@ async def test_client_api_matches_the_embedded_cache(tmp_path):
             await cache.put(toks, kv[:, :, :10])
         with pytest.raises(mc.TokensError):
             await cache.lookup([[1, 2]])
+        # KV from a prefill run with grad on is cached by its values
+        graded = prefix_kv(spec, toks).requires_grad_()
+        assert await cache.put(toks, graded) == 60
+        hit = await cache.get(toks)
+        assert torch.equal(hit.kv, graded.detach()) and not hit.kv.requires_grad
 
     async with mc.Cache(config) as embedded:
         await workload(embedded)

@@ -22,7 +22,14 @@ from ._completed import Completed, failed
 from ._config import CacheConfig, DeviceTier, HostTier
 from ._core import BATCH, DenseSource, Engine, PagedSource
 from ._directory import Match
-from ._errors import CacheClosedError, ConfigError, DeviceError, InvalidInputError, ShapeError
+from ._errors import (
+    CacheClosedError,
+    ConfigError,
+    DeviceError,
+    InvalidInputError,
+    ShapeError,
+    TokensError,
+)
 from ._fastpath import FastPath
 from ._gcfreeze import full_collections_held, long_read
 from ._keys import Fingerprint, KeyChain, as_tokens
@@ -326,7 +333,10 @@ class Cache:
         self._ops["puts"] += 1
         eng.inflight["puts"] += 1
         try:
-            return await eng.put(toks, DenseSource(kv, self.spec.token_dim))
+            # A prefill run with grad on hands over KV that requires grad: its values are what
+            # is cached (a copy into a slot, which autograd would refuse to record).
+            return await eng.put(toks, DenseSource(kv.detach() if kv.requires_grad else kv,
+                                                   self.spec.token_dim))
         finally:
             eng.inflight["puts"] -= 1
 
@@ -787,6 +797,10 @@ async def _paged_args(cache: Cache, tokens: Any, kv_caches: Any, slot_mapping: A
         cache._pages_fit = paged.info
     if isinstance(skip_prefix, bool) or not isinstance(skip_prefix, int) or skip_prefix < 0:
         raise InvalidInputError(f"skip_prefix must be an int >= 0, got {skip_prefix!r}")
+    if isinstance(tokens, torch.Tensor) and tokens.is_meta:
+        raise TokensError("tokens are on the meta device: they have a shape but no values")
+    if isinstance(slot_mapping, torch.Tensor) and slot_mapping.is_meta:
+        raise DeviceError("slot_mapping is on the meta device: it has a shape but no values")
     on_device = [x for x in (tokens, slot_mapping)
                  if isinstance(x, torch.Tensor) and x.device.type != "cpu"]
     if on_device:

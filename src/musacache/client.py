@@ -462,7 +462,8 @@ class Client:
             raise ShapeError(f"kv holds {have} tokens but tokens has {len(toks)}")
         if len(toks) == 0:
             return 0
-        dense = kv.narrow(self.spec.token_dim, 0, len(toks))
+        # (detached: KV from a prefill run with grad on is cached by its values)
+        dense = kv.detach().narrow(self.spec.token_dim, 0, len(toks))
         raw: torch.Tensor | None = None
         if not _sealed(dense):
             # One copy into sealed shared memory (private memory cannot be mapped, and the

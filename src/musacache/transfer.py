@@ -595,6 +595,8 @@ def _as_slots(slot_mapping: object, num_tokens: int, *,
               holder: str = "the dense tensor") -> torch.Tensor:
     """``slot_mapping`` as a 1-D int64 tensor of ``num_tokens`` entries (not range-checked)."""
     if isinstance(slot_mapping, torch.Tensor):
+        if slot_mapping.is_meta:
+            raise DeviceError("slot_mapping is on the meta device: it has a shape but no values")
         if slot_mapping.dtype != torch.int64:
             raise DTypeError(f"slot_mapping has dtype {dtype_name(slot_mapping.dtype)}; it must "
                              "be int64")
