@@ -266,12 +266,18 @@ async def test_client_api_matches_the_embedded_cache(tmp_path):
         hit = await cache.get(toks)
         assert torch.equal(hit.kv, graded.detach()) and not hit.kv.requires_grad
 
+    await _on_cache_and_client(tmp_path, config, workload)
+
+
+async def _on_cache_and_client(tmp_path, config, workload):
+    """Run ``workload(cache)`` on an embedded Cache, then on a Client of a server."""
     async with mc.Cache(config) as embedded:
         await workload(embedded)
     cfg = ServerConfig(str(tmp_path / "r" / "s.sock"), config)
     async with Server(cfg) as srv:
         task = asyncio.create_task(srv.serve_forever())
-        async with mc.connect(cfg.socket_path, spec=spec, namespace="srv") as client:
+        async with mc.connect(cfg.socket_path, spec=config.spec,
+                              namespace=config.namespace) as client:
             await workload(client)
         srv.stop()
         await task
@@ -329,3 +335,38 @@ def test_stats_table_names_tier_kinds_and_heads_every_column():
     assert header.rstrip().endswith("out/s")
     host_row = next(line for line in table.splitlines() if line.strip().startswith("host"))
     assert host_row.rstrip().endswith("2.0 KiB/s") and "out" not in host_row
+
+
+async def test_page_ops_check_their_tensors_alike_in_the_cache_and_the_client(tmp_path):
+    """Found by a probe: put_pages of pages that require grad raised autograd's RuntimeError
+    from the copy into a slot (the cache) and pages on the meta device or outs that cannot
+    be written in place were not refused up front; the client checked dtype and size only."""
+    spec = small_spec()
+    config = mc.CacheConfig(spec, "pages", tiers=(mc.HostTier(spec.nbytes(CH) * 32),),
+                            chunk_size=CH)
+
+    async def workload(cache):
+        pages = [prefix_kv(spec, list(range(i * CH, (i + 1) * CH))) for i in range(2)]
+        graded = [p.clone().requires_grad_() for p in pages]
+        assert await cache.put_pages(["a", "b"], graded) == 2
+        outs = [torch.zeros_like(p) for p in pages]
+        assert await cache.get_pages(["a", "b"], outs) == [True, True]
+        assert all(torch.equal(o, p) for o, p in zip(outs, pages, strict=True))
+        meta = torch.empty_like(pages[0], device="meta")
+        with pytest.raises(mc.DeviceError, match=r"pages\[1\] is on the meta device"):
+            await cache.put_pages(["c", "d"], [pages[0], meta])
+        with pytest.raises(mc.InvalidInputError, match="negated"):
+            await cache.put_pages(["c"], [torch._neg_view(pages[0])])
+        assert await cache.exists_pages(["c"]) == 0
+        bad_outs = {
+            "requires grad": torch.zeros_like(pages[0]).requires_grad_(),
+            "overlapping": torch.zeros(1, dtype=spec.dtype).expand(pages[0].shape),
+            "meta device": meta,
+        }
+        for match, bad in bad_outs.items():
+            fresh = torch.zeros_like(pages[0])
+            with pytest.raises(mc.InvalidInputError, match=match):
+                await cache.get_pages(["a", "b"], [fresh, bad])
+            assert int(fresh.abs().sum()) == 0  # refused before anything was written
+
+    await _on_cache_and_client(tmp_path, config, workload)

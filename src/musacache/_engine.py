@@ -543,7 +543,7 @@ class Cache:
         eng = self._check_open()
         cs = self.config.chunk_size
         ks = page_keys(eng.chain.seed, keys, cs)
-        check_pages(outs, len(ks), self.spec, cs, "outs")
+        check_pages(outs, len(ks), self.spec, cs, "outs", writes=True)
         self._ops["gets"] += 1
         eng.inflight["gets"] += 1
         try:

@@ -21,7 +21,7 @@ import torch
 
 from ._errors import DTypeError, InvalidInputError, ShapeError
 from ._keys import KEY_BYTES
-from ._spec import KVSpec, dtype_name
+from ._spec import KVSpec, check_has_data, check_plain_values, check_writable, dtype_name
 
 __all__ = ["PageSource", "check_pages", "page_keys"]
 
@@ -57,8 +57,11 @@ def page_keys(seed: bytes, keys: Sequence[str | bytes], chunk_size: int,
     return out
 
 
-def check_pages(pages: Any, count: int, spec: KVSpec, chunk_size: int, what: str) -> None:
-    """Every page a CPU-or-device tensor of ``spec.dtype`` with the elements of one chunk."""
+def check_pages(pages: Any, count: int, spec: KVSpec, chunk_size: int, what: str, *,
+                writes: bool = False) -> None:
+    """Every page a dense CPU-or-device tensor of ``spec.dtype`` with the elements of one
+    chunk, its memory there and holding its values as they are; with ``writes`` (``outs``),
+    also one the cache can write into in place (:func:`~musacache._spec.check_writable`)."""
     if isinstance(pages, torch.Tensor) or not isinstance(pages, Sequence):
         raise InvalidInputError(f"{what} must be a sequence of tensors, got "
                                 f"{type(pages).__name__}")
@@ -75,6 +78,12 @@ def check_pages(pages: Any, count: int, spec: KVSpec, chunk_size: int, what: str
             raise ShapeError(f"{what}[{i}] has {p.numel()} elements (shape "
                              f"{tuple(p.shape)}); a page of this cache has {numel} "
                              f"({chunk_size} tokens of {spec.describe()})")
+        name = f"{what}[{i}]"
+        check_has_data(p, name)
+        check_plain_values(p, name)
+        if writes:
+            check_writable(p, name)
+        KVSpec.check_memory(p, what=name)
 
 
 def as_page(dst: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -86,7 +95,9 @@ class PageSource:
     """The pages of a ``put_pages``, in the order of their keys (a ``ChunkSource``)."""
 
     def __init__(self, pages: Sequence[torch.Tensor], chunk_size: int) -> None:
-        self.pages = pages
+        # Detached: pages that require grad are cached by their values (a copy into a slot,
+        # which autograd would refuse to record).
+        self.pages = [p.detach() if p.requires_grad else p for p in pages]
         self.chunk_size = chunk_size
 
     async def move(self, mover: Any, parts: Sequence[tuple[int, int, torch.Tensor]]) -> None:

@@ -11,7 +11,8 @@ import torch
 from ._errors import ConfigError, DeviceError, DTypeError, InvalidInputError, ShapeError
 from ._validate import boolean, positive_int
 
-__all__ = ["KVSpec", "dtype_from_name", "dtype_name", "may_overlap", "storage_short"]
+__all__ = ["KVSpec", "check_has_data", "check_plain_values", "check_writable", "dtype_from_name",
+           "dtype_name", "may_overlap", "storage_short"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -121,19 +122,11 @@ class KVSpec:
         """
         if not isinstance(kv, torch.Tensor):
             raise ShapeError(f"{what} must be a torch.Tensor, got {type(kv).__name__}")
-        if kv.layout != torch.strided:
-            raise InvalidInputError(f"{what} is a {kv.layout} tensor; the cache reads and writes "
-                                    "dense (strided) tensors only")
-        if kv.device.type == "meta":
-            raise DeviceError(f"{what} is on the meta device: it has a shape but no data")
+        check_has_data(kv, what)
         if kv.dtype != self.dtype:
             raise DTypeError(f"{what} has dtype {dtype_name(kv.dtype)}, the spec says "
                              f"{dtype_name(self.dtype)}")
-        if kv.is_neg():
-            raise InvalidInputError(
-                f"{what} is a lazily negated view (torch._neg_view): its memory holds the "
-                f"negation of its values, and the cache moves memory. Pass "
-                f"{what}.resolve_neg()")
+        check_plain_values(kv, what)
         want = self.shape(-1)
         if kv.dim() != len(want) or any(w != -1 and w != g for w, g in zip(want, kv.shape)):
             pretty = "(L, T, D)" if self.mla else "(L, 2, T, H, D)"
@@ -162,20 +155,7 @@ class KVSpec:
         may share memory with another (an ``expand``-ed or otherwise overlapping view), and it
         may not require grad (autograd forbids the in-place write). Returns the token count."""
         n = self.check_dense(out, what=what)
-        if out.requires_grad:
-            raise InvalidInputError(f"{what} requires grad; the cache writes into it in place. "
-                                    f"Pass {what}.detach() or a tensor made without grad")
-        if out.is_inference() and not torch.is_inference_mode_enabled():
-            raise InvalidInputError(
-                f"{what} was made under torch.inference_mode(), and torch allows writing into "
-                "it in place only there: call the cache inside torch.inference_mode(), or pass "
-                "a tensor made outside it")
-        if may_overlap(out):
-            raise InvalidInputError(
-                f"{what} has overlapping memory (shape {tuple(out.shape)}, strides "
-                f"{out.stride()}): several of its elements are one memory location, so the "
-                "cache cannot write into it. Pass a tensor of its own (torch.empty), or a "
-                "sliced or permuted view of one")
+        check_writable(out, what)
         return n
 
     def to_dict(self) -> dict[str, object]:
@@ -231,3 +211,42 @@ def may_overlap(t: torch.Tensor) -> bool:
             return True
         span += (size - 1) * stride
     return False
+
+
+def check_has_data(t: torch.Tensor, what: str) -> None:
+    """A dense (strided) tensor with memory behind it: :class:`InvalidInputError` for a
+    sparse or other layout, :class:`DeviceError` on the meta device."""
+    if t.layout != torch.strided:
+        raise InvalidInputError(f"{what} is a {t.layout} tensor; the cache reads and writes "
+                                "dense (strided) tensors only")
+    if t.device.type == "meta":
+        raise DeviceError(f"{what} is on the meta device: it has a shape but no data")
+
+
+def check_plain_values(t: torch.Tensor, what: str) -> None:
+    """Memory that holds the tensor's values as they are (the cache moves memory)."""
+    if t.is_neg():
+        raise InvalidInputError(
+            f"{what} is a lazily negated view (torch._neg_view): its memory holds the "
+            f"negation of its values, and the cache moves memory. Pass "
+            f"{what}.resolve_neg()")
+
+
+def check_writable(t: torch.Tensor, what: str) -> None:
+    """What a tensor the cache writes into must allow: it may not require grad (autograd
+    forbids the in-place write), nor be an inference tensor outside inference mode, and no
+    element may share memory with another (an ``expand``-ed or otherwise overlapping view)."""
+    if t.requires_grad:
+        raise InvalidInputError(f"{what} requires grad; the cache writes into it in place. "
+                                f"Pass {what}.detach() or a tensor made without grad")
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        raise InvalidInputError(
+            f"{what} was made under torch.inference_mode(), and torch allows writing into "
+            "it in place only there: call the cache inside torch.inference_mode(), or pass "
+            "a tensor made outside it")
+    if may_overlap(t):
+        raise InvalidInputError(
+            f"{what} has overlapping memory (shape {tuple(t.shape)}, strides "
+            f"{t.stride()}): several of its elements are one memory location, so the "
+            "cache cannot write into it. Pass a tensor of its own (torch.empty), or a "
+            "sliced or permuted view of one")

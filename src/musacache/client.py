@@ -36,6 +36,7 @@ from ._errors import (
 )
 from ._fastpath import token_bytes
 from ._keys import as_tokens
+from ._pages import check_pages
 from ._spec import KVSpec
 from .ipc._memory import shared_segment
 
@@ -574,14 +575,9 @@ class Client:
         (one copy) and the server copies them into its tiers."""
         self._check_open()
         wire_keys = _page_keys(keys)
-        numel = _page_elements(self.spec, self.server_info, self.chunk_size)
-        if len(pages) != len(wire_keys):
-            raise InvalidInputError(f"{len(wire_keys)} keys but {len(pages)} pages")
-        for i, p in enumerate(pages):
-            if not isinstance(p, torch.Tensor) or p.dtype != self.spec.dtype \
-                    or p.numel() != numel:
-                raise ShapeError(f"pages[{i}] must be a {self.spec.dtype} tensor of {numel} "
-                                 f"elements (one chunk of {self.spec.describe()})")
+        tokens = _page_tokens(self.server_info, self.chunk_size)
+        numel = self.spec.nbytes(tokens) // self.spec.dtype.itemsize
+        check_pages(pages, len(wire_keys), self.spec, tokens, "pages")
         if not wire_keys:
             return 0
         itemsize = self.spec.dtype.itemsize
@@ -590,7 +586,7 @@ class Client:
             staged = raw[:len(pages) * numel * itemsize].view(self.spec.dtype).view(
                 len(pages), numel)
             for i, p in enumerate(pages):
-                staged[i].view(p.shape).copy_(p)
+                staged[i].view(p.shape).copy_(p.detach())
             handle = ipc.share(staged)
             args: dict[str, Any] = {"keys": wire_keys, "pages": handle.to_wire()}
             if after is not None:
@@ -605,14 +601,9 @@ class Client:
         each found page is copied into its ``out``."""
         self._check_open()
         wire_keys = _page_keys(keys)
-        numel = _page_elements(self.spec, self.server_info, self.chunk_size)
-        if len(outs) != len(wire_keys):
-            raise InvalidInputError(f"{len(wire_keys)} keys but {len(outs)} outs")
-        for i, o in enumerate(outs):
-            if not isinstance(o, torch.Tensor) or o.dtype != self.spec.dtype \
-                    or o.numel() != numel:
-                raise ShapeError(f"outs[{i}] must be a {self.spec.dtype} tensor of {numel} "
-                                 f"elements (one chunk of {self.spec.describe()})")
+        tokens = _page_tokens(self.server_info, self.chunk_size)
+        numel = self.spec.nbytes(tokens) // self.spec.dtype.itemsize
+        check_pages(outs, len(wire_keys), self.spec, tokens, "outs", writes=True)
         if not wire_keys:
             return []
         itemsize = self.spec.dtype.itemsize
@@ -762,10 +753,10 @@ def _find_reg(regs: list[_LocalRegistration], kv_caches: Any, layout: str | None
     return regs[reg]
 
 
-def _page_elements(spec: KVSpec, server_info: dict[str, Any], chunk_size: int | None) -> int:
-    """Elements of one page (one chunk of ``spec``, the server's chunk size first)."""
-    chunk = int(server_info.get("chunk_size") or chunk_size or 0)
-    return spec.nbytes(chunk) // spec.dtype.itemsize
+def _page_tokens(server_info: dict[str, Any], chunk_size: int | None) -> int:
+    """Tokens of one page: one chunk, the server's chunk size first."""
+    return int(server_info.get("chunk_size") or chunk_size or 0)
+
 
 
 def _page_keys(keys: Any) -> list[bytes]:
