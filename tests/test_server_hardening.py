@@ -702,3 +702,33 @@ async def test_tenants_on_one_server_keep_apart_on_disk_across_a_restart(tmp_pat
 
     await session(first)
     await session(after_restart)
+
+
+def test_a_spec_whose_sizes_overflow_is_refused():
+    # Found by a probe: a hello with dims of 2**31 - 1 opened a cache whose stats held a slot
+    # size of about 1e31, which msgpack cannot carry; every stats request then went unanswered.
+    with pytest.raises(mc.ConfigError, match="bytes per token"):
+        mc.KVSpec(2**31 - 1, 2**31 - 1, 2**31 - 1)
+    assert mc.KVSpec(126, 8, 128).bytes_per_token < 2**20  # a 405B model's, far inside
+    with pytest.raises(mc.ConfigError, match="smaller chunk_size"):
+        mc.CacheConfig(spec=mc.KVSpec(2**12, 2**10, 2**7, torch.float32), namespace="n",
+                       chunk_size=2**9)
+
+
+async def test_a_result_the_wire_cannot_carry_is_answered_with_an_error(tmp_path):
+    spec = small_spec()
+    config = mc.CacheConfig(spec, "wire", tiers=(mc.HostTier(spec.nbytes(16) * 8),),
+                            chunk_size=16)
+    cfg = ServerConfig(str(tmp_path / "r" / "s.sock"), config)
+    async with Server(cfg) as srv:
+        async def unencodable(peer, msg, fds):
+            return {"slot_bytes": 2**70}  # past msgpack's 64-bit ints
+
+        srv._handlers["stats"] = unencodable
+        task = asyncio.create_task(srv.serve_forever())
+        async with mc.connect(cfg.socket_path, spec=spec, namespace="wire") as client:
+            with pytest.raises(mc.ProtocolError, match="cannot encode"):
+                await asyncio.wait_for(client.stats(), 10)
+            assert await client.lookup(list(range(16))) == 0  # and it keeps serving
+        srv.stop()
+        await task

@@ -33,8 +33,8 @@ from ._validate import (
 from .tiers import register_tier_kind, tier_kind, tier_kinds
 from .tiers.base import TierConfig
 
-__all__ = ["MAX_CHUNK_SIZE", "CacheConfig", "DeviceTier", "HostTier", "MemoryTierConfig",
-           "TierConfig", "parse_size"]
+__all__ = ["MAX_CHUNK_BYTES", "MAX_CHUNK_SIZE", "CacheConfig", "DeviceTier", "HostTier",
+           "MemoryTierConfig", "TierConfig", "parse_size"]
 
 DEFAULT_SEGMENT_BYTES = 256 * 1024**2
 
@@ -44,6 +44,8 @@ DEFAULT_SEGMENT_BYTES = 256 * 1024**2
 #: useful chunk is far smaller: a chunk is one memory slot, and 2**31 tokens of the smallest
 #: real model's KV would be terabytes.
 MAX_CHUNK_SIZE = 2**31 - 1
+#: The most bytes one chunk may take (a tier's slot; the chunk header's lengths are 64-bit).
+MAX_CHUNK_BYTES = 2**40
 
 
 def _tier_name(value: Any, default: str) -> str:
@@ -186,6 +188,11 @@ class CacheConfig:
             raise ConfigError(f"tier names must be unique, got {names}; set name= on each tier")
         object.__setattr__(self, "chunk_size",
                            positive_int(self.chunk_size, "chunk_size", maximum=MAX_CHUNK_SIZE))
+        if self.spec.nbytes(self.chunk_size) > MAX_CHUNK_BYTES:
+            raise ConfigError(
+                f"a chunk of {self.chunk_size} tokens of {self.spec.describe()} takes "
+                f"{self.spec.nbytes(self.chunk_size)} bytes; at most {MAX_CHUNK_BYTES} (1 TiB) "
+                "are supported: use a smaller chunk_size")
         object.__setattr__(self, "tenant",
                            optional_str(self.tenant, "tenant", allow_empty=False))
         object.__setattr__(self, "copy_threads", positive_int(self.copy_threads, "copy_threads"))

@@ -11,8 +11,8 @@ import torch
 from ._errors import ConfigError, DeviceError, DTypeError, InvalidInputError, ShapeError
 from ._validate import boolean, positive_int
 
-__all__ = ["KVSpec", "check_has_data", "check_plain_values", "check_writable", "dtype_from_name",
-           "dtype_name", "may_overlap", "storage_short"]
+__all__ = ["MAX_BYTES_PER_TOKEN", "KVSpec", "check_has_data", "check_plain_values",
+           "check_writable", "dtype_from_name", "dtype_name", "may_overlap", "storage_short"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -47,6 +47,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 #: Dimensions are stored in 32-bit fields of every chunk object's header.
 _MAX_DIM = 2**31 - 1
+#: The most bytes one token's KV may take: 4 GiB, thousands of times any model's (a 405B
+#: model's is 0.5 MiB). Sizes derived from it (a chunk, a tier's slot) then stay far inside
+#: 64 bits, which the chunk header, the native module and the wire protocol carry.
+MAX_BYTES_PER_TOKEN = 2**32
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,10 @@ class KVSpec:
                 f"KVSpec(mla=True) stores one latent vector per token: num_kv_heads must be 1, "
                 f"got {self.num_kv_heads}"
             )
+        if self.bytes_per_token > MAX_BYTES_PER_TOKEN:
+            raise ConfigError(
+                f"KVSpec({self.describe()}) takes {self.bytes_per_token} bytes per token; at "
+                f"most {MAX_BYTES_PER_TOKEN} (4 GiB) are supported")
 
     # -- shapes ---------------------------------------------------------------------------
 

@@ -883,6 +883,12 @@ class Server:
                 await conn.send_reply(req.id, result)
             except (CacheUnavailableError, OSError):
                 pass  # the peer went away; its cleanup runs in _serve_peer
+            except ProtocolError as e:
+                # A result the wire cannot carry (nothing of it was sent): a server bug, but
+                # the request is answered, or its caller would wait for ever.
+                self.counters["errors"] += 1
+                log.error("op %s: cannot send its result: %s", req.op, e)
+                await _reply_error(conn, req.id, e)
         finally:
             peer.in_flight -= 1
 
