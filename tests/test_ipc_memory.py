@@ -280,6 +280,27 @@ def test_open_tensor_twice_maps_once_while_either_lives() -> None:
     assert memfd_maps() == maps_before
 
 
+def test_a_read_only_or_write_sealed_fd_never_reaches_a_mapping_made_for_another() -> None:
+    # Found by a probe: with the memory already mapped (another peer registered it), a
+    # peer holding only a read-only fd of it had the server write into it: the reuse of the
+    # mapping never looked at the fd sent.
+    kv = empty_shared((1024,), torch.float32)
+    kv.fill_(7)
+    handle = share(kv)
+    owner = open_tensor(wire_trip(handle), dup_fds(handle))  # the mapping, read-write
+    read_only = os.open(f"/proc/self/fd/{handle.fds[0]}", os.O_RDONLY | os.O_CLOEXEC)
+    with pytest.raises(IPCError, match="not open for reading and writing"):
+        open_tensor(wire_trip(handle), [read_only])  # (takes the fd and closes it)
+    # Memory its owner sealed against writes (F_SEAL_FUTURE_WRITE: a later read-write
+    # mapping fails, one made before goes on working), sent under the same handle.
+    sealed = os.memfd_create("sealed", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(sealed, 4096)
+    fcntl.fcntl(sealed, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | 0x0010)
+    with pytest.raises(IPCError, match="sealed against writes"):
+        open_tensor(wire_trip(handle), [sealed])
+    assert int(owner.sum()) == 7 * 1024 and int(kv.sum()) == 7 * 1024
+
+
 def test_a_view_held_past_close_keeps_its_mapping_valid() -> None:
     kv = empty_shared((1024,), torch.float32)
     kv.fill_(1)

@@ -64,6 +64,8 @@ _MAX_NDIM: Final = 64
 _MAX_EXTENT: Final = 1 << 62
 _MEMFD_NAME: Final = "musacache-shared"
 _SEALS: Final = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+# (Linux 5.1; the fcntl module names it from Python 3.13 on)
+_F_SEAL_FUTURE_WRITE: Final = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
 
 
 # -- the handle ---------------------------------------------------------------------------
@@ -545,9 +547,19 @@ def _open_cpu(handle: TensorHandle, fds: Sequence[int],
     if st.st_size < nbytes:
         raise IPCError(f"the shared memory file has {st.st_size} bytes, the handle "
                        f"says {nbytes}")
-    if require_sealed and not _seals(fds[0]) & fcntl.F_SEAL_SHRINK:
+    seals = _seals(fds[0])
+    if require_sealed and not seals & fcntl.F_SEAL_SHRINK:
         raise IPCError("the peer's shared memory is not sealed against shrinking; allocate "
                        "it with musacache.ipc.empty_shared")
+    # Every mapping is read-write, and one already made for the same memory (through another
+    # peer's fd) is reused: the fd sent must itself grant what a fresh mapping would need, or
+    # a peer holding a read-only fd of someone's memory could have it written.
+    if fcntl.fcntl(fds[0], fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
+        raise IPCError("the fd sent with a cpu tensor handle is not open for reading and "
+                       "writing; the memory is mapped read-write")
+    if seals & (fcntl.F_SEAL_WRITE | _F_SEAL_FUTURE_WRITE):
+        raise IPCError("the peer's shared memory is sealed against writes; it is mapped "
+                       "read-write")
     key: MappingKey = ("cpu", st.st_dev, st.st_ino)
     mapping = _cpu_mappings.get(key)
     if mapping is None or len(mapping) < nbytes:
