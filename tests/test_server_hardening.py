@@ -291,6 +291,16 @@ def test_accept_backs_off_on_emfile_and_keeps_serving(tmp_path):
         proc.stop()
 
 
+def _registered_peer(path, spec, handles):
+    """A raw connection that said hello and registered ``handles`` (vLLM pages)."""
+    peer = RawPeer(path)
+    peer.hello(spec)
+    reg = peer.call("register", {"layout": "vllm", "handles": [h.to_wire() for h in handles]},
+                    [h.fds[0] for h in handles])
+    assert reg.ok, reg.error
+    return peer, reg
+
+
 async def test_requests_and_fds_per_peer_are_bounded(tmp_path):
     spec = small_spec()
     cfg = ServerConfig(str(tmp_path / "r" / "s.sock"), tiers=(mc.HostTier(spec.nbytes(CH) * 8),),
@@ -303,12 +313,7 @@ async def test_requests_and_fds_per_peer_are_bounded(tmp_path):
         fds_before = len(os.listdir("/proc/self/fd"))
 
         def attack() -> list[str]:
-            peer = RawPeer(cfg.socket_path)
-            peer.hello(spec)
-            reg = peer.call("register", {"layout": "vllm",
-                                         "handles": [h.to_wire() for h in handles]},
-                            [h.fds[0] for h in handles])
-            assert reg.ok, reg.error
+            peer, reg = _registered_peer(cfg.socket_path, spec, handles)
             never = [ipc.IpcEvent.create("cpu") for _ in range(6)]
             errors = []
             for i, ev in enumerate(never):
@@ -350,6 +355,84 @@ async def test_requests_and_fds_per_peer_are_bounded(tmp_path):
         assert kind == "ServerLimitError" and "max_fds_per_peer=4" in message
         srv.stop()
         await serving
+
+
+async def test_the_fds_all_requests_hold_are_bounded_by_the_open_file_limit(tmp_path):
+    """Found by a probe: per-peer limits let 8 connections of never-set ready events hold
+    1024 of the server's 1024 fds (each held fd is also duplicated by its wait), and the
+    server then accepted nobody. Now the requests in flight of all connections together
+    hold at most what RLIMIT_NOFILE leaves them; past it, a request bringing fds is refused
+    (typed), and the server keeps accepting and answering."""
+    from musacache.server import _fd_budget
+
+    spec = small_spec()
+    cfg = ServerConfig(str(tmp_path / "r" / "s.sock"), tiers=(mc.HostTier(spec.nbytes(CH) * 8),),
+                       chunk_size=CH, ready_timeout=30)
+    soft = __import__("resource").getrlimit(__import__("resource").RLIMIT_NOFILE)[0]
+    assert _fd_budget(cfg) == max(64, min(soft, 1 << 20) - cfg.max_connections - 256)
+    async with Server(cfg) as srv:
+        srv.fd_budget = 20  # ten fds in flight, each counted with its wait's duplicate
+        serving = asyncio.create_task(srv.serve_forever())
+        pages = pages_for(spec, NB, BS)
+        handles = [ipc.share(p) for p in pages]
+
+        def attack() -> list[str]:
+            peers, errors, events = [], [], []
+            for _ in range(3):
+                peer, reg = _registered_peer(cfg.socket_path, spec, handles)
+                for i in range(4):
+                    ev = ipc.IpcEvent.create("cpu")
+                    events.append(ev)
+                    wire, efds = ev.export()
+                    peer.send("store", {"tokens": tok_bytes([i]),
+                                        "slots": struct.pack("<q", i),
+                                        "reg": reg.result["reg"], "ready": wire}, list(efds))
+                peers.append(peer)
+            # Ten stores hang on their events; the last two are refused at once.
+            errors += [peers[2].recv().error["message"] for _ in range(2)]
+            # Meanwhile a newcomer is accepted, answered, and refused fds past the budget.
+            late = RawPeer(cfg.socket_path)
+            late.hello(spec)
+            assert late.call("lookup", {"tokens": tok_bytes([1, 2])}).ok
+            ev = ipc.IpcEvent.create("cpu")
+            wire, efds = ev.export()
+            errors.append(late.call("store", {"tokens": tok_bytes([9]), "slots":
+                                              struct.pack("<q", 9), "reg": 1, "ready": wire},
+                                    list(efds)).error["message"])
+            held.append(srv.held_fds)  # (an int, read while the peers still hold them)
+            for p in [*peers, late]:
+                p.close()
+            for e in [*events, ev]:
+                e.close()
+            return errors
+
+        held: list[int] = []
+        errors = await asyncio.to_thread(attack)
+        assert len(errors) == 3 and all("RLIMIT_NOFILE" in m for m in errors), errors
+        assert held == [20]
+        for _ in range(100):  # the peers are gone: their stores cancelled, their fds counted out
+            if not srv._peers:
+                break
+            await asyncio.sleep(0.05)
+        assert srv.held_fds == 0
+        srv.stop()
+        await serving
+
+
+def test_musacache_serve_raises_its_open_file_limit_to_the_hard_one():
+    import subprocess
+    import sys
+
+    code = ("import resource\n"
+            "from musacache.server import _raise_open_file_limit\n"
+            "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))\n"
+            "_raise_open_file_limit()\n"
+            "print(*resource.getrlimit(resource.RLIMIT_NOFILE), min(hard, 1 << 20))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    soft, hard, want = (int(x) for x in out)
+    assert soft == want and hard >= soft
 
 
 async def test_a_peer_that_never_reads_its_replies_cannot_grow_the_server(tmp_path):

@@ -124,8 +124,10 @@ def _start(cfg: Path, sock: str, timeout: float, log_level: str, detach: bool,
         if nofile is not None:
             import resource
 
+            # Both limits: the server raises its soft limit to the hard one at start.
             _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, hard))
+            cap = nofile if hard == resource.RLIM_INFINITY else min(nofile, hard)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (cap, cap))
 
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(

@@ -27,6 +27,7 @@ import errno
 import hashlib
 import logging
 import os
+import resource
 import signal
 import socket
 import stat
@@ -490,8 +491,52 @@ class _DataOps:
         return n
 
 
-def _over_limit(cfg: ServerConfig, peer: _Peer, req: ipc.Request) -> ServerLimitError | None:
-    """Why a request of ``peer`` is refused at the door, or None."""
+# Each fd a request brings may be held twice while it waits: itself, and the private
+# duplicate the wait on a ready event takes (ipc._events).
+_FDS_PER_RECEIVED: Final = 2
+# Fds the server keeps for itself beyond one per connection: the listener, epoll, the
+# loop's self-pipe, worker threads' files, the disk tiers' reads and writes, log files.
+_FD_RESERVE: Final = 256
+# The fewest fds the requests in flight may hold, whatever the limit says.
+_MIN_FD_BUDGET: Final = 64
+
+
+def _fd_budget(cfg: ServerConfig) -> int:
+    """How many fds the requests in flight may hold, all connections together: the
+    process's soft ``RLIMIT_NOFILE`` less one per connection allowed and a reserve. Per-peer
+    limits alone let a few connections of one uid hold every fd, and the server could then
+    accept nobody (found by a probe: 8 connections of never-set ready events reached 1024
+    of 1024)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20  # (the kernel's default nr_open)
+    return max(_MIN_FD_BUDGET, soft - cfg.max_connections - _FD_RESERVE)
+
+
+def _raise_open_file_limit() -> None:
+    """Raise this process's soft ``RLIMIT_NOFILE`` to its hard limit (``musacache serve``
+    only: a process that embeds a Server keeps its own), as servers do: the common soft
+    default of 1024 leaves the requests in flight of 512 connections few fds
+    (:func:`_fd_budget`), where the hard limit (often 524288) covers all that the per-peer
+    limits allow. The event loop waits with epoll, which has no FD_SETSIZE."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = min(hard, 1 << 20) if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError):
+            pass  # (above the kernel's nr_open: the limit stays as it was)
+
+
+def _over_limit(cfg: ServerConfig, peer: _Peer, req: ipc.Request, held_fds: int,
+                fd_budget: int) -> ServerLimitError | None:
+    """Why a request of ``peer`` is refused at the door, or None. ``held_fds``: what the
+    requests in flight hold now, all connections together, against ``fd_budget``."""
+    if req.fds and held_fds + _FDS_PER_RECEIVED * len(req.fds) > fd_budget:
+        return ServerLimitError(
+            f"{req.op}: the server's requests in flight hold {held_fds} fds, and this one "
+            f"would pass the {fd_budget} its open-file limit leaves them (RLIMIT_NOFILE; "
+            f"raise it, e.g. LimitNOFILE= in systemd)")
     if peer.in_flight >= cfg.max_requests_per_peer:
         return ServerLimitError(f"{req.op}: {peer.in_flight} requests already in flight "
                                 f"on this connection (max_requests_per_peer="
@@ -528,6 +573,10 @@ class Server:
             ("connections", "refused", "requests", "errors", "bad_frames", "limited",
              "accept_backoffs", "bytes_copied", "bytes_received", "hello_timeouts"), 0)
         self._data = _DataOps(config, self.counters)
+        #: fds the requests in flight hold (``_FDS_PER_RECEIVED`` per fd received), and how
+        #: many they may (``_fd_budget``).
+        self.held_fds = 0
+        self.fd_budget = _fd_budget(config)
         self._handlers: dict[str, Callable[[_Peer, Any, list[int]], Awaitable[Any]]] = {
             op: getattr(self, f"_op_{op}", None) or getattr(self._data, f"_op_{op}")
             for op in OPS}
@@ -715,7 +764,7 @@ class Server:
             if frame.op == "hello":
                 peer.greeted = True
             if nfds or peer.in_flight >= max_requests:  # (else no limit can refuse it)
-                limit = _over_limit(self.config, peer, frame)
+                limit = _over_limit(self.config, peer, frame, self.held_fds, self.fd_budget)
                 if limit is not None:
                     ipc.close_fds(frame.fds)
                     self.counters["limited"] += 1
@@ -743,6 +792,7 @@ class Server:
                     return
             peer.in_flight += 1
             peer.held_fds += nfds
+            self.held_fds += _FDS_PER_RECEIVED * nfds
             fds = list(frame.fds)
             ops[loop.create_task(self._dispatch(conn, peer, frame, fds, ops))] = fds
 
@@ -811,6 +861,9 @@ class Server:
                 raise came
 
     def _release_peer(self, peer: _Peer) -> None:
+        # (what its requests cancelled before their first step still counted)
+        self.held_fds -= _FDS_PER_RECEIVED * peer.held_fds
+        peer.held_fds = 0
         peer.regs.clear()
         peer.buffers.clear()
         peer.staged = None
@@ -865,6 +918,7 @@ class Server:
                     ipc.close_fds(fds)  # whatever a handler did not take
                     fds.clear()
                     peer.held_fds -= held
+                    self.held_fds -= _FDS_PER_RECEIVED * held
             except MusaCacheError as e:
                 # The peer's mistake (or a refused request): answered, never logged as a bug.
                 self.counters["errors"] += 1
@@ -1242,6 +1296,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def say(text: str) -> None:
         print(f"musacache serve: {text}", flush=True)
+
+    _raise_open_file_limit()
 
     async def run() -> None:
         server = Server(config)
