@@ -325,14 +325,18 @@ class Engine(Reads):
         on_device = isinstance(source, PagedSource) or (
             isinstance(source, DenseSource) and accelerator_of((source.kv,)) is not None)
         cap = _STORE_ROUND if on_device else _PUT_ROUND
+        # The directory this put plans and commits in. A clear swaps in a new one: the rest
+        # of the prompt is then not put, since its chunks would go in without the parents
+        # committed before the swap, where no delete of the prompt could reach them.
+        within = self.dir
         try:
-            while pos < len(plan_keys):
+            while pos < len(plan_keys) and self.dir is within:
                 items, pos, wait, stop, reached = self._plan_put(toks, plan_keys, pos, held,
                                                                  skip_prefix, head_start, cap)
                 stored_to = max(stored_to, reached)
                 if items:
                     try:
-                        failed_at = await self._place(items, source, held)
+                        failed_at = await self._place(items, source, held, within)
                     finally:
                         for it in items:
                             self._abandon(it)
@@ -417,10 +421,11 @@ class Engine(Reads):
                 break  # a long prompt is planned and placed in rounds: the loop runs between
         return items, pos, None, False, reached
 
-    async def _place(self, items: list[_New], source: ChunkSource,
-                     held: list[Entry]) -> int | None:
-        """Move and commit ``items``. Returns None if all were placed, else the token
-        where placement stopped."""
+    async def _place(self, items: list[_New], source: ChunkSource, held: list[Entry],
+                     within: Directory) -> int | None:
+        """Move and commit ``items`` (in ``within``, the put's directory: none once a clear
+        has swapped it). Returns None if all were placed, else the token where placement
+        stopped."""
         if not items:
             return None
         for mt in self.put_mem:  # make room: evict (demote) from the hottest tier first
@@ -462,6 +467,8 @@ class Engine(Reads):
                       for it in batch]
             await source.move(self.mover, (parts if b == 0 else [])
                               + [(it.start, it.end - it.start, h) for it, h in staged])
+            if self.dir is not within:
+                return items[0].start if b == 0 else batch[0].start
             if b == 0:
                 for it in items:  # commit, in prompt order: only now can a chunk be found
                     if it.tier is None or it.slot is None:
@@ -469,7 +476,7 @@ class Engine(Reads):
                     it.tier.commit(it.entry, it.slot)
                     self._commit_new(it, held)
             if staged:
-                placed = await self._place_in_storage(staged, held)
+                placed = await self._place_in_storage(staged, held, within)
                 self.stage.give([d for _, d in staged])  # encoded: nothing reads them now
                 if placed < len(staged):
                     return staged[placed][0].start
@@ -517,10 +524,12 @@ class Engine(Reads):
         self.cold.write_through(e)
 
     async def _place_in_storage(self, staged: list[tuple[_New, torch.Tensor]],
-                                held: list[Entry]) -> int:
+                                held: list[Entry], within: Directory) -> int:
         for st in self.stores:
             objs = await self.cold.encode(st, [(it.entry, d) for it, d in staged])
             for i, ((it, _), obj) in enumerate(zip(staged, objs, strict=True)):
+                if self.dir is not within:
+                    return i
                 self.dir.add(it.entry)
                 if not await self.cold.place(st, it.entry, obj):
                     self.dir.remove(it.entry)

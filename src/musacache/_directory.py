@@ -349,6 +349,13 @@ class Directory:
         # after, their parent). Either way: the only child, or an index of the children
         # (see ``_children``).
         self.children: dict[bytes, Entry | Siblings[Entry]] = {}
+        # Where an orphan group's missing parent hung: the key of a chunk that left the
+        # directory while it had children -> its own parent's key, and back. A delete that
+        # reaches that parent reaches the orphans through it (take_lost): without it, a
+        # delete of a prompt whose middle chunk had been evicted missed the chunks after it,
+        # and a later put of the middle chunk brought them back (found by a probe).
+        self.lost_parent: dict[bytes, bytes] = {}
+        self.lost_under: dict[bytes, set[bytes]] = {}
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -369,6 +376,8 @@ class Directory:
             self.children[parent] = kids
         else:
             self.children.pop(parent, None)
+            if self.lost_parent and parent not in self.lost_under:
+                self._found(parent)  # no orphan waits under it any more
 
     def emptied(self) -> Directory:
         """A new, empty directory with the same settings."""
@@ -416,6 +425,8 @@ class Directory:
             e.kids, old.kids = old.kids, None
         else:
             e.kids = self.children.pop(e.key, None)  # orphans waiting for this parent
+            if self.lost_parent:
+                self._found(e.key)
         self.entries[e.key] = e
         have = self._kids(e.parent)
         if have is None:
@@ -437,6 +448,11 @@ class Directory:
         if shard.get(key) is not e:
             return
         parent = e.parent
+        if e.kids is not None or key in self.lost_under:
+            # Orphans will wait under this key (its children, or some further down under
+            # missing chunks): linked to its parent first, so that the unlink below sees
+            # that something still waits under a missing parent.
+            self._lose(key, parent)
         p = table._shards[parent[0]].get(parent)
         if p is not None and p.kids is e:
             p.kids = None
@@ -455,7 +471,44 @@ class Directory:
         if p is not None:
             kids, p.kids = p.kids, None
             return kids
+        if self.lost_parent and key not in self.lost_under:
+            self._found(key)
         return self.children.pop(key, None)
+
+    def take_lost(self, key: bytes) -> list[bytes]:
+        """The keys of missing children of ``key`` under which orphans wait (see
+        ``lost_parent``), forgotten as such: a walk of ``key``'s subtree goes on through them
+        (:meth:`take_kids` of each)."""
+        below = self.lost_under.pop(key, None)
+        if not below:
+            return []
+        for k in below:
+            self.lost_parent.pop(k, None)
+        return list(below)
+
+    def _lose(self, key: bytes, parent: bytes) -> None:
+        self.lost_parent[key] = parent
+        below = self.lost_under.get(parent)
+        if below is None:
+            self.lost_under[parent] = {key}
+        else:
+            below.add(key)
+
+    def _found(self, key: bytes) -> None:
+        """``key`` is back in the directory, or no orphan waits under it any more; nor, then,
+        under the missing chunks above it that only it kept linked."""
+        while True:
+            parent = self.lost_parent.pop(key, None)
+            if parent is None:
+                return
+            below = self.lost_under[parent]
+            below.discard(key)
+            if below:
+                return
+            del self.lost_under[parent]
+            if parent in self.children or parent in self.entries:
+                return  # orphans of its own wait under it, or it is back
+            key = parent
 
     def _unlink(self, e: Entry) -> None:
         have = self._kids(e.parent)
@@ -504,7 +557,8 @@ class Directory:
 
     def subtree(self, roots: list[bytes]) -> list[Entry]:
         """Every entry that extends one of ``roots`` (by parent links, whether or not the
-        root itself is known), each once."""
+        root itself is known, and through missing chunks that orphans wait under), each
+        once."""
         out: list[Entry] = []
         seen: set[bytes] = set(roots)
         stack = list(roots)
@@ -515,6 +569,10 @@ class Directory:
                     seen.add(c.key)
                     out.append(c)
                     stack.append(c.key)
+            for k in self.lost_under.get(cur, ()):
+                if k not in seen:
+                    seen.add(k)
+                    stack.append(k)
         return out
 
     # -- matching -------------------------------------------------------------------------

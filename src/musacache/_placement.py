@@ -172,12 +172,16 @@ def subtree_batches(directory: Directory, roots: list[bytes],
     # a million of them at the end would be a stall of its own).
     queued: set[bytes] = set(roots)
     stack = list(queued)
+    lost = directory.lost_under
     out: list[Entry] = []
     steps = 0
     limit = batch
     while stack:
         cur = stack.pop()
         steps += 1
+        for k in directory.take_lost(cur):  # orphans under a chunk missing below cur
+            if k not in queued:
+                stack.append(k)
         have = directory.take_kids(cur)
         big = isinstance(have, Siblings) and len(have) > 4 * _TAIL * batch
         while have is not None:
@@ -197,8 +201,9 @@ def subtree_batches(directory: Directory, roots: list[bytes],
                 steps += 1
                 if c.key not in queued:
                     out.append(c)
-                    if c.kids is not None or c.dead:  # a leaf is not walked (no stack of
-                        # 200,000 leaf keys); a removed entry's children wait under its key
+                    if c.kids is not None or c.dead or c.key in lost:  # a leaf is not
+                        # walked (no stack of 200,000 leaf keys); a removed entry's children
+                        # wait under its key, and orphans under missing chunks below it
                         stack.append(c.key)
             # Once removed, an entry's last reference is the batch it went out in, so it is
             # freed with that batch.
