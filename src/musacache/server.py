@@ -548,6 +548,21 @@ def _over_limit(cfg: ServerConfig, peer: _Peer, req: ipc.Request, held_fds: int,
     return None
 
 
+async def _send_result(conn: ipc.Connection, req: ipc.Request, result: Any,
+                       counters: dict[str, int]) -> None:
+    """Answer ``req`` with ``result``. A result the wire cannot carry (nothing of it was
+    sent: a server bug) is answered with its ProtocolError, or its caller would wait for
+    ever."""
+    try:
+        await conn.send_reply(req.id, result)
+    except (CacheUnavailableError, OSError):
+        pass  # the peer went away; its cleanup runs in _serve_peer
+    except ProtocolError as e:
+        counters["errors"] += 1
+        log.error("op %s: cannot send its result: %s", req.op, e)
+        await _reply_error(conn, req.id, e)
+
+
 async def _reply_error(conn: ipc.Connection, rid: int, e: BaseException) -> None:
     """Answer request ``rid`` with ``e``, unless the peer is gone or stuck (5 s)."""
     try:
@@ -573,8 +588,7 @@ class Server:
             ("connections", "refused", "requests", "errors", "bad_frames", "limited",
              "accept_backoffs", "bytes_copied", "bytes_received", "hello_timeouts"), 0)
         self._data = _DataOps(config, self.counters)
-        #: fds the requests in flight hold (``_FDS_PER_RECEIVED`` per fd received), and how
-        #: many they may (``_fd_budget``).
+        #: fds the requests in flight hold (see ``_FDS_PER_RECEIVED``), and may (``_fd_budget``)
         self.held_fds = 0
         self.fd_budget = _fd_budget(config)
         self._handlers: dict[str, Callable[[_Peer, Any, list[int]], Awaitable[Any]]] = {
@@ -861,8 +875,7 @@ class Server:
                 raise came
 
     def _release_peer(self, peer: _Peer) -> None:
-        # (what its requests cancelled before their first step still counted)
-        self.held_fds -= _FDS_PER_RECEIVED * peer.held_fds
+        self.held_fds -= _FDS_PER_RECEIVED * peer.held_fds  # (of ops cancelled before a step)
         peer.held_fds = 0
         peer.regs.clear()
         peer.buffers.clear()
@@ -933,16 +946,7 @@ class Server:
                 log.exception("op %s failed", req.op)
                 await _reply_error(conn, req.id, e)
                 return
-            try:
-                await conn.send_reply(req.id, result)
-            except (CacheUnavailableError, OSError):
-                pass  # the peer went away; its cleanup runs in _serve_peer
-            except ProtocolError as e:
-                # A result the wire cannot carry (nothing of it was sent): a server bug, but
-                # the request is answered, or its caller would wait for ever.
-                self.counters["errors"] += 1
-                log.error("op %s: cannot send its result: %s", req.op, e)
-                await _reply_error(conn, req.id, e)
+            await _send_result(conn, req, result, self.counters)
         finally:
             peer.in_flight -= 1
 
