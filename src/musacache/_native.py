@@ -347,6 +347,7 @@ def _transfer_rows(
     dense_row_stride: int | None,
     threads: int | None,
     chunk_starts: Ints | None = None,
+    check_only: bool = False,
 ) -> None:
     num_planes = len(paged_planes)
     _check_nonneg("row_bytes", row_bytes)
@@ -392,6 +393,8 @@ def _transfer_rows(
         first = int(short[0])
         raise InvalidInputError(f"dense_extents[{first}] is {int(extents[first])} bytes but "
                                 f"{int(rows[first])} rows reach byte {int(need_dense[first])}")
+    if check_only:
+        return
 
     copy = ffi.new("mc_row_copy *")
     paged_buf = ffi.from_buffer("uintptr_t[]", paged)
@@ -445,6 +448,7 @@ def gather_rows(
     dense_row_stride: int | None = None,
     threads: int | None = None,
     chunk_starts: Ints | None = None,
+    check_only: bool = False,
 ) -> None:
     """Copy paged rows to dense rows for every plane in one call (many layers, K and V).
 
@@ -461,13 +465,16 @@ def gather_rows(
     (chunk-major: chunk ``k``'s plane ``p`` at ``k * P + p``) and so does ``dense_extents``;
     token ``t`` of chunk ``k`` is row ``t - s_k`` of that chunk's planes. One call moves a
     whole request into its chunk tensors.
+
+    ``check_only``: check every argument as the copy would, and copy nothing (a caller making
+    several calls checks them all before the first copies).
     """
     _transfer_rows(lib.mc_gather_rows, "gather", paged_planes, dense_planes, slots,
                    row_bytes=row_bytes, num_slots=num_slots, paged_extents=paged_extents,
                    dense_extents=dense_extents, block_size=block_size,
                    block_stride=block_stride, slot_stride=slot_stride,
                    dense_row_stride=dense_row_stride, threads=threads,
-                   chunk_starts=chunk_starts)
+                   chunk_starts=chunk_starts, check_only=check_only)
 
 
 def scatter_rows(
@@ -485,6 +492,7 @@ def scatter_rows(
     dense_row_stride: int | None = None,
     threads: int | None = None,
     chunk_starts: Ints | None = None,
+    check_only: bool = False,
 ) -> None:
     """The reverse of :func:`gather_rows`: dense rows to paged rows.
 
@@ -495,7 +503,7 @@ def scatter_rows(
                    dense_extents=dense_extents, block_size=block_size,
                    block_stride=block_stride, slot_stride=slot_stride,
                    dense_row_stride=dense_row_stride, threads=threads,
-                   chunk_starts=chunk_starts)
+                   chunk_starts=chunk_starts, check_only=check_only)
 
 
 # -- byte shuffle ---------------------------------------------------------------------------

@@ -70,7 +70,7 @@ from ._errors import (
     ShapeError,
     SlotRangeError,
 )
-from ._spec import KVSpec, dtype_from_name, dtype_name
+from ._spec import KVSpec, check_has_data, check_plain_values, dtype_from_name, dtype_name
 
 __all__ = [
     "LAYOUTS",
@@ -311,6 +311,12 @@ def _check_tensors(tensors: list[torch.Tensor], layout: str) -> list[torch.Tenso
         if t.device != first.device:
             raise DeviceError(f"{layout} {name} is on {t.device}, but {first_name} is on "
                               f"{first.device}")
+    for i, t in enumerate(tensors):
+        name = f"{layout} {_tensor_name(layout, i, len(tensors))}"
+        # Memory behind it, holding its values as they are: the copies move memory (a
+        # negated view gave the negated values back, found by a probe).
+        check_has_data(t, name)
+        check_plain_values(t, name)
     # The native path copies rows of contiguous head_dim elements; the torch path does not
     # care, but a cache on the host is only ever reached natively.
     if first.device.type == "cpu" and first.numel() > 0 and first.shape[-1] > 1:
@@ -320,6 +326,20 @@ def _check_tensors(tensors: list[torch.Tensor], layout: str) -> list[torch.Tenso
                                   f"strides {t.stride()}: the last dim (head_dim) must be "
                                   "contiguous (stride 1)")
     return tensors
+
+
+def _shares_pages(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether two of the cache tensors start at the same address (the same pages)."""
+    return len({t.data_ptr() for t in tensors if t.numel()}) < sum(
+        1 for t in tensors if t.numel())
+
+
+def _check_storage(tensors: Sequence[torch.Tensor], layout: str) -> None:
+    """Host caches are reached by address alone: a storage resized or freed under its tensor
+    (``untyped_storage().resize_()``) would be read and written past its end (found by a
+    probe: a segfault, or 2 MiB written past a 64-byte storage)."""
+    for i, t in enumerate(tensors):
+        KVSpec.check_memory(t, what=f"{layout} {_tensor_name(layout, i, len(tensors))}")
 
 
 def _tensor_name(layout: str, index: int, count: int) -> str:
@@ -600,6 +620,9 @@ def _as_slots(slot_mapping: object, num_tokens: int, *,
         if slot_mapping.dtype != torch.int64:
             raise DTypeError(f"slot_mapping has dtype {dtype_name(slot_mapping.dtype)}; it must "
                              "be int64")
+        check_has_data(slot_mapping, "slot_mapping")
+        # (its values are read by address: a storage freed under it was a segfault)
+        KVSpec.check_memory(slot_mapping, what="slot_mapping")
         slots = slot_mapping
     else:
         try:
@@ -837,17 +860,31 @@ def _ptr(x: torch.Tensor | DenseAt) -> int:
 
 
 def _native_rows(pages: Pages, slots: torch.Tensor, denses: Sequence[torch.Tensor | DenseAt],
-                 starts: Sequence[int], to_dense: bool, threads: int | None) -> None:
+                 starts: Sequence[int], to_dense: bool, threads: int | None, *,
+                 check_only: bool = False, checked: bool = False) -> None:
     """One C call per group of planes with equal strides (one group for a normal model),
     covering every chunk: chunk ``k`` (tokens ``starts[k]:starts[k + 1]``) is ``denses[k]``.
 
     Plane addresses are computed from strides rather than through per-plane tensor views:
     with 32 layers the views alone cost more than a small transfer.
+
+    Every call's arguments are checked before the first one copies anything
+    (``check_only``: check them, copy nothing; ``checked``: the caller has).
     """
     # Empty chunks have no rows (and maybe no memory): leave them out of the table.
     kept = [(d, a, b) for d, a, b in zip(denses, starts, starts[1:]) if b > a]
     if not kept:
         return
+    if not checked:
+        # (A Pages kept across calls, or caches the memo knows, too: a storage can shrink in
+        # place under its tensor, and the copies go by address.)
+        _check_storage(pages.tensors, pages.layout)
+        if not to_dense and _shares_pages(pages.tensors):
+            # Layers that share their pages (vLLM's KV sharing across layers): the planes'
+            # threads would race to write the same rows. One thread writes them in layer
+            # order, the last layer's values last, as per-layer copies would (found by a
+            # probe: the same tensor for two layers came out of either, or half of each).
+            threads = 1
     info, cache_spans = pages.info, pages.spans
     itemsize = _itemsize(kept[0][0])
     h, d = info.num_kv_heads, info.head_dim
@@ -856,8 +893,10 @@ def _native_rows(pages: Pages, slots: torch.Tensor, denses: Sequence[torch.Tenso
     head_strides = {s[3] for s in strides}
     if len(kept) > 1 and (len(token_strides) > 1 or (h > 1 and len(head_strides) > 1)):
         # Chunks strided unlike each other cannot share one row geometry: one call each.
-        for x, a, b in kept:
-            _native_rows(pages, slots[a:b], [x], [0, b - a], to_dense, threads)
+        for only in (True, False) if not check_only else (True,):
+            for x, a, b in kept:
+                _native_rows(pages, slots[a:b], [x], [0, b - a], to_dense, threads,
+                             check_only=only, checked=True)
         return
     dense_token = strides[0][2]
     dense_head = strides[0][3]
@@ -894,16 +933,21 @@ def _native_rows(pages: Pages, slots: torch.Tensor, denses: Sequence[torch.Tenso
     ends = np.array([_end(x) for x, _, _ in kept], dtype=np.int64)[:, None]
     # Per chunk, the element strides of its layer, K/V and head dims (token: one for all).
     dims = np.array([(dl, dkv, dh) for dl, dkv, _, dh in strides], dtype=np.int64)
-    for (row_bytes, block_stride, slot_stride), (paged, p_ext, which) in groups.items():
-        # [chunks, planes]: chunk-major, as the C call reads them
-        dense_addr = bases + itemsize * (dims @ np.array(which, dtype=np.int64).T)
-        move(paged, dense_addr.reshape(-1).tolist(), slot_array, row_bytes=row_bytes,
-             num_slots=info.num_slots, paged_extents=p_ext,
-             dense_extents=(ends - dense_addr).reshape(-1).tolist(),
-             block_size=info.block_size,
-             block_stride=block_stride, slot_stride=slot_stride,
-             dense_row_stride=dense_token * itemsize, threads=threads,
-             chunk_starts=chunk_starts if len(kept) > 1 else None)
+    # One group (a normal model) is checked by its own call before it copies; with several,
+    # all are checked first: a later group's refusal must not come after an earlier copy
+    # (found by a probe: a permuted layer's pages after a plain one's).
+    passes = (True,) if check_only else (True, False) if len(groups) > 1 else (False,)
+    for only in passes:
+        for (row_bytes, block_stride, slot_stride), (paged, p_ext, which) in groups.items():
+            # [chunks, planes]: chunk-major, as the C call reads them
+            dense_addr = bases + itemsize * (dims @ np.array(which, dtype=np.int64).T)
+            move(paged, dense_addr.reshape(-1).tolist(), slot_array, row_bytes=row_bytes,
+                 num_slots=info.num_slots, paged_extents=p_ext,
+                 dense_extents=(ends - dense_addr).reshape(-1).tolist(),
+                 block_size=info.block_size,
+                 block_stride=block_stride, slot_stride=slot_stride,
+                 dense_row_stride=dense_token * itemsize, threads=threads,
+                 chunk_starts=chunk_starts if len(kept) > 1 else None, check_only=only)
 
 
 def _unit_last_stride(t: torch.Tensor) -> bool:
