@@ -3,6 +3,7 @@ nodes sharing one bucket."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -453,3 +454,49 @@ def test_two_nodes_share_one_bucket(swift_server: Any) -> None:
     # Node B starts after A has exited: everything it serves came through Swift.
     read = _node("reader", swift_server, bucket)
     assert read["lookup"] == 4096 and read["served"] == 4096 and read["equal"] is True
+
+
+@pytest.mark.parametrize("failures", [1, 99])
+async def test_a_delete_the_store_refuses_is_retried_or_never_learned_again(
+        moto_endpoint: str, monkeypatch: pytest.MonkeyPatch, failures: int) -> None:
+    """Found by a probe: a delete that S3 answered with a 500 was counted and forgotten; the
+    next miss listed the bucket, learned the chunk again and served it, and a put of new KV
+    for the prompt did nothing (the chunk was "cached"). Now a failed delete is tried again,
+    and one that keeps failing leaves a tombstone until a new object is written."""
+    from botocore.exceptions import ClientError
+
+    from musacache import _coldpath
+
+    monkeypatch.setattr(_coldpath, "_DELETE_RETRY_PAUSES", (0.01, 0.01))
+    spec = small_spec()
+    bucket = unique_bucket()
+    toks = _prompt(CHUNK, seed=11)
+    old, new = prefix_kv(spec, toks), prefix_kv(spec, toks) + 1
+    await _seed_bucket(moto_endpoint, bucket, spec, toks, old)
+    s3 = S3Tier(bucket=bucket, endpoint_url=moto_endpoint)
+    # (every miss lists the bucket again: the listing that would learn the chunk back)
+    cfg = dataclasses.replace(_config(spec, s3, host_chunks=1), refresh_interval=0)
+    async with mc.Cache(cfg) as cache:
+        assert await cache.lookup(toks) == CHUNK
+        store = cache._engine.stores[0].store
+        left = [failures]
+        real = store.client.delete_object
+
+        async def flaky(**kw: Any) -> Any:
+            if left[0]:
+                left[0] -= 1
+                raise ClientError({"Error": {"Code": "InternalError", "Message": "down"},
+                                   "ResponseMetadata": {"HTTPStatusCode": 500}},
+                                  "DeleteObject")
+            return await real(**kw)
+
+        monkeypatch.setattr(store.client, "delete_object", flaky)
+        await cache.delete(toks)
+        await cache.flush()
+        stats = await _tier_stats(cache, "s3")
+        assert stats["faults"] == min(failures, 3)
+        assert await cache.lookup(toks) == 0  # a miss lists the bucket: not learned again
+        left[0] = 0
+        assert await cache.put(toks, new) == CHUNK
+        hit = await cache.get(toks)
+        assert hit.num_tokens == CHUNK and torch.equal(hit.kv, new)

@@ -494,3 +494,19 @@ async def test_model_check_loses_and_resurrects_nothing(moto_endpoint: str, seed
     assert report.ok, report
     assert report.rounds == 3 and report.writes and report.deletes
     assert report.max_overlap >= 3  # the operations of one key really overlapped
+
+
+async def test_a_delete_removes_every_name_listed_for_its_key(make_store: StoreFactory) -> None:
+    """Found by a probe: an object named with a real chunk's key under another parent's
+    folder (a stray or forged name) was the name a restarted node kept for the key, so a
+    delete removed the stray one and the served chunk came back at the next miss."""
+    first = await make_store()
+    meta, obj = _chunk(7)
+    await first.write(meta, obj)
+    stray = first.object_name(meta.key, _key("another parent"), meta.num_tokens)
+    await first.client.put_object(Bucket=first.config.bucket, Key=stray, Body=b"not a chunk")
+    restarted = await make_store()  # lists both names
+    await restarted.delete(meta.key)
+    listed = await restarted.client.list_objects_v2(Bucket=restarted.config.bucket)
+    assert [o["Key"] for o in listed.get("Contents", [])] == []
+    assert restarted.stats()["deletes"] == 2

@@ -70,6 +70,9 @@ __all__ = ["ColdPath"]
 
 # Chunks encoded per batch when persisting on close (bounds the encoded bytes held at once).
 _PERSIST_BATCH = 16
+# Pauses (s) between the tries of a storage delete that failed: a brief fault (a 503, a reset
+# connection) passes; past the last, the key is tombstoned for this process (delete_failed).
+_DELETE_RETRY_PAUSES = (0.2, 1.0)
 # Loop turns of a restart's learning between two collections of the young generations.
 _COLLECT_TURNS = 8
 
@@ -358,12 +361,19 @@ class ColdPath:
         try:
             if before is not None:
                 await before.wait()
-            with anyio.fail_after(t.store.timeout):
-                await t.store.delete(key)
-            t.c["deletes"] += 1
-        except Exception as exc:
-            t.c["faults"] += 1
-            self.errlog.warn(t.name, "delete fault", repr(exc))
+            for pause in (*_DELETE_RETRY_PAUSES, None):
+                try:
+                    with anyio.fail_after(t.store.timeout):
+                        await t.store.delete(key)
+                    t.c["deletes"] += 1
+                    break
+                except Exception as exc:
+                    t.c["faults"] += 1
+                    self.errlog.warn(t.name, "delete fault", repr(exc))
+                    if pause is None:
+                        t.delete_failed(key)
+                    else:
+                        await anyio.sleep(pause)
         finally:
             t.delete_done(key)
             t.chain_done(key, mine)

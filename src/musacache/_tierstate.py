@@ -144,6 +144,11 @@ class StoreTier:
         # (refresh) that saw the object before its delete must not bring it back.
         self.deleting: dict[bytes, int] = {}
         self.deleted: OrderedDict[bytes, float] = OrderedDict()
+        # Keys whose delete failed for good (the object may still be there): no listing
+        # brings them back while this process runs, until a new object is written under
+        # the key (found by a probe: a delete refused by the store was learned again at
+        # the next miss, and served).
+        self.undeleted: OrderedDict[bytes, None] = OrderedDict()
         self.last_write_failed = False
         self.c = counters("hits", "misses", "bytes_in", "bytes_out", "evictions", "faults",
                           "timeouts", "corrupt", "foreign", "writes", "write_drops",
@@ -193,7 +198,14 @@ class StoreTier:
 
     def tombstoned(self, key: bytes, listed_at: float) -> bool:
         """Whether a listing taken at ``listed_at`` may still show ``key`` after its delete."""
-        return key in self.deleting or self.deleted.get(key, float("-inf")) >= listed_at
+        return (key in self.deleting or key in self.undeleted
+                or self.deleted.get(key, float("-inf")) >= listed_at)
+
+    def delete_failed(self, key: bytes) -> None:
+        self.undeleted[key] = None
+        self.undeleted.move_to_end(key)
+        while len(self.undeleted) > REFRESH_MEMORY:
+            self.undeleted.popitem(last=False)
 
     # -- the write queue ----------------------------------------------------------------------
 
@@ -236,6 +248,7 @@ class StoreTier:
         self.drained.set()
 
     def commit_stored(self, e: Entry, size: int, coldest: bool = True) -> None:
+        self.undeleted.pop(e.key, None)  # a new object under the key replaced the old one
         e.set_stored(self.idx, size)
         self.lru[e.key] = e
         if coldest:

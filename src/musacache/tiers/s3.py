@@ -235,6 +235,10 @@ class S3Store(StorageTier):
         # key -> (object name, size) of every chunk we listed or wrote: delete(key) needs the
         # name. Never a reason to skip a write (see the module docstring).
         self._known: dict[bytes, tuple[str, int]] = {}
+        # Other names listed for a known key (the same key in another parent's folder: a
+        # stray or forged object). The directory serves the first; a delete removes them all
+        # (it removed only the last listed, and the served one came back: found by a probe).
+        self._more_names: dict[bytes, set[str]] = {}
         self._order = KeyOrder()
         # prefix -> (when listed, what was there), least recently used first.
         self._listings: OrderedDict[str, tuple[float, list[ChunkMeta]]] = OrderedDict()
@@ -362,13 +366,21 @@ class S3Store(StorageTier):
             raise self._list_error(e, prefix) from e
         self._c["lists"] += 1
         for m in metas:
-            self._known[m.key] = (self.object_name(m.key, m.parent, m.num_tokens),
-                                  m.stored_bytes)
+            self._note(m.key, m.parent, m.num_tokens, m.stored_bytes)
         if interval > 0:  # with 0 a listing is never reused: keeping it would only cost memory
             self._listings[prefix] = (time.monotonic(), metas)
             while len(self._listings) > _MAX_LISTINGS:
                 self._listings.popitem(last=False)
         return list(metas)
+
+    def _note(self, key: bytes, parent: bytes, num_tokens: int, size: int) -> None:
+        """A listed object's name for ``key``: the first one known, others kept aside."""
+        name = self.object_name(key, parent, num_tokens)
+        have = self._known.get(key)
+        if have is None or have[0] == name:
+            self._known[key] = (name, size)
+        else:
+            self._more_names.setdefault(key, set()).add(name)
 
     async def _list_all(self) -> ChunkListing:
         """Everything under this fingerprint (``start``), in compact form: each page's
@@ -383,8 +395,7 @@ class S3Store(StorageTier):
                     if m is not None:
                         found.add(m.key, m.parent, m.num_tokens, m.raw_bytes, m.stored_bytes,
                                   m.last_used)
-                        self._known[m.key] = (self.object_name(m.key, m.parent, m.num_tokens),
-                                              m.stored_bytes)
+                        self._note(m.key, m.parent, m.num_tokens, m.stored_bytes)
         except Exception as e:
             err = self._list_error(e, prefix)
             _, retryable = _classify(e)
@@ -568,24 +579,29 @@ class S3Store(StorageTier):
             await self._delete(key)
 
     async def _delete(self, key: bytes) -> None:
-        known = self._known.pop(key, None)
+        known = self._known.get(key)
         if known is None:
             return  # never listed or written here: there is no name to delete
-        name = known[0]
-        parent_hex = name.rsplit("/", 2)[-2]
-        self._forget_listings(bytes.fromhex(parent_hex))
-        try:
-            with anyio.fail_after(self.timeout):
-                # One key per request: Swift's DeleteObjects insists on Content-MD5.
-                await self.client.delete_object(Bucket=self.config.bucket, Key=name)
-        except Exception as e:
-            if _is_missing(e):
-                return
-            kind, _ = _classify(e)
-            self._fault("delete", kind, f"delete of {name} failed: {e!r}")
-            raise TierError(f"s3 tier {self.name!r}: delete of {name} failed ({kind}): "
-                            f"{e}") from e
-        self._c["deletes"] += 1
+        for name in (known[0], *sorted(self._more_names.get(key, ()))):
+            parent_hex = name.rsplit("/", 2)[-2]
+            self._forget_listings(bytes.fromhex(parent_hex))
+            try:
+                with anyio.fail_after(self.timeout):
+                    # One key per request: Swift's DeleteObjects insists on Content-MD5.
+                    await self.client.delete_object(Bucket=self.config.bucket, Key=name)
+            except Exception as e:
+                if not _is_missing(e):
+                    # The names stay known: the delete is tried again (the caller's retry).
+                    kind, _ = _classify(e)
+                    self._fault("delete", kind, f"delete of {name} failed: {e!r}")
+                    raise TierError(f"s3 tier {self.name!r}: delete of {name} failed "
+                                    f"({kind}): {e}") from e
+            if name == known[0]:
+                self._known.pop(key, None)
+            else:
+                self._more_names[key].discard(name)
+            self._c["deletes"] += 1
+        self._more_names.pop(key, None)
 
     # -- reporting ----------------------------------------------------------------------------
 
