@@ -500,3 +500,45 @@ async def test_a_delete_the_store_refuses_is_retried_or_never_learned_again(
         assert await cache.put(toks, new) == CHUNK
         hit = await cache.get(toks)
         assert hit.num_tokens == CHUNK and torch.equal(hit.kv, new)
+
+
+@pytest.mark.parametrize("damaged", ["on its way", "in the bucket"])
+async def test_a_corrupt_read_deletes_a_shared_object_only_if_it_is_damaged_there(
+        moto_endpoint: str, monkeypatch: pytest.MonkeyPatch, damaged: str) -> None:
+    """Found by a probe: one pass of bodies damaged in transit (a proxy's error page with a
+    200) deleted every chunk it touched from the bucket, every node's. A shared tier's object
+    is now read again first, and deleted only if it is still unreadable."""
+    spec = small_spec()
+    bucket = unique_bucket()
+    toks = _prompt(CHUNK, seed=12)
+    kv = prefix_kv(spec, toks)
+    await _seed_bucket(moto_endpoint, bucket, spec, toks, kv)
+    s3 = S3Tier(bucket=bucket, endpoint_url=moto_endpoint)
+    cfg = dataclasses.replace(_config(spec, s3, host_chunks=1), refresh_interval=0)
+    async with mc.Cache(cfg) as cache:
+        store = cache._engine.stores[0].store
+        [name] = [o["Key"] for o in (await store.client.list_objects_v2(
+            Bucket=bucket))["Contents"]]
+        if damaged == "in the bucket":
+            await store.client.put_object(Bucket=bucket, Key=name, Body=b"\0" * 600)
+        else:
+            real, bad = store.read, [1]
+
+            async def damaging(meta: Any) -> Any:
+                obj = await real(meta)
+                if bad[0]:
+                    bad[0] = 0
+                    return obj[:-8] + b"\xff" * 8  # its last block's checksum fails
+                return obj
+
+            monkeypatch.setattr(store, "read", damaging)
+        assert (await cache.get(toks)).num_tokens == 0  # a counted miss either way
+        await cache.flush()
+        assert (await _tier_stats(cache, "s3"))["corrupt"] == 1
+        left = (await store.client.list_objects_v2(Bucket=bucket)).get("Contents", [])
+        if damaged == "in the bucket":
+            assert left == []
+        else:
+            assert [o["Key"] for o in left] == [name]
+            hit = await cache.get(toks)  # learned again from the listing, and served
+            assert hit.num_tokens == CHUNK and torch.equal(hit.kv, kv)
