@@ -69,3 +69,42 @@ async def test_a_plain_cancel_while_ops_end_still_releases_the_peer(tmp_path):
         await c.aclose()
         srv.stop()
         await serving
+
+
+async def test_a_call_cancelled_in_flight_never_lends_its_staging_buffer_to_the_next(tmp_path):
+    """Found by a probe: a put (get, put_pages, get_pages) of private memory cancelled after
+    its request went out gave its staging buffer back while the server still read (or wrote)
+    it; the next call's KV was copied in, and stored under the first call's prompt."""
+    import torch
+
+    spec = small_spec()
+    cfg = ServerConfig(str(tmp_path / "r" / "s.sock"), chunk_size=CH,
+                       tiers=(mc.HostTier(spec.nbytes(CH) * 4096),))
+    async with Server(cfg) as srv:
+        serving = asyncio.create_task(srv.serve_forever())
+        async with mc.connect(cfg.socket_path, spec=spec, namespace="ns",
+                              chunk_size=CH) as client:
+            for i in range(10):
+                a = list(range(1000 * i, 1000 * i + 4 * CH))
+                b = [x + 500 for x in a]
+                kv_a, kv_b = prefix_kv(spec, a), prefix_kv(spec, b)
+                put_a = asyncio.create_task(client.put(a, kv_a))
+                await asyncio.sleep(0)  # its request is out
+                put_a.cancel()
+                await asyncio.gather(put_a, return_exceptions=True)
+                await client.put(b, kv_b)
+                await asyncio.sleep(0.02)  # the first put's server side ends
+                hit = await client.get(a)
+                assert torch.equal(hit.kv, kv_a.narrow(spec.token_dim, 0, hit.num_tokens))
+                get_a = asyncio.create_task(client.get(a))
+                await asyncio.sleep(0)
+                get_a.cancel()
+                await asyncio.gather(get_a, return_exceptions=True)
+                c = [x + 700 for x in a]
+                await client.put(c, prefix_kv(spec, c))
+                await asyncio.sleep(0.02)
+                hit = await client.get(c)
+                assert torch.equal(hit.kv, prefix_kv(spec, c).narrow(spec.token_dim, 0,
+                                                                     hit.num_tokens))
+        srv.stop()
+        await serving

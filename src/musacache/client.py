@@ -96,6 +96,14 @@ class _Staging:
         if len(self._free) < 4:
             self._free.append(buf)
 
+    def settle(self, buf: torch.Tensor, answered: bool) -> None:
+        """The end of ``buf``'s request: kept for the next one only if the request was
+        answered. A call cancelled or cut off after it was sent leaves the server reading or
+        writing the buffer still, so it is dropped, never handed to another call (found by
+        a probe: a put cancelled in flight had the next put's KV stored under its prompt)."""
+        if answered:
+            self.give(buf)
+
     def clear(self) -> None:
         self._free.clear()
 
@@ -475,11 +483,14 @@ class Client:
                 self.spec.shape(len(toks)))
             await _copy(staged, dense)
             dense = staged
+        answered = False
         try:
-            return int(await self._dense("put", toks.tobytes(), "kv", dense))
+            stored = int(await self._dense("put", toks.tobytes(), "kv", dense))
+            answered = True
+            return stored
         finally:
             if raw is not None:
-                self._staging.give(raw)
+                self._staging.settle(raw, answered)
 
     async def get(self, tokens: TokensLike, out: torch.Tensor | None = None) -> Hit:
         conn, bufs = self._conn, self._buffers
@@ -527,9 +538,11 @@ class Client:
             target = raw[:self.spec.nbytes(n)].view(self.spec.dtype).view(self.spec.shape(n))
         else:
             target = ipc.empty_shared(self.spec.shape(n), self.spec.dtype)
+        answered = False
         try:
             res = await self._dense("get", raw_tokens, "out", target,
                                     segment if target is out else None)
+            answered = True
             got = int(res["num_tokens"])
             if raw is not None:
                 dst = out if out is not None else torch.empty(self.spec.shape(n),
@@ -542,7 +555,7 @@ class Client:
                 target = out
         finally:
             if raw is not None:
-                self._staging.give(raw)
+                self._staging.settle(raw, answered)
         return Hit(got, target if got == n else target.narrow(td, 0, got),
                    dict(res.get("tiers") or {}))
 
@@ -582,6 +595,7 @@ class Client:
             return 0
         itemsize = self.spec.dtype.itemsize
         raw = self._staging.take(len(pages) * numel * itemsize)
+        answered = False
         try:
             staged = raw[:len(pages) * numel * itemsize].view(self.spec.dtype).view(
                 len(pages), numel)
@@ -591,9 +605,11 @@ class Client:
             args: dict[str, Any] = {"keys": wire_keys, "pages": handle.to_wire()}
             if after is not None:
                 args["after"] = _page_keys([after])[0]
-            return int(await self._call("put_pages", args, handle.fds))
+            stored = int(await self._call("put_pages", args, handle.fds))
+            answered = True
+            return stored
         finally:
-            self._staging.give(raw)
+            self._staging.settle(raw, answered)
 
     async def get_pages(self, keys: Sequence[str | bytes], outs: Sequence[torch.Tensor],
                         ) -> list[bool]:
@@ -608,18 +624,20 @@ class Client:
             return []
         itemsize = self.spec.dtype.itemsize
         raw = self._staging.take(len(outs) * numel * itemsize)
+        answered = False
         try:
             target = raw[:len(outs) * numel * itemsize].view(self.spec.dtype).view(
                 len(outs), numel)
             handle = ipc.share(target)
             found = [bool(f) for f in await self._call(
                 "get_pages", {"keys": wire_keys, "out": handle.to_wire()}, handle.fds)]
+            answered = True
             for i, f in enumerate(found):
                 if f:
                     outs[i].copy_(target[i].view(outs[i].shape))
             return found
         finally:
-            self._staging.give(raw)
+            self._staging.settle(raw, answered)
 
     async def exists_pages(self, keys: Sequence[str | bytes]) -> int:
         """As :meth:`musacache.Cache.exists_pages`."""
