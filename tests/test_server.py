@@ -260,6 +260,12 @@ async def test_client_api_matches_the_embedded_cache(tmp_path):
             await cache.put(toks, kv[:, :, :10])
         with pytest.raises(mc.TokensError):
             await cache.lookup([[1, 2]])
+        # An out that cannot be written is refused alike, also after a get into a good one of
+        # the same shape (the client's fast path took them: found by a probe)
+        for bad in ([1, 2], torch.zeros(spec.shape(60)).requires_grad_(),
+                    torch.zeros(1).expand(spec.shape(60))):
+            with pytest.raises(mc.InvalidInputError):
+                await cache.get(toks, out=bad)
         # KV from a prefill run with grad on is cached by its values
         graded = prefix_kv(spec, toks).requires_grad_()
         assert await cache.put(toks, graded) == 60
@@ -370,3 +376,13 @@ async def test_page_ops_check_their_tensors_alike_in_the_cache_and_the_client(tm
             assert int(fresh.abs().sum()) == 0  # refused before anything was written
 
     await _on_cache_and_client(tmp_path, config, workload)
+
+
+def test_a_registration_is_named_by_its_number_only():
+    from musacache.client import _find_reg
+
+    regs = [object(), object()]
+    assert _find_reg(regs, None, None, 1) is regs[1]  # type: ignore[arg-type]
+    for bad in ("0", 0.0, True, 2, -1):
+        with pytest.raises(mc.InvalidInputError, match="no registration"):
+            _find_reg(regs, None, None, bad)  # type: ignore[arg-type]

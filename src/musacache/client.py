@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -37,7 +38,7 @@ from ._errors import (
 from ._fastpath import token_bytes
 from ._keys import as_tokens
 from ._pages import check_pages
-from ._spec import KVSpec
+from ._spec import KVSpec, check_writable, may_overlap
 from .ipc._memory import shared_segment
 
 __all__ = ["Client", "connect"]
@@ -49,7 +50,8 @@ class _LocalRegistration:
         self.layout = pages.layout
         # Shared in the order of Pages.tensors, which the server's Pages.from_tensors takes.
         self.handles = [ipc.share(t) for t in pages.tensors]
-        self.remote: int | None = None  # the server's id for it on the current connection
+        self.remote: int | None = None  # the server's id for it on ``conn``
+        self.conn: ipc.Connection | None = None
         self.signature = _signature(pages.tensors)
 
 
@@ -274,6 +276,7 @@ class Client:
         self._ids = itertools.count(1)
         self._regs: list[_LocalRegistration] = []
         self._connect_lock = anyio.Lock()
+        self._connect_failed: tuple[float, CacheUnavailableError] | None = None
         self._staging = _Staging()
         self._buffers: _Buffers | None = None
         self._shapes: dict[int, tuple[int, ...]] = {}
@@ -311,10 +314,22 @@ class Client:
         conn = self._conn
         if conn is not None and not conn.closed:
             return conn
+        asked = time.monotonic()
         async with self._connect_lock:
             if self._conn is not None and not self._conn.closed:
                 return self._conn
-            return await self._connect()
+            failed = self._connect_failed
+            if failed is not None and failed[0] >= asked:
+                # An attempt that ended after this call began waiting failed: its answer is
+                # this call's too. Trying again, one caller after another, kept the k-th
+                # caller waiting k timeouts on a server that accepts but never answers
+                # (found by a probe: 16 s for a 1 s timeout).
+                raise CacheUnavailableError(str(failed[1])) from failed[1]
+            try:
+                return await self._connect()
+            except CacheUnavailableError as e:
+                self._connect_failed = (time.monotonic(), e)
+                raise
 
     async def _connect(self) -> ipc.Connection:
         try:
@@ -326,7 +341,6 @@ class Client:
         if self._connected_once:
             self.reconnects += 1
         self._connected_once = True
-        self._conn = conn
         conn.start_reading(functools.partial(self._on_frame, conn),  # (no lambda frame per
                            functools.partial(self._on_end, conn))  # reply: partials)
         try:
@@ -335,11 +349,19 @@ class Client:
                 "spec": self.spec.to_dict(), "chunk_size": self.chunk_size,
                 "tenant": self.tenant})
             for reg in self._regs:
-                reg.remote = None
                 await self._register_remote(conn, reg)
         except BaseException:
-            await self._drop("hello failed")
+            await conn.aclose()
+            self._fail_pending("hello failed")
             raise
+        # Published only now: other calls wait in _ensure until hello is answered and every
+        # registration is known here (found by a probe: calls sent on a reconnection before
+        # its hello were refused, and stores named a registration by its number on the old
+        # connection, which named other pages on the new one).
+        if self._state != "open":  # closed meanwhile: aclose could not see this one
+            await conn.aclose()
+            raise CacheClosedError("the client was closed while it connected")
+        self._conn = conn
         return conn
 
     async def _drop(self, why: str) -> None:
@@ -501,7 +523,8 @@ class Client:
             raw_tokens = token_bytes(tokens)
             n = len(raw_tokens) >> 2
             shape = self._shapes.get(n)
-            bid = bufs.kept(out) if shape is not None and out.shape == shape else None
+            bid = bufs.kept(out) if shape is not None and type(out) is torch.Tensor \
+                and out.shape == shape else None
             if bid is not None:
                 failed = True
                 try:
@@ -680,7 +703,7 @@ class Client:
         fds = [fd for h in reg.handles for fd in h.fds]
         res = await self._request(conn, "register", {
             "layout": reg.layout, "handles": [h.to_wire() for h in reg.handles]}, fds)
-        reg.remote = int(res["reg"])
+        reg.remote, reg.conn = int(res["reg"]), conn
 
     async def store(self, tokens: TokensLike, *args: Any, layout: str | None = None,
                     skip_prefix: int = 0, ready: Any = None, reg: int | None = None,
@@ -736,7 +759,7 @@ class Client:
             call["done"] = wire
             fds += efds
         conn = await self._ensure()
-        if r.remote is None:
+        if r.conn is not conn:  # (a number is the server's on one connection only)
             await self._register_remote(conn, r)
         call["reg"] = r.remote
         return int(await self._request(conn, op, call, fds))
@@ -766,8 +789,9 @@ def _find_reg(regs: list[_LocalRegistration], kv_caches: Any, layout: str | None
         raise InvalidInputError("no kv_caches registered: call register_kv_caches first")
     if reg is None:
         return regs[-1]
-    if not 0 <= reg < len(regs):
-        raise InvalidInputError(f"no registration {reg}")
+    if isinstance(reg, bool) or not isinstance(reg, int) or not 0 <= reg < len(regs):
+        raise InvalidInputError(f"no registration {reg!r}: reg= is a number that "
+                                "register_kv_caches returned")
     return regs[reg]
 
 
@@ -800,13 +824,17 @@ def _check_out(spec: KVSpec, shapes: dict[int, tuple[int, ...]], out: torch.Tens
         shape = spec.shape(n)
         if len(shapes) < 64:  # the token counts a worker uses: a bounded few
             shapes[n] = shape
-    if type(out) is torch.Tensor and out.dtype is spec.dtype and out.layout is torch.strided \
-            and not out.is_meta and out.shape == shape:
-        return
-    have = spec.check_dense(out, what="out")
-    if have != n:
-        raise ShapeError(f"out holds {have} tokens, tokens has {n}: out must have shape "
-                         f"{spec.shape(n)}")
+    if not (type(out) is torch.Tensor and out.dtype is spec.dtype
+            and out.layout is torch.strided and not out.is_meta and out.shape == shape):
+        have = spec.check_dense(out, what="out")
+        if have != n:
+            raise ShapeError(f"out holds {have} tokens, tokens has {n}: out must have shape "
+                             f"{spec.shape(n)}")
+    # What the final copy into it would refuse, refused here with the Cache's own errors
+    # (found by a probe: a requires-grad or expanded out raised torch's RuntimeError).
+    if out.requires_grad or out.is_inference() or (
+            not out.is_contiguous() and may_overlap(out)):
+        check_writable(out, "out")
 
 
 def _sealed(t: torch.Tensor) -> bool:
