@@ -112,3 +112,40 @@ async def test_the_orphan_links_go_once_nothing_waits(tmp_path, order):
                 assert d.lost_parent
         assert not d.lost_parent and not d.lost_under and not d.children.keys() - {
             cache._engine.chain.seed}
+
+
+async def test_a_clear_never_deletes_what_was_put_again_while_it_ran(tmp_path, monkeypatch):
+    """Found by a probe: a clear takes the old directory apart a batch per loop turn, and
+    each old chunk's delete, by key, was chained after the write of the same chunk put again
+    meanwhile, so it removed the new file (lost at the next restart)."""
+    from musacache import _removal
+
+    gate, swapped = asyncio.Event(), asyncio.Event()
+    dismantle = _removal._dismantle_steps
+
+    def held(old, batch, each):  # the old directory is taken apart once the gate opens
+        swapped.set()  # (the clear has swapped in a new one before it starts this)
+        while not gate.is_set():
+            yield
+        yield from dismantle(old, batch, each)
+
+    monkeypatch.setattr(_removal, "_dismantle_steps", held)
+    slot = SPEC.nbytes(CS)
+    cfg = mc.CacheConfig(spec=SPEC, namespace="orphans", chunk_size=CS,
+                         tiers=(mc.HostTier(capacity_bytes=slot * 8),
+                                mc.DiskTier(path=str(tmp_path / "d"), capacity_bytes=slot * 8,
+                                            write_through=True)))
+    async with mc.Cache(cfg) as cache:
+        await cache.put(A + B, kv(16, 1))
+        await cache.flush()
+        clear = asyncio.create_task(cache.clear())
+        await swapped.wait()
+        assert await cache.lookup(A + B) == 0  # cleared
+        assert await cache.put(A + B, kv(16, 1)) == 16
+        await cache.flush()  # its write-through is on disk
+        gate.set()
+        await clear
+        await cache.flush()
+        assert await cache.lookup(A + B) == 16
+    async with mc.Cache(cfg) as cache:
+        assert await cache.lookup(A + B) == 16

@@ -669,9 +669,16 @@ class Engine(Reads):
             self.dir.remove(e)
             for mt in self.mem:
                 mt.detach(e)
+            newer = self.dir.get(e.key)  # (after a clear: a new entry of the same key)
             for st in self.stores:
                 if st.holds(e):
                     st.drop(e)
+                    if newer is not None and newer is not e and st.holds(newer):
+                        # Its object is (being) written over by the newer entry's, whose
+                        # write came first in the key's chain: a delete now would remove
+                        # that one (found by a probe: a clear taking the old directory apart
+                        # deleted the files of chunks put again meanwhile).
+                        continue
                     self.cold.schedule_delete(st, e.key)
             if e.pins == 0:
                 self._free_detached(e)

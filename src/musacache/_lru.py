@@ -210,6 +210,10 @@ class KeyLRU:
             gen.move_to_end(key, last=False)
             where[key] = oldest
 
+    def get(self, key: bytes) -> Entry | None:
+        g = self._where[key[0]].get(key)
+        return None if g is None else self._gens[g][key]
+
     def pop(self, key: bytes, default: Entry | None = None) -> Entry | None:
         where = self._where[key[0]]
         g = where.pop(key, None)

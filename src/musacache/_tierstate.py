@@ -260,7 +260,8 @@ class StoreTier:
         if size is None:
             return False
         self.used -= size
-        self.lru.pop(e.key, None)
+        if self.lru.get(e.key) is e:  # (not a newer entry's of the same key)
+            self.lru.pop(e.key)
         return True
 
     # -- refresh bookkeeping ------------------------------------------------------------------
