@@ -617,3 +617,40 @@ async def test_a_long_prompt_is_worked_on_a_run_of_chunks_per_step(monkeypatch, 
         else:
             assert await c.lookup(toks) == LONG * CH
             assert c._engine.pins_held == 0
+
+
+@pytest.mark.parametrize("promotion", ["sync", "background"])
+async def test_promotions_of_a_long_prompt_go_a_few_at_a_time(tmp_path, promotion):
+    """Found by a probe: a get (or prefetch) of a prompt whose chunks sit on disk started a
+    promotion per chunk, and every one reserved its slot and evicted for it in the same turn
+    of the loop before any waited for a read (a loop gap of 130 ms at 1,000 chunks, 380 ms
+    for a prefetch). At most the engine's promotion gate run at once."""
+    n = 300
+    cfg = mc.CacheConfig(TINY, "steps", chunk_size=CH, promotion=promotion, tiers=(
+        mc.HostTier(capacity_bytes=TINY.nbytes(CH) * n // 2),
+        mc.DiskTier(path=str(tmp_path / "d"), capacity_bytes=TINY.nbytes(CH) * 4 * n)))
+    toks = np.arange(n * CH, dtype=np.int32)
+    kv = torch.randn(TINY.shape(n * CH)).to(TINY.dtype)
+    async with mc.Cache(cfg) as c:
+        eng = c._engine
+        await c.put(toks, kv)
+        await eng.evict(eng.mem[0], len(eng.mem[0].lru))
+        await c.flush()
+        active, most = [0], [0]
+        real = eng.cold.promote_decoding
+
+        async def counted(*a, **kw):
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+            try:
+                return await real(*a, **kw)
+            finally:
+                active[0] -= 1
+
+        eng.cold.promote_decoding = counted
+        hit = await c.get(toks)
+        assert hit.num_tokens == n * CH and torch.equal(hit.kv, kv)
+        assert await c.prefetch(toks, timeout=30) >= 0
+        await c.flush()
+        cap = max(8, 2 * sum(int(t.store.max_concurrency) for t in eng.stores))
+        assert 0 < most[0] <= cap < n // 4

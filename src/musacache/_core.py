@@ -41,6 +41,8 @@ from .transfer import DenseAt, Pages, _gather_checked
 
 __all__ = ["ChunkSource", "DenseSource", "Engine", "PagedSource"]
 
+# The fewest promotions that run at once (more with storage tiers that take more reads).
+_MIN_PROMOTIONS = 8
 # Directory work on many entries (delete, clear, learning a listing, planning a long put)
 # is done this many at a time, letting other tasks run in between (well under a millisecond
 # each on an idle core).
@@ -239,6 +241,9 @@ class Engine(Reads):
         self.stage = StagePool(STAGE_KEEP_BYTES)  # host buffers of chunks put to storage
         self.wt_sem = anyio.Semaphore(max(2, config.copy_threads * 2))
         self.flights: dict[bytes, Flight] = {}
+        # Promotions past this many wait at their start (see Reads._promote).
+        self.promote_gate = anyio.Semaphore(
+            max(_MIN_PROMOTIONS, 2 * sum(int(t.store.max_concurrency) for t in self.stores)))
         self._dense_at: dict[int, DenseAt] = {}  # by token count, at address 0
         self.put_flights: dict[bytes, _New] = {}  # chunks a put is placing, by key
         self.inflight = counters("puts", "gets", "lookups", "prefetches", "promotions", "writes")
