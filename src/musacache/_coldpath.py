@@ -223,30 +223,9 @@ class ColdPath:
             # Over a network a body damaged on its way (a proxy's error page, a cut
             # connection) is not a damaged object, and the object is every node's: read it
             # once more first (found by a probe: one bad pass deleted a bucket's good chunks).
-            self.eng.tasks.spawn(self._delete_if_still_corrupt, t, meta)
+            self.eng.tasks.spawn(_delete_if_still_corrupt, self, t, meta)
         else:
             self.schedule_delete(t, e.key)
-
-    async def _delete_if_still_corrupt(self, t: StoreTier, meta: ChunkMeta) -> None:
-        from .codec import decode_chunk
-
-        eng = self.eng
-        try:
-            async with t.sem:
-                with anyio.fail_after(t.store.timeout):
-                    obj = await t.store.read(meta)
-            if obj is None:
-                return  # gone already
-            await eng.mover.in_thread(lambda: decode_chunk(eng.fingerprint, obj, expect=meta))
-            return  # intact: the first read was damaged on its way
-        except _FOREIGN:
-            return  # another model's object under the key: not ours to delete
-        except _errors.CorruptChunkError:
-            pass  # damaged in the store: delete it (below)
-        except Exception:  # a fault, a timeout, another model's object: not ours to judge
-            return
-        if eng.dir.get(meta.key) is None:  # (a newer put of the key writes over it itself)
-            self.schedule_delete(t, meta.key)
 
     async def promote_decoding(self, e: Entry, tee: Tee | None = None,
                                skip: tuple[Tier, ...] = (), *, counts_hit: bool = True,
@@ -720,3 +699,27 @@ class DirectReads:
             else:
                 served.append(self._served(src, copy, size))
         return served
+
+
+async def _delete_if_still_corrupt(cold: ColdPath, t: StoreTier, meta: ChunkMeta) -> None:
+    """Delete the object of ``meta`` on the shared tier ``t`` if a second read finds it
+    unreadable too (see ``ColdPath._unreadable``)."""
+    from .codec import decode_chunk
+
+    eng = cold.eng
+    try:
+        async with t.sem:
+            with anyio.fail_after(t.store.timeout):
+                obj = await t.store.read(meta)
+        if obj is None:
+            return  # gone already
+        await eng.mover.in_thread(lambda: decode_chunk(eng.fingerprint, obj, expect=meta))
+        return  # intact: the first read was damaged on its way
+    except _FOREIGN:
+        return  # another model's object under the key: not ours to delete
+    except _errors.CorruptChunkError:
+        pass  # damaged in the store: delete it (below)
+    except Exception:  # a fault or a timeout: not ours to judge
+        return
+    if eng.dir.get(meta.key) is None:  # (a newer put of the key writes over it itself)
+        cold.schedule_delete(t, meta.key)

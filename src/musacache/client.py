@@ -249,15 +249,7 @@ class Client:
     def __init__(self, path: str, *, spec: KVSpec, namespace: str, chunk_size: int | None = None,
                  tenant: str | None = None, timeout: float = 30.0,
                  connect_timeout: float = 5.0) -> None:
-        if not isinstance(spec, KVSpec):
-            raise InvalidInputError(f"spec must be a KVSpec, got {type(spec).__name__}")
-        if not isinstance(namespace, str) or not namespace:
-            raise InvalidInputError(f"namespace must be a non-empty string, got {namespace!r}")
-        if tenant is not None and (not isinstance(tenant, str) or not tenant):
-            raise InvalidInputError(f"tenant must be a non-empty string or None, got {tenant!r}")
-        if chunk_size is not None and (isinstance(chunk_size, bool)
-                                       or not isinstance(chunk_size, int) or chunk_size <= 0):
-            raise InvalidInputError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        _check_client_args(spec, namespace, tenant, chunk_size)
         self.path = str(path)
         self.spec = spec
         self.namespace = namespace
@@ -320,10 +312,8 @@ class Client:
                 return self._conn
             failed = self._connect_failed
             if failed is not None and failed[0] >= asked:
-                # An attempt that ended after this call began waiting failed: its answer is
-                # this call's too. Trying again, one caller after another, kept the k-th
-                # caller waiting k timeouts on a server that accepts but never answers
-                # (found by a probe: 16 s for a 1 s timeout).
+                # An attempt that failed while this call waited answers it too: one after
+                # another, the k-th caller waited k timeouts (found by a probe).
                 raise CacheUnavailableError(str(failed[1])) from failed[1]
             try:
                 return await self._connect()
@@ -354,10 +344,8 @@ class Client:
             await conn.aclose()
             self._fail_pending("hello failed")
             raise
-        # Published only now: other calls wait in _ensure until hello is answered and every
-        # registration is known here (found by a probe: calls sent on a reconnection before
-        # its hello were refused, and stores named a registration by its number on the old
-        # connection, which named other pages on the new one).
+        # Published only now, with hello answered and every registration made on it (found
+        # by a probe: calls went out before hello, stores with another connection's numbers).
         if self._state != "open":  # closed meanwhile: aclose could not see this one
             await conn.aclose()
             raise CacheClosedError("the client was closed while it connected")
@@ -681,19 +669,7 @@ class Client:
         ``store``/``retrieve`` (the last registration is the default).
         """
         self._check_open()
-        pages = transfer.as_pages(kv_caches, layout)
-        if pages.spec != self.spec:
-            raise InvalidInputError(f"kv_caches hold {pages.spec.describe()}, this client "
-                                    f"was opened for {self.spec.describe()}")
-        for t in pages.tensors:
-            if not ipc.is_shareable(t):
-                raise IPCError("kv_caches live in private memory the server cannot map; "
-                               "allocate them with musacache.ipc.empty_shared(shape, dtype)")
-            if not ipc.is_sealed(t):
-                raise IPCError("kv_caches live in shared memory that is not sealed against "
-                               "shrinking (share_memory_()), which the server refuses; "
-                               "allocate them with musacache.ipc.empty_shared(shape, dtype)")
-        reg = _LocalRegistration(pages)
+        reg = _LocalRegistration(_shareable_pages(kv_caches, layout, self.spec))
         conn = await self._ensure()
         await self._register_remote(conn, reg)
         self._regs.append(reg)
@@ -764,6 +740,36 @@ class Client:
         call["reg"] = r.remote
         return int(await self._request(conn, op, call, fds))
 
+
+
+def _check_client_args(spec: object, namespace: object, tenant: object,
+                       chunk_size: object) -> None:
+    if not isinstance(spec, KVSpec):
+        raise InvalidInputError(f"spec must be a KVSpec, got {type(spec).__name__}")
+    if not isinstance(namespace, str) or not namespace:
+        raise InvalidInputError(f"namespace must be a non-empty string, got {namespace!r}")
+    if tenant is not None and (not isinstance(tenant, str) or not tenant):
+        raise InvalidInputError(f"tenant must be a non-empty string or None, got {tenant!r}")
+    if chunk_size is not None and (isinstance(chunk_size, bool)
+                                   or not isinstance(chunk_size, int) or chunk_size <= 0):
+        raise InvalidInputError(f"chunk_size must be a positive int, got {chunk_size!r}")
+
+
+def _shareable_pages(kv_caches: Any, layout: str | None, spec: KVSpec) -> transfer.Pages:
+    """``kv_caches`` as Pages of ``spec`` in sealed shared memory, which the server can map."""
+    pages = transfer.as_pages(kv_caches, layout)
+    if pages.spec != spec:
+        raise InvalidInputError(f"kv_caches hold {pages.spec.describe()}, this client "
+                                f"was opened for {spec.describe()}")
+    for t in pages.tensors:
+        if not ipc.is_shareable(t):
+            raise IPCError("kv_caches live in private memory the server cannot map; "
+                           "allocate them with musacache.ipc.empty_shared(shape, dtype)")
+        if not ipc.is_sealed(t):
+            raise IPCError("kv_caches live in shared memory that is not sealed against "
+                           "shrinking (share_memory_()), which the server refuses; "
+                           "allocate them with musacache.ipc.empty_shared(shape, dtype)")
+    return pages
 
 
 def _find_reg(regs: list[_LocalRegistration], kv_caches: Any, layout: str | None,
