@@ -28,18 +28,17 @@ from ._errors import (
     DeviceError,
     InvalidInputError,
     ShapeError,
-    TokensError,
 )
 from ._fastpath import FastPath
 from ._gcfreeze import full_collections_held, long_read
-from ._keys import Fingerprint, KeyChain, as_tokens
+from ._keys import Fingerprint, KeyChain, as_tokens, check_token_memory
 from ._move import Mover, accelerator_of
 from ._pages import PageSource, check_pages, page_keys
 from ._reads import VIEW_RUN
 from ._resident import MIN_CHUNKS as RESIDENT_MIN
 from ._resident import read_resident, retrieve_resident
 from ._resident import release as release_resident
-from ._spec import KVSpec
+from ._spec import KVSpec, check_has_data
 from ._tasks import MustFinish, TaskOwner, outlive
 from ._tee import Tee
 from ._tierstate import MemTier, StoreTier, Tier
@@ -797,10 +796,11 @@ async def _paged_args(cache: Cache, tokens: Any, kv_caches: Any, slot_mapping: A
         cache._pages_fit = paged.info
     if isinstance(skip_prefix, bool) or not isinstance(skip_prefix, int) or skip_prefix < 0:
         raise InvalidInputError(f"skip_prefix must be an int >= 0, got {skip_prefix!r}")
-    if isinstance(tokens, torch.Tensor) and tokens.is_meta:
-        raise TokensError("tokens are on the meta device: they have a shape but no values")
-    if isinstance(slot_mapping, torch.Tensor) and slot_mapping.is_meta:
-        raise DeviceError("slot_mapping is on the meta device: it has a shape but no values")
+    # (before a tensor on a device is copied to the host: one on the meta device cannot be)
+    if isinstance(tokens, torch.Tensor):
+        check_token_memory(tokens)
+    if isinstance(slot_mapping, torch.Tensor):
+        check_has_data(slot_mapping, "slot_mapping")
     on_device = [x for x in (tokens, slot_mapping)
                  if isinstance(x, torch.Tensor) and x.device.type != "cpu"]
     if on_device:

@@ -20,7 +20,8 @@ import torch
 from ._errors import TokensError
 from ._spec import KVSpec
 
-__all__ = ["FORMAT_VERSION", "KEY_BYTES", "Fingerprint", "KeyChain", "as_tokens"]
+__all__ = ["FORMAT_VERSION", "KEY_BYTES", "Fingerprint", "KeyChain", "as_tokens",
+           "check_token_memory"]
 
 FORMAT_VERSION = 1
 KEY_BYTES = 32
@@ -84,14 +85,19 @@ class KeyChain:
         return list(self.iter_keys(tokens))
 
 
+def check_token_memory(tokens: torch.Tensor) -> None:
+    """A token tensor with values to read: dense, not on the meta device (TokensError)."""
+    if tokens.layout != torch.strided:
+        raise TokensError(f"tokens must be a dense tensor, got a {tokens.layout} tensor")
+    if tokens.is_meta:  # an attribute: tokens.device builds a device object
+        raise TokensError("tokens are on the meta device: they have a shape but no values")
+
+
 def as_tokens(tokens: Any) -> np.ndarray:
     """Canonicalise ``tokens`` (1-D int tensor, list of ints, or numpy array) to a C-contiguous
     little-endian int32 numpy array. Raises TokensError for anything else."""
     if isinstance(tokens, torch.Tensor):
-        if tokens.layout != torch.strided:
-            raise TokensError(f"tokens must be a dense tensor, got a {tokens.layout} tensor")
-        if tokens.is_meta:  # an attribute: tokens.device builds a device object
-            raise TokensError("tokens are on the meta device: they have a shape but no values")
+        check_token_memory(tokens)
         if tokens.dim() != 1:
             raise TokensError(f"tokens must be 1-D, got a tensor of shape {tuple(tokens.shape)}")
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:

@@ -806,7 +806,6 @@ def _page_tokens(server_info: dict[str, Any], chunk_size: int | None) -> int:
     return int(server_info.get("chunk_size") or chunk_size or 0)
 
 
-
 def _page_keys(keys: Any) -> list[bytes]:
     if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
         raise InvalidInputError(f"keys must be a sequence of str or bytes, got "

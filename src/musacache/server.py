@@ -499,6 +499,8 @@ _FDS_PER_RECEIVED: Final = 2
 _FD_RESERVE: Final = 256
 # The fewest fds the requests in flight may hold, whatever the limit says.
 _MIN_FD_BUDGET: Final = 64
+# The kernel's default nr_open: the most fds a process may have, whatever its limit says.
+_NR_OPEN: Final = 1 << 20
 
 
 def _fd_budget(cfg: ServerConfig) -> int:
@@ -509,7 +511,7 @@ def _fd_budget(cfg: ServerConfig) -> int:
     of 1024)."""
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
-        soft = 1 << 20  # (the kernel's default nr_open)
+        soft = _NR_OPEN
     return max(_MIN_FD_BUDGET, soft - cfg.max_connections - _FD_RESERVE)
 
 
@@ -520,7 +522,7 @@ def _raise_open_file_limit() -> None:
     (:func:`_fd_budget`), where the hard limit (often 524288) covers all that the per-peer
     limits allow. The event loop waits with epoll, which has no FD_SETSIZE."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = min(hard, 1 << 20) if hard != resource.RLIM_INFINITY else 1 << 20
+    want = _NR_OPEN if hard == resource.RLIM_INFINITY else min(hard, _NR_OPEN)
     if soft != resource.RLIM_INFINITY and soft < want:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))

@@ -330,8 +330,8 @@ def _check_tensors(tensors: list[torch.Tensor], layout: str) -> list[torch.Tenso
 
 def _shares_pages(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether two of the cache tensors start at the same address (the same pages)."""
-    return len({t.data_ptr() for t in tensors if t.numel()}) < sum(
-        1 for t in tensors if t.numel())
+    starts = [t.data_ptr() for t in tensors if t.numel()]
+    return len(set(starts)) < len(starts)
 
 
 def _check_storage(tensors: Sequence[torch.Tensor], layout: str) -> None:
@@ -615,12 +615,10 @@ def _as_slots(slot_mapping: object, num_tokens: int, *,
               holder: str = "the dense tensor") -> torch.Tensor:
     """``slot_mapping`` as a 1-D int64 tensor of ``num_tokens`` entries (not range-checked)."""
     if isinstance(slot_mapping, torch.Tensor):
-        if slot_mapping.is_meta:
-            raise DeviceError("slot_mapping is on the meta device: it has a shape but no values")
+        check_has_data(slot_mapping, "slot_mapping")
         if slot_mapping.dtype != torch.int64:
             raise DTypeError(f"slot_mapping has dtype {dtype_name(slot_mapping.dtype)}; it must "
                              "be int64")
-        check_has_data(slot_mapping, "slot_mapping")
         # (its values are read by address: a storage freed under it was a segfault)
         KVSpec.check_memory(slot_mapping, what="slot_mapping")
         slots = slot_mapping

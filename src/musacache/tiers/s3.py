@@ -589,8 +589,9 @@ class S3Store(StorageTier):
                 with anyio.fail_after(self.timeout):
                     # One key per request: Swift's DeleteObjects insists on Content-MD5.
                     await self.client.delete_object(Bucket=self.config.bucket, Key=name)
+                self._c["deletes"] += 1
             except Exception as e:
-                if not _is_missing(e):
+                if not _is_missing(e):  # (gone already: nothing to count, nothing to retry)
                     # The names stay known: the delete is tried again (the caller's retry).
                     kind, _ = _classify(e)
                     self._fault("delete", kind, f"delete of {name} failed: {e!r}")
@@ -600,7 +601,6 @@ class S3Store(StorageTier):
                 self._known.pop(key, None)
             else:
                 self._more_names[key].discard(name)
-            self._c["deletes"] += 1
         self._more_names.pop(key, None)
 
     # -- reporting ----------------------------------------------------------------------------
