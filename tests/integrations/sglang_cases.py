@@ -10,7 +10,12 @@ SGLang's own pools need a GPU device pool to be built.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
+import struct
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,6 +26,7 @@ require("sglang", ".ci/sglang-env.sh")
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
+from musacache import ConfigError  # noqa: E402
 from musacache.integrations.sglang import MusaCacheStorage  # noqa: E402
 from musacache.server import spawn  # noqa: E402
 
@@ -56,12 +62,26 @@ class MHATokenToKVPoolHostStandin:
 
 
 class MLATokenToKVPoolHostStandin(MHATokenToKVPoolHostStandin):
-    def __init__(self, size: int, layers: int = 3, dim: int = 24) -> None:
+    """SGLang's MLA host pool; with decode context parallel (``dcp_size`` > 1) its pages are
+    ``PAGE`` physical tokens of a logical page ``dcp_size`` times as long, and it takes
+    page starts in logical slots, as SGLang's ``_storage_page_index`` does."""
+
+    def __init__(self, size: int, layers: int = 3, dim: int = 24, dcp_size: int = 1) -> None:
         self.page_size, self.layer_num, self.head_num, self.head_dim = PAGE, layers, 1, dim
         self.size, self.layout, self.dtype = size, "layer_first", torch.bfloat16
+        self.dcp_size = dcp_size
         self.kv_buffer = torch.zeros((layers, size, 1, dim), dtype=self.dtype)
 
+    @property
+    def logical_page_size(self) -> int:
+        return self.page_size * self.dcp_size
+
     def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        if self.dcp_size > 1:
+            if index < 0 or index % self.logical_page_size:
+                raise ValueError("DCP L3 page start must be a nonnegative logical page "
+                                 "boundary.")
+            index //= self.dcp_size
         page = self.kv_buffer[:, index:index + self.page_size]
         return page.flatten() if flat else page
 
@@ -71,11 +91,12 @@ class MLATokenToKVPoolHostStandin(MHATokenToKVPoolHostStandin):
 
 
 def storage_config(extra: dict, tp_rank: int = 0, tp_size: int = 1,
-                   mla: bool = False) -> HiCacheStorageConfig:
+                   mla: bool = False, **more: object) -> HiCacheStorageConfig:
     return HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
         attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=False,
-        is_page_first_layout=False, model_name="tiny/llama", extra_config=dict(extra))
+        is_page_first_layout=False, model_name="tiny/llama", extra_config=dict(extra),
+        **more)
 
 
 def dynamic_extra(**ours: str) -> dict:
@@ -248,3 +269,119 @@ def test_bad_extra_config_is_refused() -> None:
         MusaCacheStorage(storage_config(dynamic_extra()), {})
     with pytest.raises(ConfigError, match="unknown"):
         MusaCacheStorage(storage_config(dynamic_extra(config="x", sockets="y")), {})
+
+
+def test_pools_of_other_layouts_or_kv_dtypes_never_share_pages(server: str) -> None:
+    # A layer-first and a page-first page of one size hold the same values in other orders,
+    # and SGLang stores every fp8 variant as uint8: a page one of them stored is a miss to
+    # the other, never a hit with its KV scrambled.
+    first = MHATokenToKVPoolHostStandin(size=2 * PAGE, layout="layer_first")
+    other = MHATokenToKVPoolHostStandin(size=2 * PAGE, layout="page_first")
+    e4m3 = MHATokenToKVPoolHostStandin(size=2 * PAGE, dtype=torch.uint8)
+    e5m2 = MHATokenToKVPoolHostStandin(size=2 * PAGE, dtype=torch.uint8)
+    e4m3.device_pool = SimpleNamespace(dtype=torch.float8_e4m3fn)  # type: ignore[attr-defined]
+    e5m2.device_pool = SimpleNamespace(dtype=torch.float8_e5m2)  # type: ignore[attr-defined]
+    fill(first, 3)
+    e4m3.kv_buffer.copy_(torch.arange(e4m3.kv_buffer.numel()).reshape(e4m3.kv_buffer.shape))
+    extra = dynamic_extra(socket=server)
+    backends = [make(extra, p) for p in (first, other, e4m3, e5m2)]
+    try:
+        host = torch.arange(0, PAGE, dtype=torch.int64)
+        key = ["ab" * 32]
+        assert backends[0].batch_set_v1(key, host) == [True]
+        assert backends[2].batch_set_v1(key, host) == [True]
+        other.kv_buffer.fill_(5)
+        e5m2.kv_buffer.fill_(5)
+        for b, pool in ((backends[1], other), (backends[3], e5m2)):
+            assert b.batch_exists(key) == 0
+            assert b.batch_get_v1(key, host) == [False]
+            assert (pool.kv_buffer == 5).all()
+        # Each still reads its own.
+        want = first.kv_buffer.clone()
+        first.kv_buffer.zero_()
+        assert backends[0].batch_get_v1(key, host) == [True]
+        assert torch.equal(bits(first.kv_buffer[:, :, :PAGE]), bits(want[:, :, :PAGE]))
+    finally:
+        for b in backends:
+            b.close()
+
+
+def test_decode_context_parallel_pages_step_by_logical_page(tiers: Path) -> None:
+    # Under DCP SGLang slices host_indices by logical page (PAGE * dcp_size slots) while
+    # each rank's pool holds PAGE tokens of it: the second page starts a logical page on.
+    pool = MLATokenToKVPoolHostStandin(size=8 * PAGE, dcp_size=2)
+    fill(pool, 7)
+    want = pool.kv_buffer.clone()
+    backend = make(dynamic_extra(config=str(tiers)), pool, mla=True, tp_size=2, dcp_size=2, dcp_rank=0,
+                   logical_page_size=2 * PAGE)
+    try:
+        host = torch.arange(2 * 2 * PAGE, 5 * 2 * PAGE, dtype=torch.int64)  # 3 logical pages
+        keys = ["d1", "d2", "d3"]
+        assert backend.batch_set_v1(keys, host) == [True] * 3
+        pool.kv_buffer.zero_()
+        assert backend.batch_get_v1(keys, host) == [True] * 3
+        assert torch.equal(bits(pool.kv_buffer[:, 2 * PAGE:5 * PAGE]),
+                           bits(want[:, 2 * PAGE:5 * PAGE]))
+        assert not pool.kv_buffer[:, :2 * PAGE].any() and not pool.kv_buffer[:, 5 * PAGE:].any()
+        # A page start the pool refuses is the backend's typed error, not the pool's own.
+        with pytest.raises(ConfigError, match="refused a page view"):
+            backend.batch_get_v1(["d1"], host[PAGE:])
+    finally:
+        backend.close()
+
+
+def test_a_sequence_stored_in_batches_is_evicted_tail_first(tmp_path: Path) -> None:
+    # SGLang stores a long sequence a batch per call, naming the pages before each batch
+    # (prefix_keys): a batch hangs under them, so eviction drops the sequence's last page,
+    # not the last page of its first batch (which left the rest stored but unreachable).
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+    pool = MHATokenToKVPoolHostStandin(size=8 * PAGE)
+    fill(pool, 9)
+    page_bytes = pool.get_dummy_flat_data_page().numel() * 2
+    cfg = tmp_path / "small.toml"
+    cfg.write_text(f'[[tiers]]\nkind = "host"\ncapacity = {4 * page_bytes}\n')
+    backend = make(dynamic_extra(config=str(cfg)), pool)
+    try:
+        seq = ["a1", "a2", "a3", "a4"]
+        pages = torch.arange(0, 4 * PAGE, dtype=torch.int64)
+        assert backend.batch_set_v1(seq[:2], pages[:2 * PAGE],
+                                    HiCacheStorageExtraInfo(prefix_keys=[])) == [True] * 2
+        assert backend.batch_set_v1(seq[2:], pages[2 * PAGE:],
+                                    HiCacheStorageExtraInfo(prefix_keys=seq[:2])) == [True] * 2
+        assert backend.batch_exists(seq) == 4
+        assert backend.batch_set_v1(["b1"], torch.arange(4 * PAGE, 5 * PAGE),
+                                    HiCacheStorageExtraInfo(prefix_keys=[])) == [True]
+        assert backend.batch_exists(seq) == 3
+        assert not backend.exists("a4")
+    finally:
+        backend.close()
+
+
+def test_a_closed_backend_says_so(tiers: Path) -> None:
+    from musacache import CacheClosedError
+
+    backend = make(dynamic_extra(config=str(tiers)), MHATokenToKVPoolHostStandin(size=PAGE))
+    backend.close()
+    with pytest.raises(CacheClosedError, match="closed"):
+        backend.batch_exists(["k"])
+
+
+def test_opening_a_node_server_outlasts_a_short_call_timeout(tmp_path: Path,
+                                                              tiers: Path) -> None:
+    # musacache.timeout bounds each call; starting the node server from the tiers file takes
+    # longer, and register_mem_pool_host waits for it (it raised a bare TimeoutError).
+    sock = str(tmp_path / "run3" / "node.sock")
+    pool = MHATokenToKVPoolHostStandin(size=PAGE)
+    backend = make(dynamic_extra(socket=sock, config=str(tiers), timeout=0.05), pool)
+    try:
+        assert backend.batch_exists(["k"]) == 0
+    finally:
+        backend.close()
+        # The server the backend started outlives it (detached): stopped by its pid, which
+        # the kernel gives for the socket's other end.
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(sock)
+            pid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                   12))[0]
+        os.kill(pid, signal.SIGTERM)

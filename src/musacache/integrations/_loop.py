@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -18,7 +19,27 @@ from .._errors import CacheUnavailableError
 
 T = TypeVar("T")
 
-__all__ = ["LoopThread"]
+__all__ = ["SETTLE_S", "LoopThread"]
+
+log = logging.getLogger("musacache")
+
+#: How long :meth:`LoopThread.run` waits, past its timeout, for a cancelled call to end (its
+#: copies stop at the next block or page: milliseconds).
+SETTLE_S = 10.0
+
+
+async def _bounded(coro: Coroutine[Any, Any, T], timeout: float) -> T:
+    """``coro`` bounded by ``timeout`` on the loop: cancelled when it runs over, and
+    :class:`TimeoutError` raised once it has unwound (the cancellation runs through it
+    before the ``async with`` ends). A ``TimeoutError`` of its own passes as it is."""
+    bound = asyncio.timeout(timeout)
+    try:
+        async with bound:
+            return await coro
+    except TimeoutError:
+        if bound.expired():
+            raise TimeoutError(f"musacache call did not finish within {timeout} s") from None
+        raise
 
 
 class LoopThread:
@@ -50,15 +71,26 @@ class LoopThread:
     def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
         """Run ``coro`` and wait at most ``timeout`` seconds for its result.
 
-        On timeout the coroutine is cancelled (it releases what it holds) and
-        :class:`TimeoutError` is raised; its own exceptions propagate.
+        On timeout the coroutine is cancelled and :class:`TimeoutError` is raised only once
+        it has ended: a cancelled read into the engine's memory (a host pool page, a KV
+        block) stops writing there before the engine hears of the miss and reuses that
+        memory for another request. A coroutine that has not ended :data:`SETTLE_S` seconds
+        after its cancellation is left running and logged; the error says so. Its own
+        exceptions propagate.
         """
-        fut = self.submit(coro)
+        fut = self.submit(_bounded(coro, timeout))
         try:
-            return fut.result(timeout)
-        except concurrent.futures.TimeoutError:
+            return fut.result(timeout + SETTLE_S)
+        except concurrent.futures.TimeoutError:  # (the builtin TimeoutError on 3.11+)
+            if fut.done():
+                raise  # _bounded's: the call ran over its timeout and has ended
+            # The loop did not even end the call within its grace: it is stuck (a blocked
+            # loop thread). Nothing more can be done from here than to say so.
             fut.cancel()
-            raise TimeoutError(f"musacache call did not finish within {timeout} s") from None
+            log.error("musacache: a call cancelled after %s s did not end within %s s more; "
+                      "it may still write into the memory it was given", timeout, SETTLE_S)
+            raise TimeoutError(f"musacache call did not finish within {timeout} s, nor end "
+                               f"{SETTLE_S} s after it was cancelled") from None
 
     def close(self, timeout: float = 5.0) -> None:
         """Cancel what still runs, stop the loop and join the thread."""

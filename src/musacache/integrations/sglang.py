@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .._errors import ConfigError, MusaCacheError
+from .._errors import CacheClosedError, CacheUnavailableError, ConfigError, MusaCacheError
 from .._spec import KVSpec
 from ._loop import LoopThread
 
@@ -50,6 +50,9 @@ log = logging.getLogger("musacache.sglang")
 _PREFIX = "musacache."
 _KNOWN = ("socket", "config", "namespace", "timeout")
 # Keys SGLang's dynamic-backend factory itself reads from the same dict.
+# The least time register_mem_pool_host gives the store to open: a node server it starts
+# takes longer to come up than a call (spawn waits up to a minute).
+_OPEN_TIMEOUT = 60.0
 _FACTORY_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "interface_v2")
 
 
@@ -99,11 +102,17 @@ class MusaCacheStorage(HiCacheStorage):
             raise ConfigError(f"musacache.timeout must be a positive number, got {timeout!r}")
         self.timeout = float(timeout)
         model = str(ours.get("namespace") or storage_config.model_name or "sglang")
+        # The rank's slice here; the host pool's layout and KV dtype are added when it is
+        # registered (register_mem_pool_host).
         self.namespace = _namespace(model, storage_config)
         self.is_writer = bool(storage_config.is_storage_writer)
         self.mem_pool_host: Any = None
         self.spec: KVSpec | None = None
         self.page_size = 0
+        # host_indices advance by a logical page per key: page_size times the decode context
+        # parallel size (each DCP rank's pool holds page_size of a logical page's tokens).
+        self.index_step = 0
+        self._closed = False
         self._cache: Any = None
         self._loop: LoopThread | None = None
         self._last_warning = -1e9
@@ -115,8 +124,26 @@ class MusaCacheStorage(HiCacheStorage):
         """SGLang hands over its host pool: the page shape is known now, so open the cache."""
         super().register_mem_pool_host(mem_pool_host)
         self.spec, self.page_size = page_spec(mem_pool_host)
+        self.index_step = int(getattr(mem_pool_host, "logical_page_size", self.page_size))
+        if self.index_step <= 0 or self.index_step % self.page_size:
+            raise ConfigError(f"SGLang host pool {type(mem_pool_host).__name__}: a logical "
+                              f"page of {self.index_step} tokens is not a whole number of "
+                              f"{self.page_size}-token pages")
+        self.namespace += _pool_identity(mem_pool_host)
         self._loop = LoopThread("musacache-sglang")
-        self._cache = self._run(self._open(), self.timeout)
+        try:
+            # Opening may start a node server, which takes longer than one call: at least
+            # the wait spawn allows it.
+            self._cache = self._run(self._open(), max(self.timeout, _OPEN_TIMEOUT))
+        except TimeoutError as e:
+            self._loop.close()
+            self._loop = None
+            raise CacheUnavailableError(f"musacache: the page store did not open within "
+                                        f"{max(self.timeout, _OPEN_TIMEOUT)} s") from e
+        except BaseException:
+            self._loop.close()
+            self._loop = None
+            raise
 
     async def _open(self) -> Any:
         from ._pagestore import open_page_store
@@ -136,12 +163,15 @@ class MusaCacheStorage(HiCacheStorage):
                 self._cache = None
             self._loop.close()
             self._loop = None
+        self._closed = True
 
     def _run(self, coro: Any, timeout: float) -> Any:
         assert self._loop is not None
         return self._loop.run(coro, timeout)
 
     def _ready(self) -> bool:
+        if self._closed:
+            raise CacheClosedError("MusaCacheStorage: the backend was closed")
         if self._cache is None:
             raise ConfigError("MusaCacheStorage: register_mem_pool_host was not called")
         return True
@@ -155,10 +185,27 @@ class MusaCacheStorage(HiCacheStorage):
 
     # -- the zero-copy pair over the registered host pool -----------------------------------
 
-    def _page_views(self, host_indices: torch.Tensor, count: int) -> list[torch.Tensor]:
+    def _page_views(self, what: str, host_indices: torch.Tensor,
+                    count: int) -> list[torch.Tensor]:
+        """The pool's view of each of ``count`` pages, the ``i``-th starting at
+        ``host_indices[i * index_step]`` (SGLang slices its indices by logical page)."""
+        step = self.index_step
+        if host_indices.numel() < count * step:
+            raise ConfigError(f"{what}: {count} keys need {count * step} host indices, got "
+                              f"{host_indices.numel()}")
         pool = self.mem_pool_host
-        return [pool.get_data_page(int(host_indices[i * self.page_size]), flat=False)
-                for i in range(count)]
+        try:
+            return [pool.get_data_page(int(host_indices[i * step]), flat=False)
+                    for i in range(count)]
+        except (ValueError, IndexError, TypeError, RuntimeError) as e:
+            raise ConfigError(f"{what}: the host pool refused a page view: {e}") from e
+
+    def _after(self, extra_info: Any) -> str | None:
+        """The key of the page before a batch's first, from SGLang's ``prefix_keys``: the
+        batch's pages then hang under it, so that eviction drops a sequence's tail before
+        its head (without it, each batch of a long sequence started a new root)."""
+        prefix = getattr(extra_info, "prefix_keys", None)
+        return str(prefix[-1]) if prefix else None
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: Any = None) -> list[bool]:
@@ -168,10 +215,7 @@ class MusaCacheStorage(HiCacheStorage):
         self.counters["gets"] += n
         if n == 0:
             return []
-        if host_indices.numel() < n * self.page_size:
-            raise ConfigError(f"batch_get_v1: {n} keys need {n * self.page_size} host "
-                              f"indices, got {host_indices.numel()}")
-        outs = self._page_views(host_indices, n)
+        outs = self._page_views("batch_get_v1", host_indices, n)
         try:
             found = list(self._run(self._cache.get_pages(keys, outs), self.timeout))
         except (MusaCacheError, TimeoutError, OSError) as e:
@@ -188,15 +232,14 @@ class MusaCacheStorage(HiCacheStorage):
         n = len(keys)
         if not self.is_writer or n == 0:
             return [True] * n
-        if host_indices.numel() < n * self.page_size:
-            raise ConfigError(f"batch_set_v1: {n} keys need {n * self.page_size} host "
-                              f"indices, got {host_indices.numel()}")
-        return self._put(keys, self._page_views(host_indices, n))
+        return self._put(keys, self._page_views("batch_set_v1", host_indices, n),
+                         self._after(extra_info))
 
-    def _put(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
+    def _put(self, keys: Sequence[str], pages: Sequence[torch.Tensor],
+             after: str | None = None) -> list[bool]:
         self.counters["sets"] += 1
         try:
-            stored = int(self._run(self._cache.put_pages(list(keys), list(pages)),
+            stored = int(self._run(self._cache.put_pages(list(keys), list(pages), after=after),
                                    self.timeout))
         except (MusaCacheError, TimeoutError, OSError) as e:
             self._fault("set", e)
@@ -266,6 +309,23 @@ class MusaCacheStorage(HiCacheStorage):
 
     def get_stats(self) -> dict[str, int]:
         return dict(self.counters)
+
+
+def _pool_identity(pool: Any) -> str:
+    """What of the host pool decides a stored page's bytes beyond its size and storage
+    dtype, as a namespace suffix: the layout (a layer-first and a page-first page of the same
+    size hold the same values in other orders, so one instance must never read the other's)
+    and the KV's logical dtype (SGLang stores every fp8 variant as uint8)."""
+    suffix = ""
+    layout = getattr(pool, "layout", None)
+    if layout:
+        suffix += f"/layout={layout}"
+    dtype = getattr(getattr(pool, "device_pool", None), "dtype", None)
+    if dtype is None:
+        dtype = getattr(pool, "dtype", None)
+    if dtype is not None:
+        suffix += f"/dtype={str(dtype).removeprefix('torch.')}"
+    return suffix
 
 
 def _namespace(model: str, cfg: Any) -> str:
