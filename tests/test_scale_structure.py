@@ -8,6 +8,7 @@ import math
 import sys
 
 import numpy as np
+import pytest
 import torch
 
 import musacache as mc
@@ -354,3 +355,14 @@ async def test_a_reader_who_pins_a_chunk_during_its_demotion_keeps_its_slot(spec
         await c.flush()
         hit = await c.get(a)
         assert hit.num_tokens == 4 * CH and torch.equal(hit.kv, prefix_kv(spec, a))
+
+
+def test_bench_scale_refuses_an_unknown_part(capsys):
+    # A misspelt part ("small_ops" for "small") ran nothing and printed only the title.
+    from musacache.bench import scale
+
+    with pytest.raises(SystemExit) as exited:
+        scale.main(["--only", "small_ops"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "small_ops" in err and "small" in err

@@ -1047,13 +1047,17 @@ def plot(res: dict[str, Any], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+#: The parts of a run, in the order they run (``--only`` picks some).
+PARTS = ("siblings", "eviction", "stalls", "small", "paged", "disk", "curve", "server")
+
+
 def _ints(s: str) -> list[int]:
     return [int(float(x)) for x in s.split(",") if x]
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     res: dict[str, Any] = {"threads": torch.get_num_threads(), "cpus": os.cpu_count()}
-    parts = set(args.only.split(",")) if args.only else None
+    parts = {p for p in args.only.split(",") if p} if args.only else None
 
     def want(name: str) -> bool:
         return parts is None or name in parts
@@ -1093,12 +1097,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--paged-tokens", type=int, default=4096)
     p.add_argument("--disk-tokens", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--only", default="",
-                   help="comma list of parts: siblings,eviction,stalls,small,paged,disk,curve,"
-                        "server")
+    p.add_argument("--only", default="", help=f"comma list of parts: {','.join(PARTS)}")
     p.add_argument("--plot", metavar="FILE", help="draw the curves (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="print machine-readable results")
     args = p.parse_args(argv)
+    unknown = sorted({x for x in args.only.split(",") if x} - set(PARTS))
+    if unknown:
+        p.error(f"--only: no part named {', '.join(unknown)} (the parts: {','.join(PARTS)})")
     res = asyncio.run(run(args))
     if args.json:
         print(json.dumps(res, indent=2))
