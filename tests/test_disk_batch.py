@@ -39,7 +39,7 @@ from musacache import devices
 from musacache._errors import CorruptChunkError
 from musacache._tee import Tee
 from musacache.tiers import disk as disk_mod
-from musacache.tiers.base import NOT_TRIED
+from musacache.tiers.base import NOT_TRIED, QuarantinedError
 
 CH = 16
 
@@ -137,7 +137,7 @@ async def test_a_batch_answers_for_each_chunk_on_its_own(tmp_path: Path) -> None
         matches = await eng.match(np.asarray(toks, dtype=np.int32))
         flip_byte(_file_of_chunk(c, tmp_path, toks, 1), -3)  # damaged
         _file_of_chunk(c, tmp_path, toks, 2).unlink()  # gone behind the cache's back
-        st.store._quarantined.add(matches[3].entry.key)  # hung before: read as absent
+        st.store._quarantined.add(matches[3].entry.key)  # hung before: refused
         outs = [torch.full(spec.shape(CH), float("nan"), dtype=spec.dtype) for _ in matches]
         tees = [Tee(o) for o in outs]
         misses = st.store.stats()["read_misses"]
@@ -146,11 +146,12 @@ async def test_a_batch_answers_for_each_chunk_on_its_own(tmp_path: Path) -> None
             eng.fingerprint)
         assert isinstance(got[0], int) and got[0] > 0
         assert isinstance(got[1], CorruptChunkError)
-        assert got[2:] == [None, None]
+        assert got[2] is None
+        assert isinstance(got[3], QuarantinedError)  # the engine deletes it
         assert torch.equal(outs[0], kv.narrow(spec.token_dim, 0, CH))
         assert tees[0].complete and not tees[1].complete and not tees[2].complete
         assert torch.isnan(outs[3]).all()  # a quarantined file is never opened
-        assert st.store.stats()["read_misses"] == misses + 2
+        assert st.store.stats()["read_misses"] == misses + 1
 
 
 async def test_a_hung_read_in_a_batch_is_abandoned_and_the_others_are_served(

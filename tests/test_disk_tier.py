@@ -477,7 +477,8 @@ async def test_hung_reads_are_bounded_and_quarantined(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Issue 10 item 11: each read of a hung file left one more OS thread behind, without
     # bound. Now at most max_concurrency threads may be stuck; then reads fail at once, and
-    # a chunk whose read hung reads as absent until it is written again.
+    # a chunk whose read hung is quarantined (QuarantinedError: the engine deletes it) until
+    # it is written again.
     store = DiskTier(path=str(tmp_path), capacity_bytes=1 << 20, timeout=0.2,
                      max_concurrency=2).build()
     await store.start(CTX)
@@ -512,8 +513,8 @@ async def test_hung_reads_are_bounded_and_quarantined(
             await anyio.sleep(0.01)
     monkeypatch.setattr(DiskStore, "_read_regular", staticmethod(read_regular))
     assert await store.read(chunks[2][0]) == chunks[2][1]
-    # The chunks whose read hung are quarantined: absent, until written again.
-    assert await store.read(hung[0][0]) is None
+    # The chunks whose read hung are quarantined, until written again.
+    await _expect_tier_error(store.read(hung[0][0]), "quarantined")
     assert store.stats()["quarantined"] == 2
     await store.write(*hung[0])
     assert await store.read(hung[0][0]) == hung[0][1]

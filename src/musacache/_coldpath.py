@@ -26,7 +26,7 @@ from ._listing import ChunkListing, ListingBuilder
 from ._log import RateLimitedLog
 from ._placement import EntryQueue, memory_only_batches, victims
 from ._tierstate import MemTier, StoreTier, Tier
-from .tiers.base import NOT_TRIED, ChunkMeta
+from .tiers.base import NOT_TRIED, ChunkMeta, QuarantinedError
 
 if TYPE_CHECKING:
     from ._config import CacheConfig
@@ -75,6 +75,8 @@ _PERSIST_BATCH = 16
 _DELETE_RETRY_PAUSES = (0.2, 1.0)
 # Loop turns of a restart's learning between two collections of the young generations.
 _COLLECT_TURNS = 8
+# Evictions make_room makes per turn of the loop when none reads (no demotion between them).
+_TRIM_RUN = 256
 
 # Objects that are intact but not for this cache: another model, layout or chunk size
 # (FingerprintMismatchError), or another format version (ForeignFormatError). Unreadable here,
@@ -199,6 +201,10 @@ class ColdPath:
                              str(exc) or f"read took over {t.store.timeout} s")
         elif decodes and isinstance(exc, _UNREADABLE):  # the object, not the tier
             self._unreadable(t, e, exc)
+        elif isinstance(exc, QuarantinedError):  # an object the tier will not read again
+            self._count(t, "faults", "misses")
+            self.errlog.warn(t.name, "quarantined", str(exc))
+            _drop_object(self, t, e)
         else:  # TierError, or anything a plug-in tier lets escape
             self._count(t, "faults", "misses")
             self.errlog.warn(t.name, "read fault", repr(exc))
@@ -214,18 +220,7 @@ class ColdPath:
             return
         self._count(t, "corrupt", "misses")
         self.errlog.warn(t.name, "corrupt chunk", f"{e.key.hex()}: {exc}")
-        was_current = not e.dead
-        meta = t.meta(e)
-        self.forget(t, e)
-        if not was_current:  # a dead entry may be reading a newer entry's object: keep it
-            return
-        if t.store.shared:
-            # Over a network a body damaged on its way (a proxy's error page, a cut
-            # connection) is not a damaged object, and the object is every node's: read it
-            # once more first (found by a probe: one bad pass deleted a bucket's good chunks).
-            self.eng.tasks.spawn(_delete_if_still_corrupt, self, t, meta)
-        else:
-            self.schedule_delete(t, e.key)
+        _drop_object(self, t, e, check_shared=True)
 
     async def promote_decoding(self, e: Entry, tee: Tee | None = None,
                                skip: tuple[Tier, ...] = (), *, counts_hit: bool = True,
@@ -388,10 +383,17 @@ class ColdPath:
 
     async def make_room(self, t: StoreTier, size: int) -> bool:
         """Evict from a bounded storage tier (leaves first, demoting below) until ``size``
-        more bytes fit; False if only pinned or queued chunks are left."""
+        more bytes fit (``size`` 0: until it is within its capacity); False if only pinned or
+        queued chunks are left."""
         eng = self.eng
         cap = t.capacity if t.capacity is not None else 0
+        evicted = 0
         while t.used + size > cap:
+            if evicted and not evicted % _TRIM_RUN:
+                # Many evictions without a demotion's read between them (a restart with a
+                # smaller capacity, say): the loop is let go between runs of them.
+                await anyio.lowlevel.checkpoint()
+            evicted += 1
             found = victims(t, eng.dir, 1)
             if not found:
                 return False
@@ -699,6 +701,25 @@ class DirectReads:
             else:
                 served.append(self._served(src, copy, size))
         return served
+
+
+def _drop_object(cold: ColdPath, t: StoreTier, e: Entry, *, check_shared: bool = False) -> None:
+    """Forget ``e`` in ``t`` and delete its object there (forgotten and left in place, an
+    object escapes a later delete or clear, and comes back at the next restart). With
+    ``check_shared``, an object on a shared tier is deleted only if a second read finds it
+    unreadable too."""
+    was_current = not e.dead
+    meta = t.meta(e)
+    cold.forget(t, e)
+    if not was_current:  # a dead entry may be reading a newer entry's object: keep it
+        return
+    if check_shared and t.store.shared:
+        # Over a network a body damaged on its way (a proxy's error page, a cut connection)
+        # is not a damaged object, and the object is every node's: read it once more first
+        # (found by a probe: one bad pass deleted a bucket's good chunks).
+        cold.eng.tasks.spawn(_delete_if_still_corrupt, cold, t, meta)
+    else:
+        cold.schedule_delete(t, e.key)
 
 
 async def _delete_if_still_corrupt(cold: ColdPath, t: StoreTier, meta: ChunkMeta) -> None:

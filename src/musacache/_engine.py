@@ -264,6 +264,13 @@ class Cache:
                     started.append(st.store)
                     await eng.cold.learn_all(st, listing, BATCH)
                     del listing
+            for st in eng.stores:
+                if st.capacity is not None and st.used > st.capacity:
+                    # Objects of a run with a larger capacity: the tier is brought within
+                    # this one before the cache opens (leaves first, demoting below, once
+                    # every tier is learned, so that what a lower one holds is not written
+                    # to it again).
+                    await eng.cold.make_room(st, 0)
             for mt in eng.mem:
                 if mt.prealloc_bytes:
                     await mt.pool.prealloc(mt.prealloc_bytes)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 
 from .._chunkmeta import ChunkMeta
+from .._errors import TierError
 from .._keys import Fingerprint
 from .._listing import ChunkListing, ListingBuilder
 from .._spec import KVSpec
@@ -32,8 +33,8 @@ from .._spec import KVSpec
 if TYPE_CHECKING:
     from .._native import ChunkCopy
 
-__all__ = ["NOT_TRIED", "ChunkListing", "ChunkMeta", "ListingBuilder", "StorageTier",
-           "TierConfig", "TierContext"]
+__all__ = ["NOT_TRIED", "ChunkListing", "ChunkMeta", "ListingBuilder", "QuarantinedError",
+           "StorageTier", "TierConfig", "TierContext"]
 
 
 @dataclass(frozen=True)
@@ -202,6 +203,13 @@ class StorageTier(abc.ABC):
     def build(self) -> StorageTier:
         """A running tier is its own config: an instance may stand in ``CacheConfig.tiers``."""
         return self
+
+
+class QuarantinedError(TierError):
+    """What a read raises for an object the tier will not read again (an earlier read of it
+    hung and was abandoned). The engine counts a fault and a miss, forgets the chunk and
+    deletes the object, as for a corrupt one: an object left in place but forgotten would
+    escape a later delete or clear, and come back at the next restart."""
 
 
 class _NotTried:

@@ -90,6 +90,7 @@ from .base import (
     ChunkListing,
     ChunkMeta,
     ListingBuilder,
+    QuarantinedError,
     StorageTier,
     TierContext,
 )
@@ -263,6 +264,15 @@ class _Raised:
         self.exc = exc
 
 
+class _Unchecked:
+    """What _check_file returns for a file it could not read (kept, not listed)."""
+
+
+_UNCHECKED = _Unchecked()
+# Pauses before the start-up scan opens a file again after an OSError (EMFILE, EIO).
+_SCAN_RETRY_PAUSES = (0.01, 0.1)
+
+
 class _NotAFile:
     """What _read_file returns for a name that held no regular file (it was removed)."""
 
@@ -425,6 +435,8 @@ class DiskStore(StorageTier):
                 continue
             meta = self._check_file(entry.path, bytes.fromhex(m[1]), bytes.fromhex(m[2]),
                                     int(m[3]), sub.name, counts)
+            if isinstance(meta, _Unchecked):
+                continue  # kept for the next start (its fault is counted)
             if meta is None:
                 self._remove(entry.path, "removed_corrupt", counts)
             else:
@@ -434,27 +446,39 @@ class DiskStore(StorageTier):
         return found.build(), names, counts
 
     def _check_file(self, path: str, key: bytes, parent: bytes, tokens: int,
-                    fan_out: str, counts: dict[str, Any]) -> ChunkMeta | None:
-        """The file's ChunkMeta if its header, size and name agree, else None."""
+                    fan_out: str, counts: dict[str, Any]) -> ChunkMeta | _Unchecked | None:
+        """The file's ChunkMeta if its header, size and name agree; None if they do not (a
+        corrupt or foreign file, removed); :data:`_UNCHECKED` when the file could not be
+        read (out of fds, an I/O error: counted under ``scan_errors``, and the file kept,
+        for a fault of the moment must not delete good chunks)."""
         fp = self._fp
         if fp is None or key[:1].hex() != fan_out:
             return None
-        try:
-            # O_NONBLOCK: a FIFO under a chunk's name must not hang the start-up scan.
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        for pause in (*_SCAN_RETRY_PAUSES, None):
             try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode):
-                    return None
-                head = os.pread(fd, HEADER_SIZE, 0)
-            finally:
-                os.close(fd)
-            hdr = read_header(head)
-        except (CorruptChunkError, FingerprintMismatchError):
-            return None
-        except OSError as e:
-            counts["last_error"] = f"scan {path}: {e}"
-            return None
+                # O_NONBLOCK: a FIFO under a chunk's name must not hang the start-up scan.
+                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+                try:
+                    st = os.fstat(fd)
+                    if not stat.S_ISREG(st.st_mode):
+                        return None
+                    head = os.pread(fd, HEADER_SIZE, 0)
+                finally:
+                    os.close(fd)
+                hdr = read_header(head)
+                break
+            except (CorruptChunkError, FingerprintMismatchError):
+                return None
+            except FileNotFoundError:
+                return _UNCHECKED  # removed meanwhile: nothing to keep or count
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    return None  # a symlink put there under a chunk's name (O_NOFOLLOW)
+                if pause is None:
+                    counts["scan_errors"] = counts.get("scan_errors", 0) + 1
+                    counts["last_error"] = f"scan {path}: {e}"
+                    return _UNCHECKED
+                time.sleep(pause)  # (a worker thread) out of fds for a moment, say
         if (hdr.key, hdr.parent, hdr.num_tokens) != (key, parent, tokens) \
                 or not hdr.matches(fp) or st.st_size != hdr.object_len:
             return None
@@ -588,8 +612,7 @@ class DiskStore(StorageTier):
         faults; quarantines a file whose read hung."""
         path = self._path(meta.key, meta.parent, meta.num_tokens)
         if meta.key in self._quarantined:
-            self._c["read_misses"] += 1
-            return None
+            raise _quarantined(self, path)
         refused = _refusal(self, path)
         if refused is not None:
             raise refused
@@ -808,6 +831,13 @@ def _read_file_to(path: str | Path, fingerprint: Fingerprint, meta: ChunkMeta,
     return _with_file(path, to)
 
 
+def _quarantined(store: DiskStore, path: Path) -> QuarantinedError:
+    """The error of a read of a quarantined file (one whose read hung), counted."""
+    store._c["read_faults"] += 1
+    return QuarantinedError(f"disk tier {store.name!r}: {path} is quarantined (a read of it "
+                            "hung); the engine deletes it")
+
+
 def _refusal(store: DiskStore, path: Path) -> TierError | None:
     """The error (counted) of a read of ``path`` refused because every thread the store may
     use is stuck in the file system (starting another one would only leak it too), or None
@@ -850,8 +880,7 @@ async def _read_batch(store: DiskStore, items: Sequence[tuple[ChunkMeta, ChunkCo
     todo: deque[int] = deque()
     for i, (meta, _copy) in enumerate(items):
         if meta.key in store._quarantined:
-            store._c["read_misses"] += 1
-            out[i] = None
+            out[i] = _quarantined(store, path_of(i))
         else:
             todo.append(i)
     if not todo:
