@@ -218,6 +218,14 @@ class _New:
             self._settled.set()
 
 
+def _cut(it: _New, held: list[Entry]) -> bool:
+    """Whether the chunk ``it`` hangs under, which its put holds (``held[-1]``), was deleted
+    while ``it`` was moved or waited for room: a delete racing the put. Committed then,
+    ``it`` would hang under a chunk no longer in the directory, where no delete reaches it,
+    and a later put of the prompt (with new KV) would bring it back."""
+    return bool(held) and held[-1].dead and held[-1].key == it.entry.parent
+
+
 class Engine(Reads):
     def __init__(self, config: CacheConfig, fingerprint: Fingerprint, chain: KeyChain,
                  tiers: list[Tier], mover: Mover, tasks: TaskOwner) -> None:
@@ -472,7 +480,7 @@ class Engine(Reads):
                       for it in batch]
             await source.move(self.mover, (parts if b == 0 else [])
                               + [(it.start, it.end - it.start, h) for it, h in staged])
-            if self.dir is not within:
+            if self.dir is not within or (b == 0 and _cut(items[0], held)):
                 return items[0].start if b == 0 else batch[0].start
             if b == 0:
                 for it in items:  # commit, in prompt order: only now can a chunk be found
@@ -533,11 +541,26 @@ class Engine(Reads):
         for st in self.stores:
             objs = await self.cold.encode(st, [(it.entry, d) for it, d in staged])
             for i, ((it, _), obj) in enumerate(zip(staged, objs, strict=True)):
-                if self.dir is not within:
+                if self.dir is not within or _cut(it, held):
                     return i
-                self.dir.add(it.entry)
-                if not await self.cold.place(st, it.entry, obj):
-                    self.dir.remove(it.entry)
+                e = it.entry
+                # In the directory while its write waits for room (a delete or clear then
+                # finds it, and its write is skipped or its object deleted after it).
+                self.dir.add(e)
+                try:
+                    placed = await self.cold.place(st, e, obj)
+                except BaseException:
+                    # Cancelled before its write was queued (place queues it in its last
+                    # step): no tier holds it, and it must not stay behind as cached.
+                    if self.dir.get(e.key) is e:
+                        self.dir.remove(e)
+                    raise
+                if not placed or e.dead or self.dir is not within:
+                    # Refused; deleted while it waited (nothing queued, and the delete took
+                    # it out); or a clear swapped the directory meanwhile (its write, queued
+                    # in the old one, is dismantled with it). Not committed.
+                    if not placed and self.dir.get(e.key) is e:
+                        self.dir.remove(e)
                     return i
                 self._commit_new(it, held)
             return len(staged)
