@@ -77,7 +77,8 @@ async def test_a_put_racing_a_delete_leaves_nothing_to_come_back() -> None:
     toks = list(range(20 * CS))  # two rounds of a put: 16 chunks, then 4
     async with mc.Cache(cfg) as c:
         put = asyncio.create_task(c.put(toks, _kv(len(toks), 1)))
-        while await c.lookup(toks) < 16 * CS:  # the first round committed, the second moving
+        # The first round committed, the second moving (polled: no event tells it).
+        while await c.lookup(toks) < 16 * CS:  # noqa: ASYNC110
             await asyncio.sleep(0)
         await c.delete(toks)
         assert await put <= 16 * CS  # the second round is not committed
