@@ -511,6 +511,33 @@ def test_own_process_device_handle_uses_the_storage_directly(monkeypatch) -> Non
                                              "pid": os.getpid()}))
 
 
+def test_a_worker_in_its_own_pid_namespace_is_served(monkeypatch) -> None:
+    """A worker in a container numbers itself in its own PID namespace, so the pid its
+    handles carry is never the SO_PEERCRED pid the server sees (found by a probe: every
+    register and put of such a worker was refused). The pid means nothing for a memfd, and
+    for a device handle only "ours or not" matters, which the kernel's pid decides."""
+    kv = empty_shared((4, 4), torch.float32)
+    kv.copy_(torch.arange(16, dtype=torch.float32).view(4, 4))
+    handle = share(kv)
+    in_container = TensorHandle.from_wire({**handle.to_wire(), "pid": 1})
+    table = MappingTable(require_sealed=True, peer_pid=os.getpid() + 1)
+    imp = table.open_tensor(in_container, dup_fds(handle))
+    assert torch.equal(imp.tensor, kv)
+    imp.close()
+    table.close_all()
+    # A device handle of pid 1 from a peer that is not us goes to the driver.
+    monkeypatch.setattr(torch, "cuda", fake_device_module(("U",)))
+    opened: list[Any] = []
+    backing = torch.arange(24, dtype=torch.float32)
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared_cuda",
+                        lambda *a: opened.append(a) or backing.untyped_storage(), raising=False)
+    device = TensorHandle.from_wire({**_wire(kind="cuda", index=0, uuid="U", nfds=0, nbytes=96,
+                                             shape=[4, 6], stride=[6, 1],
+                                             ipc=list(ipc_tuple(0, 96))), "pid": 1})
+    open_storage(device, peer_pid=os.getpid() + 1)
+    assert len(opened) == 1
+
+
 def test_musa_without_torch_musa_is_a_device_error(monkeypatch) -> None:
     monkeypatch.delattr(torch, "musa", raising=False)
     monkeypatch.setitem(sys.modules, "torch_musa", None)

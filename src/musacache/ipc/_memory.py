@@ -515,19 +515,24 @@ def open_storage(handle: TensorHandle, fds: Sequence[int] = (), *,
     the exporter could still shrink (which would crash us with SIGBUS on access); memory from
     :func:`empty_shared` is sealed, torch's ``share_memory_()`` memory is not.
 
-    ``peer_pid`` (the kernel's word for who sent the handle, from SO_PEERCRED) must match
-    the handle's ``pid`` when both are known: the pid decides whether a device handle is
-    opened as our own storage, so a peer may not claim to be us.
+    ``peer_pid`` (the kernel's word for who sent the handle, from SO_PEERCRED) decides,
+    when known, whether a device handle is our own storage: a peer may not claim to be us,
+    so a device handle that carries our pid from another peer is refused. The handle's
+    ``pid`` is otherwise not compared with it: a worker in its own PID namespace (a
+    container) sees another number for itself than the kernel gives us, and a CPU handle is
+    a memfd whose pid means nothing (found by a probe: such workers could not register).
     """
     try:
-        if peer_pid is not None and handle.pid is not None and handle.pid != peer_pid:
-            raise IPCError(f"the handle claims pid {handle.pid}, the peer is pid {peer_pid}")
         if handle.device_kind == "cpu":
             return _open_cpu(handle, fds, require_sealed)
         if fds:
             raise IPCError(f"a {handle.device_kind} tensor handle takes no fds, got {len(fds)}")
         key = _device_key(handle)
-        if handle.pid is not None and handle.pid == os.getpid():
+        me = os.getpid()
+        if peer_pid is not None and peer_pid != me and handle.pid == me:
+            raise IPCError(f"the handle claims pid {handle.pid} (this process), the peer is "
+                           f"pid {peer_pid}")
+        if (handle.pid == me) if peer_pid is None else (peer_pid == me):
             return key, _own_device_storage(key)
         return key, _open_device(handle)
     finally:

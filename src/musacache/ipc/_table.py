@@ -75,8 +75,8 @@ class MappingTable:
 
     ``require_sealed=True`` refuses CPU memory the peer could still shrink under us (a later
     access would be SIGBUS); the node server always sets it. ``peer_pid`` is the peer's pid
-    from SO_PEERCRED: handles claiming another pid are refused. See
-    :func:`musacache.ipc.open_storage`. Not thread-safe: use it from one event loop.
+    from SO_PEERCRED: a device handle claiming this process's pid from another peer is
+    refused. See :func:`musacache.ipc.open_storage`. Not thread-safe: use it from one event loop.
     """
 
     def __init__(self, *, require_sealed: bool = False, peer_pid: int | None = None) -> None:
