@@ -234,11 +234,37 @@ def test_fds_on_a_frame_that_declares_none_are_fatal_and_closed() -> None:
     decoder = FrameDecoder()
     decoder.feed(encode_request(1, "a"), [r, w])
     decoder.feed(encode_request(2, "b"))
-    assert decoder.next_frame() is not None  # the fds may still belong to a later frame
+    # The batch ends inside the first frame: no later frame can claim it.
     with pytest.raises(FrameError, match="declared none") as info:
         decoder.next_frame()
     assert info.value.fatal
     assert not fd_is_open(r) and not fd_is_open(w)
+
+
+def test_fds_on_an_incomplete_frame_that_declares_none_are_fatal_at_its_header() -> None:
+    """Found by a probe: fds sent with the first byte of a frame that declares none, whose
+    body never comes, were held by the decoder until the peer went away. Its header says
+    the batch ends inside it, so they are refused (and closed) as soon as it is read."""
+    r, w = os.pipe()
+    decoder = FrameDecoder()
+    frame = encode_request(1, "a", {"pad": b"x" * 100})
+    decoder.feed(frame[:1], [r, w])
+    decoder.feed(frame[1:20])
+    with pytest.raises(FrameError, match="declared none") as info:
+        decoder.next_frame()
+    assert info.value.fatal
+    assert not fd_is_open(r) and not fd_is_open(w)
+
+
+def test_fds_after_frames_that_declare_none_in_one_read_go_to_the_last() -> None:
+    r, w = os.pipe()
+    decoder = FrameDecoder()
+    decoder.feed(encode_request(1, "a") + encode_request(2, "b", nfds=2), [r, w])
+    first, second = decoder.next_frame(), decoder.next_frame()
+    assert first is not None and first.fds == ()
+    assert second is not None and second.fds == (r, w)
+    for fd in second.fds:
+        os.close(fd)
 
 
 def test_missing_fds_are_fatal() -> None:

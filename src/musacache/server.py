@@ -121,11 +121,26 @@ class ServerConfig:
     max_buffers_per_peer: int = 128
     #: Largest staging buffer of the byte path (``stage_bytes``), per connection.
     max_stage_bytes: int = 1024**3
+    #: Staging buffers and incomplete frames of all connections together (bytes; 0: twice
+    #: ``max_stage_bytes + max_frame_size``). Past it a ``stage_bytes`` is refused and a
+    #: connection whose incomplete frame would pass it is closed, with ServerLimitError.
+    max_buffered_bytes: int = 0
+    #: Memory mappings one connection may keep in the server (its registrations' storages
+    #: and kept buffers), and all connections together: each is a kernel mapping, and the
+    #: process has ``vm.max_map_count`` (65530) of them for everything it maps.
+    max_mappings_per_peer: int = 2048
+    max_mappings: int = 32768
     #: Longest wait for a worker's ready event (seconds).
     ready_timeout: float = 60.0
     #: A connection that has not said hello this long after connecting is closed (seconds):
     #: silent sockets would otherwise hold every connection slot.
     hello_timeout: float = 10.0
+    #: A connection with no request in flight that sends nothing this long is closed
+    #: (seconds); the client reconnects at its next call.
+    idle_timeout: float = 600.0
+    #: Longest time a frame may stay incomplete (seconds): its bytes and fds are held
+    #: meanwhile.
+    frame_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.socket_path, str) or not self.socket_path:
@@ -146,6 +161,10 @@ class ServerConfig:
             object.__setattr__(self, "chunk_size", 256)
         if not self.max_caches:
             object.__setattr__(self, "max_caches", 1 if cache is not None else 4)
+        if not self.max_buffered_bytes and isinstance(self.max_stage_bytes, int) \
+                and isinstance(self.max_frame_size, int):
+            object.__setattr__(self, "max_buffered_bytes",
+                               2 * (self.max_stage_bytes + self.max_frame_size))
         object.__setattr__(self, "tiers", tuple(self.tiers))
         object.__setattr__(self, "cache_options", dict(self.cache_options))
         object.__setattr__(self, "allow_uids", tuple(self.allow_uids))
@@ -153,11 +172,15 @@ class ServerConfig:
             raise ConfigError("a server needs its tiers: [[tiers]] in the config file")
         for name in ("max_caches", "max_connections", "max_requests_per_peer",
                      "max_fds_per_peer", "max_buffers_per_peer", "max_stage_bytes",
-                     "max_frame_size"):
+                     "max_frame_size", "max_buffered_bytes", "max_mappings_per_peer",
+                     "max_mappings"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"[server] {name} must be a positive int, got {value!r}")
-        for name in ("ready_timeout", "hello_timeout"):
+        if self.max_buffered_bytes < self.max_frame_size:
+            raise ConfigError(f"[server] max_buffered_bytes ({self.max_buffered_bytes}) must "
+                              f"hold one frame of max_frame_size ({self.max_frame_size})")
+        for name in ("ready_timeout", "hello_timeout", "idle_timeout", "frame_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
                     or not 0 < value < float("inf"):
@@ -187,7 +210,9 @@ class ServerConfig:
         """A server config file: ``[[tiers]]`` (required), an optional ``[server]`` table
         (``socket``, ``allow_uids``, ``max_caches``, ``max_frame_size``, ``max_connections``,
         ``max_requests_per_peer``, ``max_fds_per_peer``, ``max_buffers_per_peer``,
-        ``max_stage_bytes``, ``ready_timeout``, ``hello_timeout``) and optional cache
+        ``max_stage_bytes``, ``max_buffered_bytes``, ``max_mappings_per_peer``,
+        ``max_mappings``, ``ready_timeout``, ``hello_timeout``, ``idle_timeout``,
+        ``frame_timeout``) and optional cache
         settings (``chunk_size``, ``copy_threads``...; docs/configuration.md).
         ``namespace`` with ``[spec]`` names a cache opened at start."""
         import tomllib
@@ -206,7 +231,9 @@ class ServerConfig:
             raise ConfigError("no socket path: pass --socket or set [server] socket")
         known = {"allow_uids", "max_caches", "max_frame_size", "max_connections",
                  "max_requests_per_peer", "max_fds_per_peer", "max_buffers_per_peer",
-                 "max_stage_bytes", "ready_timeout", "hello_timeout"}
+                 "max_stage_bytes", "max_buffered_bytes", "max_mappings_per_peer",
+                 "max_mappings", "ready_timeout", "hello_timeout", "idle_timeout",
+                 "frame_timeout"}
         unknown = set(server) - known
         if unknown:
             raise ConfigError(
@@ -271,11 +298,28 @@ class _Peer:
     staged: torch.Tensor | None = None
     hello: bool = False
     greeted: bool = False  # a hello came in (its cache may take a while to open)
+    saying_hello: bool = False  # a hello is being answered (a second one is refused)
     monitor: bool = False
     cache: Cache | None = None
     key: CacheKey | None = None
     in_flight: int = 0
     held_fds: int = 0
+    #: fds received whose frame is not whole yet, and bytes of an incomplete frame (since)
+    parked_fds: int = 0
+    partial: int = 0
+    partial_since: float = 0.0
+    #: the deadline of hello; bytes received when last seen, and since when no more came
+    hello_due: float = 0.0
+    seen: int = 0
+    quiet_since: float = 0.0
+
+
+@dataclass
+class _Usage:
+    """What all connections together hold of the server's memory (bytes)."""
+
+    staged: int = 0  # staging buffers (stage_bytes)
+    partial: int = 0  # incomplete frames in the connections' decoders
 
 
 def _cache_of(peer: _Peer) -> Cache:
@@ -289,9 +333,33 @@ class _DataOps:
     bound to a cache, the op's typed message and the request's fds. :class:`Server` owns
     connections, peers, caches and the lifecycle, and dispatches to these."""
 
-    def __init__(self, config: ServerConfig, counters: dict[str, int]) -> None:
+    def __init__(self, config: ServerConfig, counters: dict[str, int], usage: _Usage,
+                 peers: set[_Peer]) -> None:
         self.config = config
         self.counters = counters  # the server's own dict: bytes are counted where they move
+        self.usage = usage
+        self.peers = peers  # the server's own set
+
+    def _mappings_elsewhere(self, peer: _Peer) -> int:
+        return sum(p.table.open_mappings for p in self.peers if p is not peer)
+
+    def _room_for_a_mapping(self, peer: _Peer, op: str, elsewhere: int) -> None:
+        """Refuse a mapping the connection would keep past its limit or the server's (found
+        by a probe: one client's 65k registrations filled vm.max_map_count, and every mmap of
+        the server failed for everyone)."""
+        mine = peer.table.open_mappings
+        if mine >= self.config.max_mappings_per_peer:
+            raise ServerLimitError(f"{op}: this connection keeps {mine} memory mappings in the "
+                                   f"server (max_mappings_per_peer="
+                                   f"{self.config.max_mappings_per_peer}); unregister some")
+        if elsewhere + mine >= self.config.max_mappings:
+            raise ServerLimitError(f"{op}: the server keeps {elsewhere + mine} memory mappings "
+                                   f"(max_mappings={self.config.max_mappings})")
+
+    def unstage(self, peer: _Peer) -> None:
+        if peer.staged is not None:
+            self.usage.staged -= peer.staged.numel()
+            peer.staged = None
 
     def _reg(self, peer: _Peer, number: int) -> _Registration:
         reg = peer.regs.get(number)
@@ -344,6 +412,39 @@ class _DataOps:
                 if ev is not None:
                     peer.table.close_event(ev)
 
+    async def _op_register(self, peer: _Peer, msg: msgs.RegisterMessage,
+                           fds: list[int]) -> Any:
+        cache = _cache_of(peer)
+        imports: list[ipc.ImportedTensor] = []
+        elsewhere = self._mappings_elsewhere(peer)
+        try:
+            for h in msg.handles:
+                self._room_for_a_mapping(peer, "register", elsewhere)
+                imports.append(await peer.table.aopen_tensor(h, msgs.take_fds(fds, h.num_fds)))
+            # The handles come in the order of Pages.tensors: described here once, then
+            # every store and retrieve on this registration reuses it.
+            pages = transfer.Pages.from_tensors([imp.tensor for imp in imports], msg.layout)
+            if pages.spec != cache.spec:
+                raise InvalidInputError(f"registered caches hold {pages.spec.describe()}, "
+                                        f"this connection caches {cache.spec.describe()}")
+        except BaseException:
+            for imp in imports:
+                imp.close()
+            raise
+        reg = peer.next_reg
+        peer.next_reg += 1
+        peer.regs[reg] = _Registration(pages, imports)
+        return {"reg": reg, "num_slots": pages.num_slots}
+
+    async def _op_unregister(self, peer: _Peer, msg: msgs.UnregisterMessage,
+                             fds: list[int]) -> Any:
+        reg = peer.regs.pop(msg.reg, None)
+        if reg is None:
+            raise InvalidInputError(f"no registration {msg.reg} on this connection")
+        for imp in reg.imports:
+            imp.close()
+        return True
+
     async def _dense(self, peer: _Peer, msg: msgs.DenseMessage, fds: list[int],
                      ) -> tuple[torch.Tensor, ipc.ImportedTensor | None]:
         """The tensor a put or get reads or writes, and the mapping to close after the op
@@ -369,6 +470,7 @@ class _DataOps:
             raise ServerLimitError(f"this connection keeps {len(peer.buffers)} buffers "
                                    f"mapped (max_buffers_per_peer="
                                    f"{self.config.max_buffers_per_peer}); release some")
+        self._room_for_a_mapping(peer, "buf", self._mappings_elsewhere(peer))
         mine = msgs.take_fds(fds, msg.nfds)
         if msg.handle.device_kind == "cpu":
             # A shared memory file is mapped with a few cheap syscalls: no worker thread.
@@ -430,8 +532,17 @@ class _DataOps:
                               fds: list[int]) -> Any:
         _cache_of(peer)
         if peer.staged is None or peer.staged.numel() != msg.total:
-            peer.staged = None  # let go of the old buffer before the new one is allocated
+            self.unstage(peer)  # let go of the old buffer before the new one is allocated
+            usage, most = self.usage, self.config.max_buffered_bytes
+            if usage.staged + usage.partial + msg.total > most:
+                # Each connection's max_stage_bytes alone let a few idle ones take GiBs
+                # (found by a probe), and 512 of them would have the server OOM-killed.
+                raise ServerLimitError(
+                    f"stage_bytes: the server holds {usage.staged + usage.partial} bytes of "
+                    f"staging and incomplete frames; {msg.total} more would pass "
+                    f"max_buffered_bytes={most}")
             peer.staged = torch.empty(msg.total, dtype=torch.uint8, device="cpu")
+            usage.staged += msg.total
         staged, offset, data = peer.staged, msg.offset, msg.data
         if data:
             src = np.frombuffer(data, dtype=np.uint8)
@@ -487,7 +598,7 @@ class _DataOps:
         kv = peer.staged.view(spec.dtype).view(spec.shape(len(toks)))
         n = await cache.put(toks, kv)
         self.counters["bytes_copied"] += spec.nbytes(n)
-        peer.staged = None
+        self.unstage(peer)
         return n
 
 
@@ -574,13 +685,148 @@ async def _reply_error(conn: ipc.Connection, rid: int, e: BaseException) -> None
         pass
 
 
+class _Caches:
+    """The caches of a server, one per :data:`CacheKey`, opened by the first hello that names
+    one. A cache that no connection uses stays open, its chunks served to the next one that
+    names it, until a hello for another cache finds ``max_caches`` open: the cache unused the
+    longest is then closed to make room (memory-only chunks written to a storage tier first,
+    as at shutdown; without one they are gone). Before, caches were never closed: hellos with
+    made-up tenants held every slot until a restart (found by a probe). The cache of the
+    config's ``cache`` is never closed so."""
+
+    def __init__(self, config: ServerConfig, counters: dict[str, int]) -> None:
+        self.config = config
+        self.counters = counters
+        self.caches: dict[CacheKey, Cache] = {}
+        self.users: dict[CacheKey, int] = {}
+        self.unused: dict[CacheKey, None] = {}  # caches no connection uses, oldest first
+        self.pinned: CacheKey | None = None
+        self.lock = anyio.Lock()
+        #: per cache closed by :meth:`close_all`: chunks held, chunks written while closing
+        self.report: list[dict[str, Any]] = []
+
+    async def acquire(self, key: CacheKey, *, pin: bool = False) -> Cache:
+        """The cache of ``key``, opened if need be, counted as used until :meth:`release`
+        (``pin``: the server's own, never closed before the server)."""
+        async with self.lock:
+            cache = self.caches.get(key)
+            if cache is None:
+                if len(self.caches) >= self.config.max_caches and not await self._evict():
+                    raise self._full(key)
+                namespace, spec, chunk, tenant, uid = key
+                # Another uid's chunks are salted apart even when the tenant names match:
+                # isolation between users rests on SO_PEERCRED, not on a shared secret.
+                salt = tenant if uid == os.getuid() else f"uid:{uid}:{tenant or ''}"
+                cache = Cache(self.config.cache_config(spec, namespace, chunk, salt))
+                await cache.open()
+                self.caches[key] = cache
+                log.info("opened a cache for %s (tenant %s)",
+                         Fingerprint(namespace, spec, chunk).describe(), _tenant_tag(tenant))
+            if pin:
+                self.pinned = key
+            else:
+                self.users[key] = self.users.get(key, 0) + 1
+                self.unused.pop(key, None)
+            return cache
+
+    def release(self, key: CacheKey) -> None:
+        """A connection that used ``key``'s cache ended."""
+        left = self.users.get(key, 0) - 1
+        if left > 0:
+            self.users[key] = left
+            return
+        self.users.pop(key, None)
+        if key in self.caches and key != self.pinned:
+            self.unused[key] = None
+
+    def _full(self, key: CacheKey) -> MusaCacheError:
+        wanted = Fingerprint(key[0], key[1], key[2]).describe()
+        held = "; ".join(Fingerprint(k[0], k[1], k[2]).describe() for k in self.caches)
+        if self.config.max_caches == 1:
+            return FingerprintMismatchError(
+                f"client wants {wanted}, this server caches {held} (max_caches=1)")
+        return ServerLimitError(f"cannot open a cache for {wanted}: the server holds "
+                                f"max_caches={self.config.max_caches} caches, all in use")
+
+    async def _evict(self) -> bool:
+        """Close the cache unused the longest; False if every cache is in use."""
+        key = next(iter(self.unused), None)
+        if key is None:
+            return False
+        del self.unused[key]
+        cache = self.caches.pop(key)
+        entry = await self._close(key, cache)
+        self.counters["cache_evictions"] += 1
+        log.info("closed the unused cache of %s (tenant %s) to open another: %d chunk(s), "
+                 "%d written to storage", key[0], entry["tenant"], entry["chunks"],
+                 entry["persisted"])
+        return True
+
+    async def close_all(self) -> None:
+        caches, self.caches = self.caches, {}
+        self.users.clear()
+        self.unused.clear()
+        for key, cache in caches.items():
+            self.report.append(await self._close(key, cache))
+
+    async def _close(self, key: CacheKey, cache: Cache) -> dict[str, Any]:
+        before = await _storage_writes(cache)
+        chunks = int((await cache.stats())["chunks"])
+        try:
+            await cache.aclose()
+        except Exception:  # one cache failing to close must not strand the others
+            log.exception("closing the cache of %s failed", key[0])
+        return {"namespace": key[0], "tenant": _tenant_tag(key[3]), "chunks": chunks,
+                "persisted": await _storage_writes(cache) - before,
+                "storage": [n for n, t in (await cache.stats())["tiers"].items()
+                            if "pending_writes" in t]}
+
+
+def _overdue(cfg: ServerConfig, peer: _Peer, received: int, now: float) -> str | None:
+    """The counter of the timeout a connection has run past (it is closed), or None."""
+    if peer.partial_since and now - peer.partial_since >= cfg.frame_timeout:
+        return "frame_timeouts"
+    if not peer.hello:
+        if now < peer.hello_due:
+            return None
+        if peer.greeted:
+            # A hello in progress: its cache may take long to open (a disk tier's scan, an
+            # S3 listing), and closing would cancel that open every time. Look again later;
+            # a hello that failed clears ``greeted``.
+            peer.hello_due = now + cfg.hello_timeout
+            return None
+        return "hello_timeouts"
+    if received != peer.seen or peer.in_flight:
+        peer.seen, peer.quiet_since = received, now
+        return None
+    # Said hello, then nothing: such connections held every slot for ever (found by a
+    # probe); the client reconnects at its next call.
+    return "idle_timeouts" if now - peer.quiet_since >= cfg.idle_timeout else None
+
+
+def _watch_interval(cfg: ServerConfig) -> float:
+    """How often a connection's timeouts are checked (seconds)."""
+    return min(1.0, max(0.01, min(cfg.hello_timeout, cfg.idle_timeout, cfg.frame_timeout) / 4))
+
+
+def _parking_refused(n: int, parked: int, fd_budget: int) -> ServerLimitError | None:
+    """Why ``n`` more fds may not wait in a connection's decoder for their frame, or None.
+    ``parked``: what all decoders hold now. They may hold half of ``fd_budget``, so the
+    requests in flight always have the other half (found by a probe: frames whose header
+    declared 253 fds and whose body never came held every fd of the server). One
+    connection's decoder holds at most one frame's fds (253) anyway."""
+    if parked + n > fd_budget // 2:
+        return ServerLimitError(f"incomplete frames of all connections would hold "
+                                f"{parked + n} fds, more than half of the {fd_budget} the "
+                                f"server's open-file limit leaves them (RLIMIT_NOFILE)")
+    return None
+
+
 class Server:
     """Run with ``async with Server(config) as server: await server.serve_forever()``."""
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.caches: dict[CacheKey, Cache] = {}
-        self._cache_lock = anyio.Lock()
         self._listener: socket.socket | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._peers: set[_Peer] = set()
@@ -588,18 +834,30 @@ class Server:
         self._last_backoff_log = 0.0
         self.counters = dict.fromkeys(
             ("connections", "refused", "requests", "errors", "bad_frames", "limited",
-             "accept_backoffs", "bytes_copied", "bytes_received", "hello_timeouts"), 0)
-        self._data = _DataOps(config, self.counters)
+             "accept_backoffs", "bytes_copied", "bytes_received", "hello_timeouts",
+             "idle_timeouts", "frame_timeouts", "cache_evictions"), 0)
+        self._caches = _Caches(config, self.counters)
+        self.usage = _Usage()
+        self._data = _DataOps(config, self.counters, self.usage, self._peers)
         #: fds the requests in flight hold (see ``_FDS_PER_RECEIVED``), and may (``_fd_budget``)
         self.held_fds = 0
         self.fd_budget = _fd_budget(config)
+        #: fds the connections' decoders hold for frames not whole yet (counted once each)
+        self.parked_fds = 0
         self._handlers: dict[str, Callable[[_Peer, Any, list[int]], Awaitable[Any]]] = {
             op: getattr(self, f"_op_{op}", None) or getattr(self._data, f"_op_{op}")
             for op in OPS}
-        #: What :meth:`aclose` did (for ``musacache serve`` to report): per cache, chunks
-        #: held and chunks written to storage while closing.
-        self.close_report: list[dict[str, Any]] = []
 
+    @property
+    def caches(self) -> dict[CacheKey, Cache]:
+        """The open caches, by key."""
+        return self._caches.caches
+
+    @property
+    def close_report(self) -> list[dict[str, Any]]:
+        """What :meth:`aclose` did (for ``musacache serve`` to report): per cache, chunks
+        held and chunks written to storage while closing."""
+        return self._caches.report
     @property
     def cache(self) -> Cache:
         """The server's only cache (a server configured with ``cache=``); see :attr:`caches`."""
@@ -621,7 +879,8 @@ class Server:
         try:
             if self.config.cache is not None:
                 c = self.config.cache
-                await self._cache_for((c.namespace, c.spec, c.chunk_size, c.tenant, os.getuid()))
+                await self._caches.acquire((c.namespace, c.spec, c.chunk_size, c.tenant,
+                                            os.getuid()), pin=True)
         except BaseException:
             await self.aclose()
             raise
@@ -652,19 +911,7 @@ class Server:
                 pass
         for peer in list(self._peers):
             self._release_peer(peer)
-        caches, self.caches = self.caches, {}
-        for key, cache in caches.items():
-            before = await _storage_writes(cache)
-            chunks = int((await cache.stats())["chunks"])
-            try:
-                await cache.aclose()
-            except Exception:  # one cache failing to close must not strand the others
-                log.exception("closing the cache of %s failed", key[0])
-            self.close_report.append({
-                "namespace": key[0], "tenant": _tenant_tag(key[3]), "chunks": chunks,
-                "persisted": await _storage_writes(cache) - before,
-                "storage": [n for n, t in (await cache.stats())["tiers"].items()
-                            if "pending_writes" in t]})
+        await self._caches.close_all()
 
     async def _accept_loop(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
@@ -689,6 +936,12 @@ class Server:
             if len(self._peers) >= self.config.max_connections:
                 self.counters["refused"] += 1
                 log.warning("refusing a connection: %d connections open", len(self._peers))
+                try:  # told why (typed), not a bare reset: a new socket has room for it
+                    sock.send(ipc.encode_error(None, ServerLimitError(
+                        f"the server has max_connections={self.config.max_connections} "
+                        f"connections open")))
+                except OSError:
+                    pass
                 sock.close()
                 continue
             if self._tg is not None:
@@ -722,8 +975,11 @@ class Server:
                     f"uid {creds.uid} may not use this musacache server"))
             await conn.aclose()
             return
+        loop = asyncio.get_running_loop()
+        cfg = self.config
         peer = _Peer(pid=creds.pid, uid=creds.uid,
-                     table=ipc.MappingTable(require_sealed=True, peer_pid=creds.pid))
+                     table=ipc.MappingTable(require_sealed=True, peer_pid=creds.pid),
+                     hello_due=loop.time() + cfg.hello_timeout, quiet_since=loop.time())
         self._peers.add(peer)
         self.counters["connections"] += 1
         # Frames are taken from the connection's reader callback and each request gets a
@@ -731,7 +987,6 @@ class Server:
         # task group's start_soon (ten times the cost), were most of a small request. A
         # refused frame pauses the reading until its answer is sent, as a receiving loop
         # that answered inline did.
-        loop = asyncio.get_running_loop()
         ops: dict[asyncio.Task[None], list[int]] = {}  # each op's fds not yet closed
         refusals: collections.deque[tuple[int | None, MusaCacheError]] = collections.deque()
         wake = asyncio.Event()
@@ -765,8 +1020,36 @@ class Server:
 
         max_requests = self.config.max_requests_per_peer
 
+        def ending(error: MusaCacheError) -> MusaCacheError:
+            # A limit that ends the connection, told to the peer first (typed, not a reset).
+            self.counters["limited"] += 1
+            try:
+                conn.send_nowait(ipc.encode_error(None, error))
+            except (CacheUnavailableError, OSError):
+                pass
+            return error
+
+        def on_fds(n: int) -> None:
+            self._sync_parked(peer, conn)
+            refused = _parking_refused(n, self.parked_fds, self.fd_budget)
+            if refused is not None:
+                raise ending(refused)
+            peer.parked_fds += n
+            self.parked_fds += n
+
+        def on_partial(nbytes: int) -> None:
+            grown, peer.partial = nbytes - peer.partial, nbytes
+            self.usage.partial += grown
+            peer.partial_since = (peer.partial_since or loop.time()) if nbytes else 0.0
+            if grown > 0 and self.usage.staged + self.usage.partial > cfg.max_buffered_bytes:
+                raise ending(ServerLimitError(
+                    f"an incomplete frame of {nbytes} bytes would pass max_buffered_bytes="
+                    f"{cfg.max_buffered_bytes} (staging and incomplete frames together)"))
+
         def on_frame(frame: ipc.Frame | ipc.FrameError) -> None:
             nonlocal budget
+            if peer.parked_fds:  # (fds that waited for their frame: taken now, or closed)
+                self._sync_parked(peer, conn)
             if type(frame) is not ipc.Request:
                 if isinstance(frame, ipc.FrameError):
                     self.counters["bad_frames"] += 1
@@ -780,7 +1063,8 @@ class Server:
             if frame.op == "hello":
                 peer.greeted = True
             if nfds or peer.in_flight >= max_requests:  # (else no limit can refuse it)
-                limit = _over_limit(self.config, peer, frame, self.held_fds, self.fd_budget)
+                limit = _over_limit(cfg, peer, frame, self.held_fds + self.parked_fds,
+                                    self.fd_budget)
                 if limit is not None:
                     ipc.close_fds(frame.fds)
                     self.counters["limited"] += 1
@@ -822,27 +1106,25 @@ class Server:
             ended = True
             wake.set()
 
-        hello_timer: asyncio.TimerHandle
+        tick = _watch_interval(cfg)
+        watcher: asyncio.TimerHandle
 
-        def hello_due() -> None:
-            nonlocal ended, hello_timer
-            if peer.hello or ended:
+        def watch() -> None:
+            nonlocal ended, watcher
+            if ended:
                 return
-            if peer.greeted:
-                # A hello in progress: its cache may take long to open (a disk tier's scan,
-                # an S3 listing), and closing would cancel that open every time. Look again
-                # later; a hello that failed clears ``greeted``.
-                hello_timer = loop.call_later(self.config.hello_timeout, hello_due)
+            why = _overdue(cfg, peer, conn.received, loop.time())
+            if why is None:
+                watcher = loop.call_later(tick, watch)
                 return
-            self.counters["hello_timeouts"] += 1
-            log.info("closing pid %d: no hello within %g s", peer.pid,
-                     self.config.hello_timeout)
+            self.counters[why] += 1
+            log.info("closing pid %d: %s", peer.pid, why.removesuffix("s").replace("_", " "))
             ended = True
             wake.set()
 
-        hello_timer = loop.call_later(self.config.hello_timeout, hello_due)
+        watcher = loop.call_later(tick, watch)
         try:
-            conn.start_reading(on_frame, on_end)
+            conn.start_reading(on_frame, on_end, on_fds=on_fds, on_partial=on_partial)
             while not ended:
                 await wake.wait()
                 wake.clear()
@@ -855,7 +1137,7 @@ class Server:
                         break  # the peer is gone: on_end has been called
                 conn.resume_reading()
         finally:
-            hello_timer.cancel()
+            watcher.cancel()
             # The peer is gone (or broke the protocol, or the server stops): its in-flight
             # ops are cancelled, which releases their pins in the cache, and waited for.
             left = dict(ops)
@@ -877,13 +1159,26 @@ class Server:
                 raise came
 
     def _release_peer(self, peer: _Peer) -> None:
+        if peer not in self._peers:
+            return
         self.held_fds -= _FDS_PER_RECEIVED * peer.held_fds  # (of ops cancelled before a step)
         peer.held_fds = 0
+        self.parked_fds -= peer.parked_fds  # (closed with its decoder)
+        peer.parked_fds = 0
+        self.usage.partial -= peer.partial
+        peer.partial = 0
         peer.regs.clear()
         peer.buffers.clear()
-        peer.staged = None
+        self._data.unstage(peer)
         peer.table.close_all()
         self._peers.discard(peer)
+        if peer.key is not None:
+            self._caches.release(peer.key)
+
+    def _sync_parked(self, peer: _Peer, conn: ipc.Connection) -> None:
+        now = conn.pending_fds
+        self.parked_fds += now - peer.parked_fds
+        peer.parked_fds = now
 
     async def _dispatch(self, conn: ipc.Connection, peer: _Peer, req: ipc.Request,
                         fds: list[int], ops: dict[asyncio.Task[None], list[int]]) -> None:
@@ -952,37 +1247,20 @@ class Server:
         finally:
             peer.in_flight -= 1
 
-    # -- caches -------------------------------------------------------------------------------
-
-    async def _cache_for(self, key: CacheKey) -> Cache:
-        async with self._cache_lock:
-            cache = self.caches.get(key)
-            if cache is not None:
-                return cache
-            namespace, spec, chunk, tenant, uid = key
-            if len(self.caches) >= self.config.max_caches:
-                wanted = Fingerprint(namespace, spec, chunk).describe()
-                held = "; ".join(Fingerprint(k[0], k[1], k[2]).describe() for k in self.caches)
-                if self.config.max_caches == 1:
-                    raise FingerprintMismatchError(
-                        f"client wants {wanted}, this server caches {held} (max_caches=1)")
-                raise ServerLimitError(f"cannot open a cache for {wanted}: the server holds "
-                                       f"max_caches={self.config.max_caches} caches already")
-            # Another uid's chunks are salted apart even when the tenant names match:
-            # isolation between users rests on SO_PEERCRED, not on a shared secret.
-            salt = tenant if uid == os.getuid() else f"uid:{uid}:{tenant or ''}"
-            cache = Cache(self.config.cache_config(spec, namespace, chunk, salt))
-            await cache.open()
-            self.caches[key] = cache
-            log.info("opened a cache for %s (tenant %s)",
-                     Fingerprint(namespace, spec, chunk).describe(), _tenant_tag(tenant))
-            return cache
-
     # -- ops --------------------------------------------------------------------------------
 
     async def _op_hello(self, peer: _Peer, msg: msgs.HelloMessage, fds: list[int]) -> Any:
-        if peer.hello:
+        if peer.hello or peer.saying_hello:
             raise ProtocolError("hello was already said on this connection")
+        # Taken before the first await: two hellos sent back to back were both accepted, the
+        # connection bound to whichever cache opened last (found by a probe).
+        peer.saying_hello = True
+        try:
+            return await self._hello(peer, msg)
+        finally:
+            peer.saying_hello = False
+
+    async def _hello(self, peer: _Peer, msg: msgs.HelloMessage) -> Any:
         if msg.protocol != ipc.PROTOCOL_VERSION:
             raise ProtocolError(f"client speaks protocol {msg.protocol}, server "
                                 f"{ipc.PROTOCOL_VERSION}")
@@ -1001,42 +1279,11 @@ class Server:
             raise ProtocolError(f"hello: malformed spec: {e}") from None
         chunk = msg.chunk_size or self.config.chunk_size
         key: CacheKey = (msg.namespace, spec, chunk, msg.tenant, peer.uid)
-        cache = await self._cache_for(key)
+        cache = await self._caches.acquire(key)
         peer.cache, peer.key, peer.hello = cache, key, True
         return {**info, "namespace": msg.namespace, "spec": spec.to_dict(),
                 "chunk_size": chunk, "device": str(cache.device),
                 "max_buffers": self.config.max_buffers_per_peer}
-
-    async def _op_register(self, peer: _Peer, msg: msgs.RegisterMessage,
-                           fds: list[int]) -> Any:
-        cache = _cache_of(peer)
-        imports: list[ipc.ImportedTensor] = []
-        try:
-            for h in msg.handles:
-                imports.append(await peer.table.aopen_tensor(h, msgs.take_fds(fds, h.num_fds)))
-            # The handles come in the order of Pages.tensors: described here once, then
-            # every store and retrieve on this registration reuses it.
-            pages = transfer.Pages.from_tensors([imp.tensor for imp in imports], msg.layout)
-            if pages.spec != cache.spec:
-                raise InvalidInputError(f"registered caches hold {pages.spec.describe()}, "
-                                        f"this connection caches {cache.spec.describe()}")
-        except BaseException:
-            for imp in imports:
-                imp.close()
-            raise
-        reg = peer.next_reg
-        peer.next_reg += 1
-        peer.regs[reg] = _Registration(pages, imports)
-        return {"reg": reg, "num_slots": pages.num_slots}
-
-    async def _op_unregister(self, peer: _Peer, msg: msgs.UnregisterMessage,
-                             fds: list[int]) -> Any:
-        reg = peer.regs.pop(msg.reg, None)
-        if reg is None:
-            raise InvalidInputError(f"no registration {msg.reg} on this connection")
-        for imp in reg.imports:
-            imp.close()
-        return True
 
     async def _op_stats(self, peer: _Peer, msg: msgs.EmptyMessage, fds: list[int]) -> Any:
         if peer.cache is None:

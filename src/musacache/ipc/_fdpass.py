@@ -282,6 +282,9 @@ class Connection:
         self._on_end: Callable[[BaseException | None], None] | None = None
         self._closed = False
         self._eof = False
+        self._on_fds: Callable[[int], None] | None = None
+        self._on_partial: Callable[[int], None] | None = None
+        self._partial = 0  # bytes of an incomplete frame last told to on_partial
 
     @classmethod
     async def connect(cls, path: str | os.PathLike[str], **options: Any) -> Connection:
@@ -295,6 +298,16 @@ class Connection:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def received(self) -> int:
+        """Bytes received on this connection so far."""
+        return self._decoder.received
+
+    @property
+    def pending_fds(self) -> int:
+        """fds received whose frames are not whole yet (held by the decoder)."""
+        return self._decoder.pending_fds
 
     @property
     def buffered(self) -> int:
@@ -487,7 +500,9 @@ class Connection:
                 self._eof = True
 
     def start_reading(self, on_frame: Callable[[Frame | FrameError], None],
-                      on_end: Callable[[BaseException | None], None]) -> None:
+                      on_end: Callable[[BaseException | None], None], *,
+                      on_fds: Callable[[int], None] | None = None,
+                      on_partial: Callable[[int], None] | None = None) -> None:
         """Deliver frames from the loop's reader callback instead of :meth:`receive`: each
         frame to ``on_frame`` as soon as its bytes are in, with no receiving task to wake
         in between. A frame that broke the protocol without breaking the stream comes as
@@ -495,12 +510,19 @@ class Connection:
         EOF, with the error otherwise (a fatal bad frame, a lost peer, :meth:`aclose`);
         nothing is delivered after it. :meth:`pause_reading` stops the delivery (a server
         answering a refused frame reads no further meanwhile), :meth:`resume_reading`
-        goes on. Use this or :meth:`receive`, never both."""
+        goes on. Use this or :meth:`receive`, never both.
+
+        Hooks for a server that bounds what its peers make it hold: ``on_fds(n)`` is called
+        before ``n`` received fds go to the decoder, which keeps them until their frame is
+        whole; ``on_partial(nbytes)`` when the bytes of an incomplete frame held after a read
+        change (0: none is held any more). Either may raise to end the connection (with
+        that error; the fds are closed)."""
         if self._closed:
             raise CacheUnavailableError("the connection is closed")
         if self._read_waiter is not None or self._on_frame is not None:
             raise anyio.BusyResourceError("receiving")
         self._on_frame, self._on_end = on_frame, on_end
+        self._on_fds, self._on_partial = on_fds, on_partial
         self._paused = False
         loop = asyncio.get_running_loop()
         loop.add_reader(self._sock.fileno(), self._deliver)
@@ -542,6 +564,13 @@ class Connection:
                                          fatal=True)
                     self._end(None)
                     return
+                if fds and self._on_fds is not None:
+                    try:
+                        self._on_fds(len(fds))
+                    except BaseException:
+                        for fd in fds:
+                            os.close(fd)
+                        raise
                 self._decoder.feed(data, fds)
                 if not self._drain_frames() or len(data) < _RECV_CHUNK:
                     # Paused, ended, or the socket is drained: no second recvmsg only to
@@ -562,6 +591,12 @@ class Connection:
                     raise
                 frame = exc
             if frame is None:
+                if self._on_partial is not None:
+                    decoder = self._decoder
+                    left = len(decoder._buf) - decoder._pos  # (the bytes of a partial frame)
+                    if left or self._partial:
+                        self._partial = left
+                        self._on_partial(left)
                 return True
             self._on_frame(frame)
         return False

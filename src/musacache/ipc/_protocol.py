@@ -522,7 +522,15 @@ class FrameDecoder:
 
     @property
     def pending_fds(self) -> int:
+        """fds fed in whose frames are not whole yet."""
+        if not self._batches:
+            return 0
         return sum(len(batch.fds) for batch in self._batches)
+
+    @property
+    def received(self) -> int:
+        """Bytes fed in so far."""
+        return self._base + len(self._buf)
 
     def feed(self, data: bytes | bytearray | memoryview, fds: Sequence[int] = ()) -> None:
         """Append received bytes and the fds that came with them (adopted by the decoder)."""
@@ -562,9 +570,12 @@ class FrameDecoder:
         if (magic != MAGIC or version != PROTOCOL_VERSION or length > self.max_frame_size
                 or nfds > self.max_fds):
             raise self._bad_header(magic, version, nfds, length)
-        if self._batches and self._batches[0].end <= self._base + pos:
-            raise self._fail("fds arrived with a frame that declared none")
         end = pos + HEADER_SIZE + length
+        # The fds of a batch belong to the last frame that starts in it: a frame declaring
+        # none that covers the batch's end is that frame (found by a probe: its fds were held
+        # until the peer went away, outside every limit).
+        if self._batches and self._batches[0].end <= self._base + (end if not nfds else pos):
+            raise self._fail("fds arrived with a frame that declared none")
         if end > len(buf):
             return None
         fds = self._claim_fds(self._base + pos, nfds) if nfds else ()
