@@ -657,3 +657,37 @@ async def test_two_processes_share_kv_and_a_killed_peer_leaves_nothing(tmp_path)
         child.close()
         listener.close()
     assert open_fd_count() == fds_before
+
+
+@pytest.mark.parametrize("kind", ["cuda", "musa"])
+def test_a_device_handle_past_its_allocation_is_refused(monkeypatch, kind: str) -> None:
+    """torch maps the size and offset a peer's device handle claims as they are; the memory
+    past the peer's allocation may be another peer's. The driver's word on the allocation
+    (its address range) bounds the claim; where the driver cannot say, it is taken."""
+    from musacache.ipc import _memory
+
+    monkeypatch.setattr(torch, kind, fake_device_module(("U",)), raising=False)
+    backing = torch.arange(24, dtype=torch.float32)
+    monkeypatch.setattr(torch.UntypedStorage, f"_new_shared_{kind}",
+                        lambda *a: backing.untyped_storage(), raising=False)
+    start = backing.untyped_storage().data_ptr()
+    asked: list[tuple[str, int, int]] = []
+
+    def driver_says(size: int | None) -> None:
+        def allocation(k: str, index: int, address: int) -> tuple[int, int] | None:
+            asked.append((k, index, address))
+            return None if size is None else (start, size)
+
+        monkeypatch.setattr(_memory, "allocation_range", allocation)
+
+    handle = TensorHandle.from_wire({**_wire(kind=kind, index=0, uuid="U", nfds=0, nbytes=96,
+                                             shape=[4, 6], stride=[6, 1],
+                                             ipc=list(ipc_tuple(0, 96))), "pid": 1})
+    driver_says(96)
+    open_storage(handle, peer_pid=os.getpid() + 1)
+    assert asked == [(kind, 0, start)]
+    driver_says(64)  # the allocation is smaller than the claim
+    with pytest.raises(IPCError, match="past its end"):
+        open_storage(handle, peer_pid=os.getpid() + 1)
+    driver_says(None)  # no address-range call in this driver: taken as it is
+    open_storage(handle, peer_pid=os.getpid() + 1)

@@ -308,6 +308,7 @@ def test_stats_cli_shows_the_servers_tiers(server):
     assert table.returncode == 0, table.stderr
     assert "host" in table.stdout and "hits" in table.stdout and "srv" in table.stdout
     raw = subprocess.run(run + ["--json"], capture_output=True, text=True, timeout=60)
+    assert raw.returncode == 0, raw.stderr
     st = json.loads(raw.stdout)
     (cache,) = st["caches"]
     assert cache["namespace"] == "srv"

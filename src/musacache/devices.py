@@ -281,6 +281,59 @@ def local_device_index(kind: str, index: int | None, uuid: str | None) -> int:
     return index
 
 
+# The driver libraries and entry points that say which allocation holds a device address:
+# CUDA's driver API, and MUSA's, which mirrors it name for name (``cu`` -> ``mu``).
+_RANGE_CALLS = {
+    "cuda": (("libcuda.so.1", "libcuda.so"), ("cuMemGetAddressRange_v2", "cuMemGetAddressRange")),
+    "musa": (("libmusa.so", "libmusa.so.1"), ("muMemGetAddressRange_v2", "muMemGetAddressRange")),
+}
+_range_fns: dict[str, Any] = {}
+_range_lock = threading.Lock()
+
+
+def _range_fn(kind: str) -> Any:
+    """The driver's address-range call for ``kind`` (ctypes), or None where it is missing."""
+    with _range_lock:
+        if kind in _range_fns:
+            return _range_fns[kind]
+        import ctypes
+
+        fn = None
+        libs, names = _RANGE_CALLS.get(kind, ((), ()))
+        for lib_name in libs:
+            try:
+                lib = ctypes.CDLL(lib_name)
+            except OSError:
+                continue
+            for name in names:
+                fn = getattr(lib, name, None)
+                if fn is not None:
+                    fn.restype = ctypes.c_int
+                    fn.argtypes = (ctypes.POINTER(ctypes.c_uint64),
+                                   ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64)
+                    break
+            if fn is not None:
+                break
+        _range_fns[kind] = fn
+        return fn
+
+
+def allocation_range(kind: str, index: int, address: int) -> tuple[int, int] | None:
+    """``(base, size)`` of the device allocation that holds ``address`` on device ``index``,
+    as the driver says; None where it cannot say (no driver library, a call that fails).
+    The server checks an imported IPC handle against it: the handle's size is the peer's
+    word, and torch maps whatever it claims."""
+    fn = _range_fn(kind)
+    if fn is None:
+        return None
+    import ctypes
+
+    base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
+    with ipc_module(kind).device(index):  # the device's context is current for the call
+        status = fn(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(address))
+    return (int(base.value), int(size.value)) if status == 0 else None
+
+
 # -- pinned host memory -----------------------------------------------------------------
 
 

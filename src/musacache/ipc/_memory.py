@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import logging
 import math
 import mmap
 import os
@@ -30,7 +31,9 @@ from typing import Any, Final, Literal, cast
 import torch
 
 from .._errors import DeviceError, IPCError, ProtocolError, ShapeError
-from ..devices import device_uuid, ipc_module, local_device_index
+from ..devices import allocation_range, device_uuid, ipc_module, local_device_index
+
+log = logging.getLogger("musacache")
 
 __all__ = [
     "DEVICE_KINDS",
@@ -621,7 +624,31 @@ def _open_device(handle: TensorHandle) -> torch.UntypedStorage:
         storage = rebuild(local, *handle.ipc[1:])
     except RuntimeError as exc:
         raise IPCError(f"opening the peer's {kind} memory failed: {exc}") from exc
+    _check_allocation(kind, local, storage, handle.storage_nbytes)
     return storage
+
+
+_unchecked_warned: set[str] = set()
+
+
+def _check_allocation(kind: str, index: int, storage: Any, nbytes: int) -> None:
+    """Refuse a device handle whose bytes run past the allocation the driver opened: torch
+    maps the size and offset the peer claims as they are, and the memory past a peer's
+    allocation may be another peer's (found by a probe reading the code). Where the driver
+    cannot say (no address-range call), the handle is taken as it is, and that is logged
+    once."""
+    start = int(storage.data_ptr())
+    got = allocation_range(kind, index, start)
+    if got is None:
+        if kind not in _unchecked_warned:
+            _unchecked_warned.add(kind)
+            log.warning("musacache: the %s driver does not say an allocation's range here: "
+                        "imported IPC handles are not checked against it", kind)
+        return
+    base, size = got
+    if start < base or start + nbytes > base + size:
+        raise IPCError(f"the peer's {kind} handle claims {nbytes} bytes at offset "
+                       f"{start - base} of an allocation of {size}: past its end")
 
 
 def rebuild_view(storage: torch.UntypedStorage, handle: TensorHandle) -> torch.Tensor:
