@@ -141,3 +141,54 @@ def test_cpu_tensor_opened_in_process_still_works_next_to_cuda() -> None:
     peer = open_tensor(handle, [os.dup(fd) for fd in handle.fds])
     peer.fill_(2)
     assert bool((kv == 2).all())
+
+
+def _claims_child(pipe: Pipe) -> None:
+    """Open a true handle and one that claims more bytes than its allocation holds."""
+    from musacache import IPCError
+
+    message = receive(pipe, 60)
+    report: dict[str, str] = {}
+    for name in ("true", "inflated"):
+        try:
+            open_tensor(TensorHandle.from_wire(message[name]))
+            report[name] = "opened"
+        except IPCError as exc:
+            report[name] = f"refused: {exc}"
+        except Exception as exc:  # reported to the test, which fails on it
+            report[name] = f"error: {exc!r}"
+    pipe.send(report)
+
+
+async def test_a_cuda_handle_claiming_past_its_allocation_is_refused() -> None:
+    from musacache.devices import allocation_range
+
+    kv = torch.zeros(4096, device="cuda:0")
+    torch.cuda.synchronize()
+    got = allocation_range("cuda", 0, kv.data_ptr())
+    assert got is not None, "the CUDA driver did not say the allocation's range"
+    base, size = got
+    assert base <= kv.data_ptr() and kv.data_ptr() + kv.nbytes <= base + size
+    true = share(kv).to_wire()
+    inflated = dict(true)
+    claim = base + size - kv.data_ptr() + (1 << 20)  # a MiB past the allocation's end
+    inflated["nbytes"] = claim
+    inflated["ipc"] = list(true["ipc"])
+    inflated["ipc"][2] = claim
+    inflated["pid"] = true["pid"]
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    child = context.Process(target=_claims_child, args=(theirs,))
+    child.start()
+    try:
+        ours.send({"true": true, "inflated": inflated})
+        report = await anyio.to_thread.run_sync(receive, ours, 120)
+        assert report["true"] == "opened", report
+        assert report["inflated"].startswith("refused") and "past its end" in \
+            report["inflated"], report
+        await anyio.to_thread.run_sync(child.join, 30)
+        assert child.exitcode == 0
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join()
