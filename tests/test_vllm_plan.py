@@ -152,3 +152,29 @@ def test_slots_follow_the_block_list() -> None:
     assert slots_for([7, 2], 4, 6).tolist() == [28, 29, 30, 31, 8, 9]
     with pytest.raises(ValueError, match="need 2 blocks"):
         slots_for([7], 4, 6)
+
+
+@pytest.mark.parametrize("rewind_to", [0, 16, 256, 400])
+def test_a_request_vllm_rewinds_is_saved_again_from_there(rewind_to: int) -> None:
+    """Found by a probe: a load failed, vLLM rewound num_computed_tokens to the first
+    failed block and recomputed, but the planner had marked the tokens saved and never
+    saved the recomputed KV."""
+    kinds = standin_kinds()
+    planner = SchedulerPlanner(block_size=16, chunk_size=256, start_lookup=lambda t: done(512))
+    prompt = list(range(600))
+    req = kinds.request("r", prompt)
+    ext, _ = planner.num_new_matched_tokens(req, 0)
+    assert ext == 512
+    planner.after_alloc(req, ext)
+    blocks = list(range(40))
+    (op,) = planner.build(kinds.output([kinds.new_req("r", prompt, blocks, 512)],
+                                       kinds.cached([], set(), [], []), {"r": 88}, set()))
+    assert (op.load_start, op.load_end, op.save_start, op.save_end) == (0, 512, 512, 600)
+    # The load failed: vLLM goes back to the first failed block and computes from there.
+    (op,) = planner.build(kinds.output([], kinds.cached(["r"], set(), [None], [rewind_to]),
+                                       {"r": 600 - rewind_to}, set()))
+    assert (op.loads, op.save_start, op.save_end) == (False, rewind_to, 600)
+    # A step that goes on as planned saves nothing twice.
+    req.append_output_token_ids(7)
+    assert planner.build(kinds.output([], kinds.cached(["r"], set(), [None], [600]),
+                                      {"r": 1}, set())) == []

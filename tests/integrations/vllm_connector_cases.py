@@ -70,6 +70,73 @@ def test_settings_from_extra_config() -> None:
         ConnectorSettings.from_extra_config({"musacache.socket": "s", "musacache.timeout": 0})
 
 
+@pytest.mark.parametrize("key", ["timeout", "lookup_timeout"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 1e10, "nan", -1.0])
+def test_timeouts_a_thread_cannot_wait_are_refused(key: str, value: object) -> None:
+    """Found by a probe: NaN (json.loads accepts it), inf and 1e10 (past
+    threading.TIMEOUT_MAX) were accepted; no load or save could then run."""
+    with pytest.raises(ConfigError, match=key):
+        ConnectorSettings.from_extra_config({"musacache.socket": "s",
+                                             f"musacache.{key}": value})
+
+
+def _mm(ident: str) -> list[object]:
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    return [MultiModalFeatureSpec(data=None, modality="image", identifier=ident,
+                                  mm_position=PlaceholderRange(offset=10, length=100),
+                                  mm_hash=ident)]
+
+
+def _extra_keys() -> dict[str, dict[str, object]]:
+    from vllm.lora.request import LoRARequest
+
+    return {"lora": {"lora_request": LoRARequest("adapter-a", 1, "/tmp/a")},
+            "image": {"mm_features": _mm("img-cat")},
+            "cache_salt": {"cache_salt": "tenant-1"},
+            "prompt_embeds": {"prompt_embeds": torch.randn(400, 8),
+                              "prompt_is_token_ids": [not 10 <= i < 110 for i in range(400)]}}
+
+
+@pytest.mark.parametrize("kind", ["lora", "image", "cache_salt", "prompt_embeds"])
+def test_requests_vllm_keys_apart_are_never_cached(kind: str) -> None:
+    """Found by a probe: the cache was keyed on token ids alone, so requests that vLLM's
+    own block hashes keep apart (LoRA adapter, images, cache_salt, prompt embeddings) were
+    served each other's KV. Such a request is neither looked up nor saved."""
+    import concurrent.futures
+
+    from vllm import SamplingParams
+    from vllm.v1.core.sched.output import NewRequestData
+    from vllm.v1.request import Request
+
+    from musacache.integrations._vllm_plan import SchedulerPlanner
+
+    extra = _extra_keys()[kind]
+    asked: list[object] = []
+
+    def start_lookup(tokens: object) -> concurrent.futures.Future[int]:
+        asked.append(tokens)
+        f: concurrent.futures.Future[int] = concurrent.futures.Future()
+        f.set_result(400)
+        return f
+
+    planner = SchedulerPlanner(block_size=16, chunk_size=256, start_lookup=start_lookup)
+    prompt = list(range(3000, 3400))
+    req = Request("a", prompt, SamplingParams(max_tokens=4), None, **extra)  # type: ignore[arg-type]
+    assert planner.num_new_matched_tokens(req, 0) == (0, False)
+    assert asked == []
+    planner.after_alloc(req, 0)
+    new = NewRequestData.from_request(req, (list(range(25)),))
+    ops = planner.build(vllm_kinds().output([new], vllm_kinds().cached([], set(), [], []),
+                                            {"a": 400}, set()))
+    assert ops == []
+    planner.build(vllm_kinds().output([], vllm_kinds().cached([], set(), [], []), {}, {"a"}))
+    assert planner.tracked() == 0
+    # The same prompt without extra keys is cached as before.
+    plain = Request("b", prompt, SamplingParams(max_tokens=4), None)
+    assert planner.num_new_matched_tokens(plain, 0) == (399, False)
+
+
 @settings(max_examples=60, deadline=None)
 @given(nb=st.integers(1, 9), h=st.integers(1, 4), bs=st.sampled_from([1, 4, 16, 32]),
        d=st.sampled_from([8, 32, 64]), layers=st.integers(1, 3),

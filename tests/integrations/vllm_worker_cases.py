@@ -9,6 +9,10 @@ Run in the vLLM venv by tests/test_vllm.py.
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,9 +23,10 @@ from vllm_env import require
 
 require("vllm", ".ci/vllm-env.sh")
 
-from vllm.config import KVTransferConfig  # noqa: E402
+from vllm.config import CacheConfig, KVTransferConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
+from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode  # noqa: E402
 
 from musacache.integrations._vllm_plan import RequestOp, slots_for  # noqa: E402
 from musacache.integrations.vllm import (  # noqa: E402
@@ -34,7 +39,9 @@ NB, H, BS, D, LAYERS = 16, 2, 32, 32, 2
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
-def connector(sock: str, **extra: object) -> MusaCacheConnector:
+def connector(sock: str, *, role: KVConnectorRole = KVConnectorRole.WORKER,
+              spec: FullAttentionSpec | None = None, names: list[str] | None = None,
+              cache_dtype: str | None = None, **extra: object) -> MusaCacheConnector:
     kv = KVTransferConfig(kv_connector="MusaCacheConnector",
                           kv_connector_module_path="musacache.integrations.vllm",
                           kv_role="kv_both", kv_load_failure_policy="recompute",
@@ -43,30 +50,43 @@ def connector(sock: str, **extra: object) -> MusaCacheConnector:
                                                         for k, v in extra.items()}})
     vllm_config = SimpleNamespace(kv_transfer_config=kv, model_config=SimpleNamespace(
         model="tiny/llama"), compilation_config=SimpleNamespace(static_forward_context={}))
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.float32)
-    kvcc = SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=NAMES,
+    if cache_dtype is not None:
+        vllm_config.cache_config = CacheConfig(cache_dtype=cache_dtype)  # type: ignore[arg-type]
+    spec = spec or FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D,
+                                     dtype=torch.float32)
+    kvcc = SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=names or NAMES,
                                                             kv_cache_spec=spec)])
-    c = MusaCacheConnector(vllm_config, KVConnectorRole.WORKER, kvcc)  # type: ignore[arg-type]
+    c = MusaCacheConnector(vllm_config, role, kvcc)  # type: ignore[arg-type]
     return c
 
 
-def pages() -> dict[str, torch.Tensor]:
-    return {n: torch.zeros(NB, H, BS, 2 * D) for n in NAMES}
+def pages(names: list[str] | None = None, dtype: torch.dtype = torch.float32,
+          ) -> dict[str, torch.Tensor]:
+    return {n: torch.zeros(NB, H, BS, 2 * D, dtype=dtype) for n in names or NAMES}
 
 
 def token_kv(kv: dict[str, torch.Tensor], slots: np.ndarray) -> torch.Tensor:
     """Each token's K and V rows as CPU_ATTN reads them, [layers, 2, T, H, D]."""
     out = []
-    for n in NAMES:
+    for n in kv:
         k, v = kv[n].view(NB, H, 2 * BS, D).chunk(2, dim=2)
         b, o = torch.from_numpy(slots // BS), torch.from_numpy(slots % BS)
         out.append(torch.stack([k[b, :, o], v[b, :, o]]))
     return torch.stack(out)
 
 
-def op(tokens: list[int], blocks: list[int], **ranges: int) -> RequestOp:
+def write_token_kv(kv: dict[str, torch.Tensor], slots: np.ndarray, vals: torch.Tensor) -> None:
+    """What a forward writes for these tokens: the inverse of token_kv."""
+    b, o = torch.from_numpy(slots // BS), torch.from_numpy(slots % BS)
+    for i, n in enumerate(kv):
+        view = kv[n].view(NB, H, 2 * BS, D)
+        view[b, :, o] = vals[i, 0]
+        view[b, :, BS + o] = vals[i, 1]
+
+
+def op(tokens: list[int], blocks: list[int], req_id: str = "r", **ranges: int) -> RequestOp:
     n = max(ranges.get("load_end", 0), ranges.get("save_end", 0))
-    return RequestOp("r", np.asarray(tokens[:n], dtype=np.int32),
+    return RequestOp(req_id, np.asarray(tokens[:n], dtype=np.int32),
                      slots_for(blocks, BS, n), BS, **ranges)
 
 
@@ -180,3 +200,225 @@ def test_layerwise_load_when_vllm_waits_on_one_layer_only(server) -> None:
         assert a.get_block_ids_with_load_errors() == {8}
     finally:
         a.shutdown()
+
+
+def saved_prompt(sock: str, tokens: list[int], kv_true: torch.Tensor) -> None:
+    """Another vLLM prefilled ``tokens`` (their KV: ``kv_true``) and saved them."""
+    a = connector(sock)
+    try:
+        kv = pages()
+        a.register_kv_caches(kv)
+        o = op(tokens, list(range(NB)), save_start=0, save_end=len(tokens))
+        write_token_kv(kv, o.slot_mapping, kv_true)
+        step(a, [o])
+        assert a.get_kv_connector_stats().data["save_tokens"] == len(tokens)
+    finally:
+        a.shutdown()
+
+
+def loaded(sock: str, tokens: list[int], n: int, **kw: object) -> torch.Tensor:
+    """The KV of ``tokens[:n]`` a fresh vLLM loads from the cache (zeros where it misses)."""
+    c = connector(sock, **kw)  # type: ignore[arg-type]
+    try:
+        kv = pages()
+        c.register_kv_caches(kv)
+        o = op(tokens, list(range(NB)), load_start=0, load_end=n)
+        step(c, [o])
+        return token_kv(kv, o.slot_mapping)
+    finally:
+        c.shutdown()
+
+
+def test_a_timed_out_load_never_shares_the_staging_area_with_a_save(server) -> None:
+    """Found by a probe: a load that timed out (server stalled) was abandoned while the
+    server still wrote into the CPU staging area; the same step's save of another request
+    gathered into that area, and the server stored the load's KV under the save's tokens."""
+    torch.manual_seed(1)
+    first = list(range(1000, 1256))
+    other = list(range(5000, 5256))
+    kv_first = torch.randn(LAYERS, 2, 256, H, D)
+    kv_other = torch.randn(LAYERS, 2, 256, H, D)
+    saved_prompt(server.socket_path, first, kv_first)
+    w = connector(server.socket_path, timeout=2)
+    try:
+        kv = pages()
+        w.register_kv_caches(kv)
+        load = op(first, [0, 1, 2, 3, 4, 5, 6, 7], "load", load_start=0, load_end=256)
+        save = op(other, [8, 9, 10, 11, 12, 13, 14, 15], "save", save_start=0, save_end=256)
+        write_token_kv(kv, save.slot_mapping, kv_other)   # this step's forward, done early
+        w.bind_connector_metadata(MusaCacheConnectorMetadata([load, save]))
+        os.kill(server.pid, signal.SIGSTOP)                # the server stalls
+        try:
+            w.start_load_kv(SimpleNamespace())             # gives up after 2 s
+            assert w.get_block_ids_with_load_errors() == set(range(8))
+            saver = threading.Thread(target=w.wait_for_save)
+            saver.start()
+            time.sleep(1.0)                                # (the save is under way)
+        finally:
+            os.kill(server.pid, signal.SIGCONT)           # the server catches up
+        saver.join()
+        w.clear_connector_metadata()
+    finally:
+        w.shutdown()
+    got = loaded(server.socket_path, other, 255)
+    assert torch.equal(got, kv_other[:, :, :255])
+
+
+def test_a_step_whose_load_failed_saves_nothing_and_the_recompute_is_saved(server) -> None:
+    """Found by a probe: a step whose load came up short still saved what it computed
+    (over blocks never loaded), and after vLLM rewound the request the planner saved
+    nothing more: the cache served KV computed over garbage."""
+    from vllm_sim import vllm_kinds
+
+    torch.manual_seed(2)
+    prompt = list(range(2000, 2300))
+    kv_true = torch.randn(LAYERS, 2, 300, H, D)
+    saved_prompt(server.socket_path, prompt[:256], kv_true[:, :, :256])
+    kinds = vllm_kinds()
+    sch = connector(server.socket_path, role=KVConnectorRole.SCHEDULER)
+    w = connector(server.socket_path)
+    try:
+        kv = pages()
+        w.register_kv_caches(kv)
+        req = kinds.request("r", prompt)
+        for _ in range(500):
+            ext, _ = sch.get_num_new_matched_tokens(req, 0)
+            if ext is not None:
+                break
+            time.sleep(0.01)
+        assert ext == 256
+        sch.update_state_after_alloc(req, None, ext)  # type: ignore[arg-type]
+        blocks = list(range(3, 13))
+        meta = sch.build_connector_meta(kinds.output(
+            [kinds.new_req("r", prompt, blocks, 256)], kinds.cached([], set(), [], []),
+            {"r": 44}, set()))
+        (o,) = meta.ops  # type: ignore[attr-defined]
+        assert (o.load_start, o.load_end, o.save_start, o.save_end) == (0, 256, 256, 300)
+        # The chunk is evicted between the lookup and the load: the load comes up empty.
+        w._loop.run(w._server.client.clear(), 5)  # type: ignore[union-attr]
+        w.bind_connector_metadata(meta)
+        w.start_load_kv(SimpleNamespace())
+        assert w.get_block_ids_with_load_errors() == set(range(3, 11))
+        write_token_kv(kv, o.slot_mapping[256:], kv_true[:, :, 256:] + 100)  # over garbage
+        w.wait_for_save()
+        w.clear_connector_metadata()
+        stats = w.get_kv_connector_stats()
+        assert stats is not None and stats.data.get("save_tokens", 0) == 0
+        assert stats.data["save_skipped_tokens"] == 44
+        # vLLM rewinds the request to its first failed block and computes it all again.
+        meta = sch.build_connector_meta(kinds.output(
+            [], kinds.cached(["r"], set(), [None], [0]), {"r": 300}, set()))
+        (o,) = meta.ops  # type: ignore[attr-defined]
+        assert (o.save_start, o.save_end) == (0, 300)
+        write_token_kv(kv, o.slot_mapping, kv_true)
+        step(w, meta.ops)  # type: ignore[attr-defined]
+    finally:
+        sch.shutdown()
+        w.shutdown()
+    assert torch.equal(loaded(server.socket_path, prompt, 299), kv_true[:, :, :299])
+
+
+def test_a_layerwise_load_from_a_dead_server_frees_every_layer(server) -> None:
+    """Found by a probe: the load failed at once, but its layer events were never set, so
+    each wait_for_layer_load waited out the whole timeout."""
+    c = connector(server.socket_path, layerwise=True, timeout=600)
+    try:
+        c.register_kv_caches(pages())
+        server.kill()
+        c.bind_connector_metadata(MusaCacheConnectorMetadata(
+            [op(list(range(64)), [0, 1], load_start=0, load_end=64)]))
+        c.start_load_kv(SimpleNamespace())
+        fut = c._worker._pending_load[0]  # type: ignore[union-attr]
+        with pytest.raises(Exception):  # noqa: B017 - the load fails, whatever the cause
+            fut.result(30)
+        assert all(ev.is_set() for ev in c._worker._layer_events)  # type: ignore[union-attr]
+        for n in NAMES:
+            c.wait_for_layer_load(n)
+        c.wait_for_save()
+        c.clear_connector_metadata()
+        assert c.get_block_ids_with_load_errors() == {0, 1}
+    finally:
+        c.shutdown()
+
+
+def test_pipeline_stages_never_share_a_cache(server, monkeypatch) -> None:
+    """Found by a probe: every pipeline stage cached under "<model>/tp<rank>", so a stage
+    holding other layers loaded another stage's KV."""
+    import vllm.distributed.parallel_state as ps
+
+    torch.manual_seed(3)
+    stage0 = [f"model.layers.{i}.self_attn.attn" for i in (0, 1)]
+    stage1 = [f"model.layers.{i}.self_attn.attn" for i in (2, 3)]
+    s0 = connector(server.socket_path, names=stage0)
+    monkeypatch.setattr(ps, "get_pipeline_model_parallel_rank", lambda: 1)
+    s1 = connector(server.socket_path, names=stage1)
+    try:
+        assert "/pp0/" in s0.namespace and "/pp1/" in s1.namespace
+        kv0 = pages(stage0)
+        write_token_kv(kv0, slots_for([0, 1], BS, 64), torch.randn(LAYERS, 2, 64, H, D))
+        assert_kept_apart(s0, kv0, s1, pages(stage1))
+    finally:
+        s0.shutdown()
+        s1.shutdown()
+
+
+def assert_kept_apart(writer: MusaCacheConnector, writer_kv: dict[str, torch.Tensor],
+                      reader: MusaCacheConnector, reader_kv: dict[str, torch.Tensor]) -> None:
+    """What ``writer`` saves (64 tokens from blocks 0 and 1), ``reader`` cannot load."""
+    tokens = list(range(64))
+    writer.register_kv_caches(writer_kv)
+    step(writer, [op(tokens, [0, 1], save_start=0, save_end=64)])
+    reader.register_kv_caches(reader_kv)
+    step(reader, [op(tokens, [2, 3], load_start=0, load_end=63)])
+    assert reader.get_block_ids_with_load_errors() == {2, 3}
+    assert not any(t.any() for t in reader_kv.values())
+
+
+def test_fp8_formats_never_share_a_cache(server) -> None:
+    """Found by a probe: vLLM holds every fp8 KV format as uint8, so a vLLM running
+    fp8_e5m2 was served the bytes one running fp8_e4m3 wrote."""
+    def fp8(fmt: str) -> MusaCacheConnector:
+        spec = FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D,
+                                 dtype=STR_DTYPE_TO_TORCH_DTYPE[fmt],
+                                 kv_quant_mode=get_kv_quant_mode(fmt))
+        return connector(server.socket_path, spec=spec, cache_dtype=fmt)
+
+    a, b = fp8("fp8_e4m3"), fp8("fp8_e5m2")
+    try:
+        assert a.namespace != b.namespace
+        kva = {n: torch.randint(1, 255, (NB, H, BS, 2 * D), dtype=torch.uint8) for n in NAMES}
+        assert_kept_apart(a, kva, b, pages(dtype=torch.uint8))
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_a_quantized_kv_cache_of_unknown_format_is_refused(server) -> None:
+    from musacache import ConfigError
+
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.uint8,
+                             kv_quant_mode=get_kv_quant_mode("fp8"))
+    with pytest.raises(ConfigError, match="cache_dtype"):
+        connector(server.socket_path, spec=spec)
+
+
+def test_a_non_causal_model_gets_no_hits_and_saves_nothing(server) -> None:
+    """Found by a probe: vLLM turns its own prefix caching off for non-causal attention
+    (a token's KV depends on later tokens); the connector still offered prefix hits."""
+    from vllm_sim import vllm_kinds
+
+    kinds = vllm_kinds()
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.float32,
+                             non_causal=True)
+    sch = connector(server.socket_path, role=KVConnectorRole.SCHEDULER, spec=spec)
+    try:
+        prompt = list(range(300))
+        req = kinds.request("p", prompt)
+        assert sch.get_num_new_matched_tokens(req, 0) == (0, False)
+        sch.update_state_after_alloc(req, None, 0)  # type: ignore[arg-type]
+        meta = sch.build_connector_meta(kinds.output(
+            [kinds.new_req("p", prompt, list(range(10)), 0)], kinds.cached([], set(), [], []),
+            {"p": 300}, set()))
+        assert meta.ops == []  # type: ignore[attr-defined]
+    finally:
+        sch.shutdown()

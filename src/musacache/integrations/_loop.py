@@ -78,9 +78,19 @@ class LoopThread:
         after its cancellation is left running and logged; the error says so. Its own
         exceptions propagate.
         """
-        fut = self.submit(_bounded(coro, timeout))
+        return self.result(self.start(coro, timeout), timeout)
+
+    def start(self, coro: Coroutine[Any, Any, T], timeout: float,
+              ) -> concurrent.futures.Future[T]:
+        """Start ``coro`` bounded by ``timeout`` (cancelled when it runs over) without
+        waiting; :meth:`result` waits for it as :meth:`run` does."""
+        return self.submit(_bounded(coro, timeout))
+
+    def result(self, fut: concurrent.futures.Future[T], timeout: float) -> T:
+        """The result of a call :meth:`start` began, waited for at most ``timeout`` seconds
+        (what is left of its bound) plus :data:`SETTLE_S` for it to end once cancelled."""
         try:
-            return fut.result(timeout + SETTLE_S)
+            return fut.result(max(0.0, timeout) + SETTLE_S)
         except concurrent.futures.TimeoutError:  # (the builtin TimeoutError on 3.11+)
             if fut.done():
                 raise  # _bounded's: the call ran over its timeout and has ended

@@ -28,7 +28,7 @@ import numpy as np
 
 log = logging.getLogger("musacache.vllm")
 
-__all__ = ["RequestOp", "SchedulerPlanner", "slots_for"]
+__all__ = ["RequestOp", "SchedulerPlanner", "slots_for", "uncacheable"]
 
 #: Starts a lookup of a token prefix; the future's result is the cached prefix length.
 StartLookup = Callable[[np.ndarray], "concurrent.futures.Future[int]"]
@@ -102,6 +102,8 @@ class _Tracker:
     block_ids: list[int] = field(default_factory=list)
     #: Tokens ``[0, saved)`` are known to be in the cache (looked up, loaded or stored).
     saved: int = 0
+    #: Where the last step left the request's computed tokens, as planned.
+    planned: int = 0
 
 
 @dataclass
@@ -110,6 +112,8 @@ class PlannerStats:
     lookup_failures: int = 0
     lookup_tokens: int = 0
     hit_tokens: int = 0
+    #: Requests never looked up nor saved: vLLM keys their KV by more than token ids.
+    refused: int = 0
     load_tokens: int = 0
     save_tokens: int = 0
 
@@ -138,6 +142,7 @@ class SchedulerPlanner:
         self._pending_load: dict[str, tuple[int, int]] = {}
         self._trackers: dict[str, _Tracker] = {}
         self._requests: dict[str, Any] = {}
+        self._refused: set[str] = set()
         self.stats = PlannerStats()
 
     # -- get_num_new_matched_tokens -------------------------------------------------------
@@ -147,10 +152,18 @@ class SchedulerPlanner:
         """``(tokens to load past num_computed_tokens, False)``, or ``(None, False)`` while
         the lookup is in flight. Loads are synchronous (done in the step's forward), so the
         second element is always False."""
+        req_id = request.request_id
+        if req_id in self._refused:
+            return 0, False
+        why = uncacheable(request)
+        if why is not None:
+            log.debug("musacache: request %s is not cached: it has %s", req_id, why)
+            self._refused.add(req_id)
+            self.stats.refused += 1
+            return 0, False
         tokens = _all_tokens(request)
         if tokens is None:  # prompt embeddings: no token ids to key the cache with
             return 0, False
-        req_id = request.request_id
         self._requests[req_id] = request
         n = len(tokens)
         lk = self._lookups.get(req_id)
@@ -203,7 +216,7 @@ class SchedulerPlanner:
         for new in scheduler_output.scheduled_new_reqs:
             req_id = new.req_id
             prompt = new.prompt_token_ids
-            if prompt is None:
+            if prompt is None or req_id in self._refused or uncacheable(new) is not None:
                 continue
             tr = _Tracker(req_id, len(prompt), list(new.block_ids[0]),
                           saved=self._known_cached.pop(req_id, 0))
@@ -221,6 +234,12 @@ class SchedulerPlanner:
                 continue
             tr = held
             new_blocks = cached.new_block_ids[i]
+            num_computed = cached.num_computed_tokens[i]
+            if num_computed < tr.planned and req_id not in resumed:
+                # vLLM went back: a load failed (it recomputes from the first failed block,
+                # and the worker dropped the saves of the step that failed) or drafts were
+                # rejected. What follows num_computed is computed again: save it again.
+                tr.saved = min(tr.saved, num_computed)
             if req_id in resumed:
                 # Preempted and scheduled again: vLLM gives the request's whole block list,
                 # and it looked the prefix up again (its blocks were freed).
@@ -231,7 +250,7 @@ class SchedulerPlanner:
             tokens = self._tokens_of(req_id, None)
             if tokens is None:
                 continue
-            op = self._op(tr, tokens, cached.num_computed_tokens[i], scheduled.get(req_id, 0),
+            op = self._op(tr, tokens, num_computed, scheduled.get(req_id, 0),
                           self._pending_load.pop(req_id, None))
             if op is not None:
                 ops.append(op)
@@ -250,6 +269,7 @@ class SchedulerPlanner:
     def _op(self, tr: _Tracker, tokens: Sequence[int], num_computed: int, num_scheduled: int,
             load: tuple[int, int] | None) -> RequestOp | None:
         end = num_computed + num_scheduled
+        tr.planned = end
         load_start = load_end = 0
         if load is not None:
             load_start, load_end = load[0], min(load[1], num_computed, len(tokens))
@@ -286,11 +306,33 @@ class SchedulerPlanner:
         self._pending_load.pop(req_id, None)
         self._trackers.pop(req_id, None)
         self._requests.pop(req_id, None)
+        self._refused.discard(req_id)
 
     def tracked(self) -> int:
         """Requests with any state held (for leak checks)."""
         return len(set(self._lookups) | set(self._known_cached) | set(self._pending_load)
-                   | set(self._trackers) | set(self._requests))
+                   | set(self._trackers) | set(self._requests) | self._refused)
+
+
+def uncacheable(request: Any) -> str | None:
+    """What keys ``request``'s KV besides its token ids, or None.
+
+    vLLM's own block hashes (``generate_block_hash_extra_keys``) fold in the LoRA adapter,
+    multimodal inputs, ``cache_salt`` and prompt embeddings: the same token ids then have
+    other KV (an adapter on k/v_proj, another image behind the same placeholder ids) or must
+    not be shared (a salt isolates tenants). musacache keys chunks by token ids under one
+    namespace per rank, so such requests are neither looked up nor saved. Takes a vLLM
+    ``Request`` or ``NewRequestData`` (which has no ``cache_salt``: the planner remembers the
+    requests it refused at lookup)."""
+    if getattr(request, "lora_request", None) is not None:
+        return "a LoRA adapter"
+    if getattr(request, "mm_features", None):
+        return "multimodal inputs"
+    if getattr(request, "cache_salt", None):
+        return "a cache_salt"
+    if getattr(request, "prompt_embeds", None) is not None:
+        return "prompt embeddings"
+    return None
 
 
 def _all_tokens(request: Any) -> Sequence[int] | None:

@@ -27,10 +27,11 @@ counted. No hook waits on the server without a timeout.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,11 +40,16 @@ import numpy as np
 import torch
 
 from .. import ipc, transfer
-from .._errors import ConfigError, MusaCacheError
+from .._errors import (
+    ConfigError,
+    InvalidInputError,
+    MusaCacheError,
+    TierError,
+)
 from .._spawn import is_listening, spawn
 from .._spec import KVSpec
 from ..client import Client
-from ._loop import LoopThread
+from ._loop import SETTLE_S, LoopThread
 from ._vllm_plan import RequestOp, SchedulerPlanner
 
 try:
@@ -72,6 +78,9 @@ log = logging.getLogger("musacache.vllm")
 _PREFIX = "musacache."
 _KNOWN = ("socket", "config", "namespace", "chunk_size", "timeout", "lookup_timeout",
           "layerwise", "save_decode", "staging_tokens")
+#: The longest timeout a hook can wait: its wait and the grace after it (SETTLE_S) must both
+#: be a timeout threading accepts.
+MAX_TIMEOUT_S = threading.TIMEOUT_MAX - SETTLE_S
 
 
 @dataclass(frozen=True)
@@ -80,8 +89,10 @@ class ConnectorSettings:
 
     ``socket`` (required) is the node server's socket; ``config`` a TOML file of tiers for a
     server the connector starts itself when none listens. ``namespace`` defaults to the
-    model; each tensor-parallel rank caches under ``"<namespace>/tp<rank>"``.
-    ``timeout`` bounds every load and save; ``lookup_timeout`` a scheduler lookup.
+    model; each rank caches under it followed by its pipeline and tensor-parallel ranks, the
+    KV cache format and its layers (:func:`cache_namespace`).
+    ``timeout`` bounds every load and save; ``lookup_timeout`` a scheduler lookup (seconds,
+    finite, at most :data:`MAX_TIMEOUT_S`).
     ``layerwise`` scatters loads layer by layer (``wait_for_layer_load``) and hands saves
     off per layer (``save_kv_layer``). ``staging_tokens`` sizes the CPU staging area.
     """
@@ -114,8 +125,8 @@ class ConnectorSettings:
                 config=str(ours["config"]) if ours.get("config") else None,
                 namespace=str(ours["namespace"]) if ours.get("namespace") else None,
                 chunk_size=_opt_int(ours.get("chunk_size"), "chunk_size"),
-                timeout=_pos_float(ours.get("timeout", 30.0), "timeout"),
-                lookup_timeout=_pos_float(ours.get("lookup_timeout", 5.0), "lookup_timeout"),
+                timeout=_seconds(ours.get("timeout", 30.0), "timeout"),
+                lookup_timeout=_seconds(ours.get("lookup_timeout", 5.0), "lookup_timeout"),
                 layerwise=_flag(ours.get("layerwise", False), "layerwise"),
                 save_decode=_flag(ours.get("save_decode", False), "save_decode"),
                 staging_tokens=_opt_int(ours.get("staging_tokens", 8192),
@@ -133,9 +144,12 @@ def _opt_int(v: Any, name: str) -> int | None:
     return int(v)
 
 
-def _pos_float(v: Any, name: str) -> float:
-    if isinstance(v, bool) or float(v) <= 0:
-        raise ValueError(f"musacache.{name} must be a positive number, got {v!r}")
+def _seconds(v: Any, name: str) -> float:
+    # NaN passes a plain `<= 0` check (json.loads accepts it), and a wait past
+    # threading.TIMEOUT_MAX raises OverflowError in the hook that makes it.
+    if isinstance(v, bool) or not 0 < float(v) <= MAX_TIMEOUT_S:
+        raise ValueError(f"musacache.{name} must be a finite number of seconds in "
+                         f"(0, {MAX_TIMEOUT_S:.4g}], got {v!r}")
     return float(v)
 
 
@@ -274,6 +288,56 @@ def _spec_from_kv_cache_config(kv_cache_config: Any) -> tuple[KVSpec, int, list[
     return spec, int(spec0.block_size), names
 
 
+def _parallel_ranks() -> tuple[int, int]:
+    """This worker's (pipeline, tensor) parallel ranks; (0, 0) outside vLLM's groups."""
+    try:
+        from vllm.distributed import parallel_state as ps
+    except ImportError:
+        return 0, 0
+    ranks = []
+    for get in (ps.get_pipeline_model_parallel_rank, ps.get_tensor_model_parallel_rank):
+        try:
+            ranks.append(int(get()))
+        except (AssertionError, RuntimeError, AttributeError):
+            ranks.append(0)
+    return ranks[0], ranks[1]
+
+
+def _kv_format(vllm_config: Any, kv_cache_config: Any) -> str:
+    """The logical format of the KV bytes: vLLM's ``cache_dtype`` (it holds every fp8
+    variant as uint8, so the torch dtype cannot tell fp8_e4m3 from fp8_e5m2), and its
+    quantisation mode when there is one."""
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    mode = getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")
+    cache_dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", None)
+    if cache_dtype is None:
+        quantized = mode != "NONE" or spec.dtype in (torch.uint8, torch.int8) \
+            or "float8" in str(spec.dtype)
+        if quantized:
+            raise ConfigError(f"MusaCacheConnector: the KV cache holds {spec.dtype} but vLLM "
+                              "gave no cache_config.cache_dtype to tell its format by")
+        cache_dtype = "auto"
+    return str(cache_dtype) if mode == "NONE" else f"{cache_dtype}-{mode.lower()}"
+
+
+def cache_namespace(base: str, pp_rank: int, tp_rank: int, kv_format: str,
+                    layer_names: Sequence[str]) -> str:
+    """``"<base>/pp<p>/tp<t>/kv-<format>/L<digest>"``: one cache per pipeline stage,
+    tensor-parallel rank, KV format and set of layers (a digest of their names: stages of
+    another split hold other layers under the same rank)."""
+    layers = hashlib.blake2b("\n".join(layer_names).encode(), digest_size=4).hexdigest()
+    return f"{base}/pp{pp_rank}/tp{tp_rank}/kv-{kv_format}/L{layers}"
+
+
+def _refusal(kv_cache_config: Any) -> str | None:
+    """Why a model's KV can never be reused by prefix, or None."""
+    if any(getattr(g.kv_cache_spec, "non_causal", False)
+           for g in kv_cache_config.kv_cache_groups):
+        # vLLM turns its own prefix caching off for these too.
+        return "its attention is non-causal (a token's KV depends on later tokens)"
+    return None
+
+
 class MusaCacheConnector(KVConnectorBase_V1):
     """The vLLM v1 connector. vLLM constructs it once per role; see the module docstring."""
 
@@ -286,16 +350,18 @@ class MusaCacheConnector(KVConnectorBase_V1):
             kv_cache_config)
         model = str(vllm_config.model_config.model)
         base = self.settings.namespace or model
-        tp_rank = 0
+        pp_rank = tp_rank = 0
         if role == KVConnectorRole.WORKER:
-            try:
-                from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-                tp_rank = get_tensor_model_parallel_rank()
-            except (ImportError, AssertionError, RuntimeError):
-                tp_rank = 0
-        # The scheduler looks up rank 0's namespace: every rank stores the same tokens.
-        self.namespace = f"{base}/tp{tp_rank}"
+            pp_rank, tp_rank = _parallel_ranks()
+        # The scheduler looks up the first rank's namespace (vLLM gives it that rank's KV
+        # cache config): every rank stores the same tokens.
+        self.namespace = cache_namespace(base, pp_rank, tp_rank,
+                                         _kv_format(vllm_config, kv_cache_config),
+                                         self._layer_names)
+        #: Why no request is cached, when none can be (see docs/vllm.md).
+        self.refused = _refusal(kv_cache_config)
+        if self.refused is not None:
+            log.warning("MusaCacheConnector: nothing is cached: %s", self.refused)
         self._warn = _RateLimitedWarning()
         self._loop = LoopThread(f"musacache-vllm-{role.name.lower()}")
         self._server = _Server(self.settings, self.spec, self.namespace)
@@ -334,6 +400,8 @@ class MusaCacheConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int,
                                    ) -> tuple[int | None, bool]:
         assert self._planner is not None
+        if self.refused is not None:
+            return 0, False
         return self._planner.num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
@@ -343,6 +411,8 @@ class MusaCacheConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._planner is not None
+        if self.refused is not None:
+            return MusaCacheConnectorMetadata([])
         return MusaCacheConnectorMetadata(self._planner.build(scheduler_output))
 
     def request_finished(self, request: Request, block_ids: list[int],
@@ -393,7 +463,8 @@ class MusaCacheConnector(KVConnectorBase_V1):
         elif self._planner is not None:
             s = self._planner.stats
             data = {"lookups": s.lookups, "lookup_failures": s.lookup_failures,
-                    "lookup_tokens": s.lookup_tokens, "hit_tokens": s.hit_tokens}
+                    "lookup_tokens": s.lookup_tokens, "hit_tokens": s.hit_tokens,
+                    "refused_requests": s.refused}
             self._planner.stats = type(s)()
         else:
             return None
@@ -414,7 +485,18 @@ class MusaCacheConnector(KVConnectorBase_V1):
 
 
 class _Worker:
-    """The worker side: registers the pages and runs each step's loads and saves."""
+    """The worker side: registers the pages and runs each step's loads and saves.
+
+    A store or retrieve left unanswered (it timed out, was cancelled, or its connection
+    broke) may still be running on the server, reading or writing the memory it names. On
+    CPU pages that memory is the staging area, so it is never used again: the next load or
+    save closes the connection (the server cancels what it still runs for it) and registers
+    a fresh staging area on a new one (found by a probe: a timed-out load went on writing the
+    staging area while the same step's save gathered into it, and the server stored the
+    load's KV under the save's tokens). On device pages the server writes vLLM's blocks
+    directly; the connection is closed the same way, but the server may still write the
+    blocks of that load for as long as its copy takes to stop (see docs/vllm.md).
+    """
 
     def __init__(self, owner: MusaCacheConnector) -> None:
         self.owner = owner
@@ -425,12 +507,16 @@ class _Worker:
         self._direct = False                    # device pages registered by IPC
         self._staging: torch.Tensor | None = None   # (L, 2, S, H, D) or (L, S, D), shared
         self._staging_pages: transfer.Pages | None = None
+        #: A call was left unanswered: the next one reconnects (and, on CPU pages, stages
+        #: through a fresh area) first.
+        self._abandoned = False
         self._load_errors: set[int] = set()
+        self._step_failed: set[int] = set()     # blocks whose load failed in this step
         self._errors_lock = threading.Lock()
         self._layer_events: list[threading.Event] = []
         self._layer_deadline = 0.0
         self._pending_load: Any = None
-        self._layer_saves: list[Any] = []
+        self._layer_saves: list[tuple[torch.Tensor, Any]] = []  # (staging, its gather)
         self._stats: dict[str, int] = {}
         owner._server.on_connect.append(self._register_remote)
 
@@ -448,17 +534,7 @@ class _Worker:
         self._pages = pages
         self._direct = pages.device.type != "cpu"
         if not self._direct:
-            s = self.settings.staging_tokens
-            self._staging = ipc.empty_shared(self.spec.shape(s), self.spec.dtype)
-            # The staging tensor seen as pages with a block size of 1: slot t is token t.
-            if self.spec.mla:
-                self._staging_pages = transfer.Pages.open(
-                    [self._staging[i].view(s, 1, self.spec.head_dim)
-                     for i in range(self.spec.num_layers)], "sglang-mla")
-            else:
-                self._staging_pages = transfer.Pages.open(
-                    [self._staging[i].view(2, s, 1, self.spec.num_kv_heads, self.spec.head_dim)
-                     for i in range(self.spec.num_layers)], "vllm")
+            self._new_staging()
         self._layer_events = [threading.Event() for _ in names]
         for ev in self._layer_events:
             ev.set()
@@ -470,21 +546,65 @@ class _Worker:
         except (TimeoutError, _Unavailable, MusaCacheError) as e:
             self.owner._warn("connect", "musacache: server not reachable yet: %s", e)
 
+    def _new_staging(self) -> None:
+        s = self.settings.staging_tokens
+        staging = ipc.empty_shared(self.spec.shape(s), self.spec.dtype)
+        # The staging tensor seen as pages with a block size of 1: slot t is token t.
+        if self.spec.mla:
+            pages = transfer.Pages.open([staging[i].view(s, 1, self.spec.head_dim)
+                                         for i in range(self.spec.num_layers)], "sglang-mla")
+        else:
+            pages = transfer.Pages.open(
+                [staging[i].view(2, s, 1, self.spec.num_kv_heads, self.spec.head_dim)
+                 for i in range(self.spec.num_layers)], "vllm")
+        self._staging, self._staging_pages = staging, pages
+
     async def _register_remote(self, client: Client) -> None:
         pages = self._pages if self._direct else self._staging_pages
         if pages is not None:
             await client.register_kv_caches(pages)
 
+    async def _client(self) -> Client:
+        """The connected client; after a call left unanswered, on a new connection (and a
+        new staging area) first."""
+        if self._abandoned:
+            self._count("abandoned_calls", 1)
+            await self.owner._server.aclose()
+            if not self._direct:
+                self._new_staging()
+            self._abandoned = False
+        return await self.owner._server.get()
+
+    async def _answered(self, call: Awaitable[int]) -> int:
+        """``call`` (a store or retrieve), noting when it is left unanswered."""
+        answered = False
+        try:
+            got = await call
+            answered = True
+            return got
+        except (InvalidInputError, TierError):
+            answered = True  # refused before it was sent, or the server's answer
+            raise
+        finally:
+            if not answered:
+                self._abandoned = True
+
     # -- loads --------------------------------------------------------------------------------
 
     def start_load(self, ops: Sequence[RequestOp]) -> None:
+        with self._errors_lock:
+            self._step_failed = set()
         loads = [op for op in ops if op.loads]
         if not loads or self._pages is None:
             return
         for ev in self._layer_events:
             ev.clear()
         self._layer_deadline = time.monotonic() + self.settings.timeout
-        fut = self.owner._loop.submit(self._load_all(loads))
+        try:
+            fut = self.owner._loop.start(self._load_all(loads), self.settings.timeout)
+        except MusaCacheError as e:  # the loop is closed: every block is recomputed
+            self._load_failed(e, loads)
+            return
         if self.settings.layerwise:
             self._pending_load = (fut, loads)
             return
@@ -492,17 +612,25 @@ class _Worker:
 
     def _finish_load(self, fut: Any, loads: Sequence[RequestOp]) -> None:
         try:
-            fut.result(max(0.0, self._layer_deadline - time.monotonic()))
+            # Returns only once the load has ended (or was cancelled and has ended): its
+            # writes into the pages stop before vLLM hears of the blocks to recompute.
+            self.owner._loop.result(fut, self._layer_deadline - time.monotonic())
         except Exception as e:  # any fault: the blocks it did not fill are recomputed
-            fut.cancel()
-            self.owner._warn("load", "musacache: load failed, vLLM recomputes: %s", e)
-            self._count("load_failures", 1)
-            for op in loads:
-                self._fail(op, op.load_start, op.load_end)
+            if not fut.done():
+                self._abandoned = True  # it may still run: never reuse what it holds
+            self._load_failed(e, loads)
         finally:
             for ev in self._layer_events:
                 ev.set()
             self._pending_load = None
+
+    def _load_failed(self, e: Exception, loads: Sequence[RequestOp]) -> None:
+        self.owner._warn("load", "musacache: load failed, vLLM recomputes: %s", e)
+        self._count("load_failures", 1)
+        for op in loads:
+            self._fail(op, op.load_start, op.load_end)
+        for ev in self._layer_events:
+            ev.set()
 
     def wait_layer(self, layer_name: str) -> None:
         pending = self._pending_load
@@ -517,19 +645,27 @@ class _Worker:
             self._finish_load(*pending)
 
     async def _load_all(self, loads: Sequence[RequestOp]) -> None:
-        client = await self.owner._server.get()
-        if self._direct:
-            for op in loads:
-                got = await client.retrieve(op.token_ids[:op.load_end],
-                                            op.slot_mapping[:op.load_end],
-                                            skip_prefix=op.load_start)
-                self._after_load(op, op.load_start + got)
+        try:
+            await self._load_each(loads)
+        finally:
+            # Every exit frees the layers: a load that failed at once must not leave
+            # wait_for_layer_load waiting out the timeout (found by a probe).
             for ev in self._layer_events:
                 ev.set()
+
+    async def _load_each(self, loads: Sequence[RequestOp]) -> None:
+        client = await self._client()
+        if self._direct:
+            for op in loads:
+                got = await self._answered(client.retrieve(
+                    op.token_ids[:op.load_end], op.slot_mapping[:op.load_end],
+                    skip_prefix=op.load_start))
+                self._after_load(op, op.load_start + got)
             return
         # CPU pages: the server scatters into the shared staging area, then we scatter from
         # there into vLLM's pages, at most staging_tokens at a time.
-        assert self._staging is not None
+        staging = self._staging
+        assert staging is not None
         cap = self.settings.staging_tokens
         for op in loads:
             start = op.load_start
@@ -537,35 +673,35 @@ class _Worker:
                 end = min(op.load_end, start + cap)
                 slots = np.full(end, -1, dtype=np.int64)
                 slots[start:end] = np.arange(end - start)
-                got = await client.retrieve(op.token_ids[:end], slots, skip_prefix=start)
+                got = await self._answered(client.retrieve(op.token_ids[:end], slots,
+                                                           skip_prefix=start))
                 if self.settings.layerwise:
                     last = op is loads[-1] and end == op.load_end
                     for layer in range(self.spec.num_layers):
                         await anyio.to_thread.run_sync(
-                            self._scatter_staging, op, start, start + got, layer)
+                            self._scatter_staging, staging, op, start, start + got, layer)
                         if last:
                             self._layer_events[layer].set()
                 else:
-                    await anyio.to_thread.run_sync(self._scatter_staging, op, start,
+                    await anyio.to_thread.run_sync(self._scatter_staging, staging, op, start,
                                                    start + got, None)
                 start += got
                 if start < end:
                     break
             self._after_load(op, start)
-        for ev in self._layer_events:
-            ev.set()
 
-    def _scatter_staging(self, op: RequestOp, start: int, end: int, layer: int | None) -> None:
+    def _scatter_staging(self, staging: torch.Tensor, op: RequestOp, start: int, end: int,
+                         layer: int | None) -> None:
         if end <= start:
             return
-        assert self._staging is not None and self._pages is not None  # registered: CPU pages
+        assert self._pages is not None  # registered: CPU pages
         n = end - start
         slots = torch.from_numpy(op.slot_mapping[start:end])
         td = self.spec.token_dim
         if layer is None:
-            transfer.scatter(self._staging.narrow(td, 0, n), self._pages, slots)
+            transfer.scatter(staging.narrow(td, 0, n), self._pages, slots)
         else:
-            transfer.scatter(self._staging[layer:layer + 1].narrow(td, 0, n),
+            transfer.scatter(staging[layer:layer + 1].narrow(td, 0, n),
                              self._pages.layers(layer, layer + 1), slots)
 
     def _after_load(self, op: RequestOp, loaded_to: int) -> None:
@@ -576,8 +712,10 @@ class _Worker:
             self._fail(op, loaded_to, op.load_end)
 
     def _fail(self, op: RequestOp, start: int, end: int) -> None:
+        blocks = op.blocks_of(start, end)
         with self._errors_lock:
-            self._load_errors |= op.blocks_of(start, end)
+            self._load_errors |= blocks
+            self._step_failed |= blocks
 
     def take_load_errors(self) -> set[int]:
         with self._errors_lock:
@@ -586,30 +724,52 @@ class _Worker:
 
     # -- saves --------------------------------------------------------------------------------
 
+    def _savable(self, ops: Sequence[RequestOp]) -> tuple[list[RequestOp], bool]:
+        """This step's saves, less those of requests over a block whose load failed in this
+        step: vLLM drops what the step computed for them and computes it again (found by a
+        probe: KV computed over blocks never loaded was stored and served). And whether
+        any was left out."""
+        with self._errors_lock:
+            failed = set(self._step_failed)
+        saves: list[RequestOp] = []
+        skipped = False
+        for op in ops:
+            if not op.saves:
+                continue
+            if failed and op.blocks_of(0, op.save_end) & failed:
+                self._count("save_skipped_tokens", op.save_end - op.save_start)
+                skipped = True
+                continue
+            saves.append(op)
+        return saves, skipped
+
     def save_layer(self, layer_name: str, ops: Sequence[RequestOp]) -> None:
         """Layerwise mode: this layer's KV is written; hand it to the staging area now."""
         i = self._layer_index.get(layer_name)
         saves = [op for op in ops if op.saves]
-        if i is None or not saves or self._direct or self._pages is None:
-            return
+        staging = self._staging
+        if i is None or not saves or self._direct or self._pages is None or staging is None \
+                or self._abandoned:
+            return  # (abandoned: wait_for_save gathers into a fresh area)
         total = sum(op.save_end - op.save_start for op in saves)
         if total > self.settings.staging_tokens:
             return  # too big to stage at once: wait_for_save gathers it in pieces
-        self._layer_saves.append(self.owner._loop.submit(
-            anyio.to_thread.run_sync(self._gather_layers, saves, i)))
+        self._layer_saves.append((staging, self.owner._loop.submit(
+            anyio.to_thread.run_sync(self._gather_layers, staging, saves, i))))
 
-    def _gather_layers(self, saves: Sequence[RequestOp], layer: int | None) -> None:
-        assert self._staging is not None and self._pages is not None  # registered: CPU pages
+    def _gather_layers(self, staging: torch.Tensor, saves: Sequence[RequestOp],
+                       layer: int | None) -> None:
+        assert self._pages is not None  # registered: CPU pages
         td = self.spec.token_dim
         at = 0
         for op in saves:
             n = op.save_end - op.save_start
             slots = torch.from_numpy(op.slot_mapping[op.save_start:op.save_end])
             if layer is None:
-                transfer.gather(self._pages, slots, self._staging.narrow(td, at, n))
+                transfer.gather(self._pages, slots, staging.narrow(td, at, n))
             else:
                 transfer.gather(self._pages.layers(layer, layer + 1), slots,
-                                self._staging[layer:layer + 1].narrow(td, at, n))
+                                staging[layer:layer + 1].narrow(td, at, n))
             at += n
 
     def save(self, ops: Sequence[RequestOp]) -> None:
@@ -617,45 +777,55 @@ class _Worker:
             # Layerwise: vLLM did not wait for every layer this step; settle the load (and
             # its errors) before the step ends.
             self._finish_load(*self._pending_load)
-        saves = [op for op in ops if op.saves]
+        saves, skipped = self._savable(ops)
         layer_saves, self._layer_saves = self._layer_saves, []
-        if not saves or self._pages is None:
+        if (not saves and not layer_saves) or self._pages is None:
             return
-        if self._direct and self._pages.device.type in ("cuda", "musa"):
+        if saves and self._direct and self._pages.device.type in ("cuda", "musa"):
             # The pages are written by this step's kernels: the server may read them only
             # after they finish.
             torch.cuda.synchronize() if self._pages.device.type == "cuda" else \
                 torch.musa.synchronize()  # type: ignore[attr-defined]
-        staged = bool(layer_saves) and len(layer_saves) == self.spec.num_layers
         try:
-            self.owner._loop.run(self._save_all(saves, layer_saves if staged else None),
+            self.owner._loop.run(self._save_all(saves, layer_saves, skipped),
                                  self.settings.timeout)
         except Exception as e:  # a failed save is a future miss, never a failed request
             self.owner._warn("save", "musacache: save failed (dropped): %s", e)
             self._count("save_failures", 1)
 
-    async def _save_all(self, saves: Sequence[RequestOp], layer_saves: list[Any] | None,
-                        ) -> None:
+    async def _save_all(self, saves: Sequence[RequestOp],
+                        layer_saves: list[tuple[torch.Tensor, Any]], skipped: bool) -> None:
         import asyncio
 
-        client = await self.owner._server.get()
+        # The per-layer gathers end before anything else uses a staging area.
+        done = await asyncio.gather(*(asyncio.wrap_future(f) for _, f in layer_saves),
+                                    return_exceptions=True)
+        if not saves:
+            return
+        client = await self._client()
         if self._direct:
             for op in saves:
-                n = await client.store(op.token_ids[:op.save_end], op.slot_mapping[:op.save_end],
-                                       skip_prefix=op.save_start)
+                n = await self._answered(client.store(
+                    op.token_ids[:op.save_end], op.slot_mapping[:op.save_end],
+                    skip_prefix=op.save_start))
                 self._after_save(op, n)
             return
+        staging = self._staging
+        assert staging is not None
         cap = self.settings.staging_tokens
-        if layer_saves is not None:
-            # Every layer was already gathered by save_kv_layer, packed from row 0.
-            await asyncio.gather(*(asyncio.wrap_future(f) for f in layer_saves))
+        # Every layer gathered by save_kv_layer, packed from row 0, into this staging area
+        # and for exactly these saves.
+        staged = (not skipped and len(layer_saves) == self.spec.num_layers
+                  and all(st is staging for st, _ in layer_saves)
+                  and not any(isinstance(r, BaseException) for r in done))
+        if staged:
             at = 0
             for op in saves:
                 n = op.save_end - op.save_start
                 slots = np.full(op.save_end, -1, dtype=np.int64)
                 slots[op.save_start:] = np.arange(at, at + n)
-                stored = await client.store(op.token_ids[:op.save_end], slots,
-                                            skip_prefix=op.save_start)
+                stored = await self._answered(client.store(
+                    op.token_ids[:op.save_end], slots, skip_prefix=op.save_start))
                 self._after_save(op, stored)
                 at += n
             return
@@ -665,10 +835,11 @@ class _Worker:
                 end = min(op.save_end, start + cap)
                 piece = RequestOp(op.req_id, op.token_ids, op.slot_mapping, op.block_size,
                                   save_start=start, save_end=end)
-                await anyio.to_thread.run_sync(self._gather_layers, [piece], None)
+                await anyio.to_thread.run_sync(self._gather_layers, staging, [piece], None)
                 slots = np.full(end, -1, dtype=np.int64)
                 slots[start:end] = np.arange(end - start)
-                stored = await client.store(op.token_ids[:end], slots, skip_prefix=start)
+                stored = await self._answered(client.store(op.token_ids[:end], slots,
+                                                           skip_prefix=start))
                 if stored < end:
                     break
                 start = end
