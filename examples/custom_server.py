@@ -468,8 +468,8 @@ def write_config(args: argparse.Namespace) -> int:
     Path(args.write_config).write_text(server_config_toml(
         spec, namespace_for(args), args.chunk_size, args.host_mib * 1024**2))
     print(f"wrote {args.write_config}; start the node server with\n"
-          f"  musacache serve --socket /tmp/musacache.sock --config {args.write_config}\n"
-          "then run this example with --mode connect --socket /tmp/musacache.sock "
+          f"  musacache serve --socket /tmp/musacache/node.sock --config {args.write_config}\n"
+          "then run this example with --mode connect --socket /tmp/musacache/node.sock "
           "and the same --model/--seed/--chunk-size")
     return 0
 

@@ -415,8 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_config:
         Path(args.write_config).write_text(server_config_toml(args))
         print(f"wrote {args.write_config}; start the node server with\n"
-              f"  musacache serve --socket /tmp/musacache.sock --config {args.write_config}\n"
-              "then run this example with --mode connect --socket /tmp/musacache.sock and the "
+              f"  musacache serve --socket /tmp/musacache/node.sock --config {args.write_config}\n"
+              "then run this example with --mode connect --socket /tmp/musacache/node.sock and the "
               "same settings")
         return 0
     report = asyncio.run(run(args))

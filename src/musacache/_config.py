@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,12 +107,26 @@ class DeviceTier:
         object.__setattr__(self, "segment_bytes", size_bytes(
             self.segment_bytes, f"{self.name}.segment_bytes", minimum=1))
         optional_str(self.device, f"{self.name}.device", allow_empty=False)
+        if self.device is not None:
+            _device_name(self.device, f"{self.name}.device")
 
 
 #: The tiers whose chunks the engine holds as tensors in a pool of its own.
 MemoryTierConfig = HostTier | DeviceTier
 
 register_tier_kind("host", HostTier)
+_DEVICE_NAME = re.compile(r"auto|cpu|(cuda|musa)(:\d+)?")
+
+
+def _device_name(value: str, what: str) -> None:
+    """Refuse a device name that can never resolve ("gpu", "cuda0"), when the config is made:
+    whether the device exists is known only where the cache opens, but a misspelling is
+    known now (a server started with one listened, and refused every client)."""
+    if not _DEVICE_NAME.fullmatch(value):
+        raise ConfigError(f"{what} must be 'auto', 'cpu', 'cuda[:n]' or 'musa[:n]', "
+                          f"got {value!r}")
+
+
 register_tier_kind("device", DeviceTier)
 
 
@@ -183,6 +199,13 @@ class CacheConfig:
                     "DeviceTier, a DiskTier, an S3Tier, or a StorageTier (anything with a "
                     "name and build())")
         object.__setattr__(self, "tiers", tiers)
+        for hot, cold in itertools.pairwise(tiers):
+            if isinstance(cold, (HostTier, DeviceTier)) and \
+                    not isinstance(hot, (HostTier, DeviceTier)):
+                # Tiers go hot to cold: chunks move down from memory to storage, never up
+                # into a memory tier listed below one (it would stay empty).
+                raise ConfigError(f"tiers go hot to cold: memory tier {cold.name!r} cannot "
+                                  f"come after storage tier {hot.name!r}")
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise ConfigError(f"tier names must be unique, got {names}; set name= on each tier")
@@ -206,6 +229,7 @@ class CacheConfig:
         if not isinstance(self.device, str) or not self.device:
             raise ConfigError(f"device must be 'auto', 'cpu', 'cuda[:n]' or 'musa[:n]', "
                               f"got {self.device!r}")
+        _device_name(self.device, "device")
         object.__setattr__(self, "close_timeout",
                            non_negative_float(self.close_timeout, "close_timeout"))
         object.__setattr__(self, "gc_freeze_every",
@@ -257,7 +281,7 @@ class CacheConfig:
                 data = tomllib.load(f)
         except OSError as e:
             raise ConfigError(f"cannot read config file {path}: {e}") from e
-        except tomllib.TOMLDecodeError as e:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path} is not valid TOML: {e}") from e
         return cls.from_dict(data)
 
@@ -276,8 +300,8 @@ class CacheConfig:
         base = env.get(prefix + "CONFIG")
         if base:
             try:
-                data = tomllib.loads(Path(base).read_text())
-            except (OSError, tomllib.TOMLDecodeError) as e:
+                data = tomllib.loads(Path(base).read_text(encoding="utf-8"))
+            except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
                 raise ConfigError(f"MUSACACHE_CONFIG={base}: {e}") from e
             if isinstance(data.get("tiers"), list):
                 data["tiers"] = {str(i): t for i, t in enumerate(data["tiers"])}
@@ -291,7 +315,14 @@ class CacheConfig:
                 node = node.setdefault(part, {})
                 if not isinstance(node, dict):
                     raise ConfigError(f"{name}: {part} is not a table")
-            node[path[-1]] = _env_value(raw, path[-1])
+            setting = path[-1]
+            if len(path) == 3 and path[0] == "tiers" and setting in ("capacity",
+                                                                      "capacity_bytes"):
+                # A tier's capacity has two spellings: the variable replaces whichever the
+                # file used (both at once are refused as unknown).
+                node.pop("capacity", None)
+                setting = "capacity_bytes"
+            node[setting] = _env_value(raw, setting)
         return cls.from_dict(data)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 from asyncio import _get_running_loop as _running_loop
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +45,8 @@ from ._tee import Tee
 from ._tierstate import MemTier, StoreTier, Tier
 from .tiers.base import StorageTier, TierContext
 from .transfer import _scatter_own
+
+log = logging.getLogger("musacache")
 
 __all__ = ["Cache", "Hit"]
 
@@ -249,6 +252,7 @@ class Cache:
                     raise ConfigError(f"tier {idx} ({type(tc).__name__}) is neither a memory "
                                       "tier config nor a StorageTier")
                 tiers.append(StoreTier(idx, store, int(cfg.write_queue_bytes)))
+            _check_room(cfg, slot_bytes)
             mem = [t for t in tiers if isinstance(t, MemTier)]
             self._device = (mem[0].device if mem else torch.device("cpu")) \
                 if cfg.device == "auto" else devices.resolve(cfg.device)
@@ -685,6 +689,24 @@ async def _release(eng: Engine) -> None:
     old, eng.dir = eng.dir, eng.dir.emptied()
     await _removal.dismantle(old, BATCH)
     eng.mover.close()
+
+
+def _check_room(cfg: CacheConfig, slot_bytes: int) -> None:
+    """A memory tier keeps whole chunk slots: one smaller than a slot holds nothing, and puts
+    fall through it to the next tier. With no tier left that can hold a chunk, every put
+    stored nothing without a word (a server's tiers split over its caches, say): refused."""
+    small = [t for t in cfg.tiers if isinstance(t, (HostTier, DeviceTier))
+             and int(t.capacity_bytes) < slot_bytes]
+    if small and len(small) == len(cfg.tiers):
+        names = ", ".join(f"{t.name!r} ({t.capacity_bytes} bytes)" for t in small)
+        raise ConfigError(
+            f"no tier can hold a chunk: {names} "
+            f"{'is' if len(small) == 1 else 'are'} less than one chunk ({cfg.chunk_size} "
+            f"tokens of {cfg.spec.describe()}: {slot_bytes} bytes); give a tier room for a "
+            "chunk at least, or use a smaller chunk_size")
+    for t in small:
+        log.warning("musacache: tier %r (%d bytes) is less than one chunk (%d bytes): puts "
+                    "fall through it", t.name, t.capacity_bytes, slot_bytes)
 
 
 async def _get_matched(cache: Cache, eng: Engine, toks: np.ndarray,

@@ -147,7 +147,13 @@ def size_bytes(value: Any, what: str = "size", *, minimum: int = 0,
         m = _SIZE_RE.match(stripped)
         if not m:
             raise error(f"{what}: cannot read {value!r} as a size (e.g. 512MiB, 8GiB)")
-        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+        unit = _UNITS.get((m.group(2) or "").lower())
+        if unit is None:  # "16i": a binary mark without a unit
+            raise error(f"{what}: cannot read {value!r} as a size (e.g. 512MiB, 8GiB)")
+        exact = float(m.group(1)) * unit
+        if not exact.is_integer():  # "1.5" bytes, as the float 1.5 is refused
+            raise error(f"{what} must be a whole number of bytes, got {value!r}")
+        n = int(exact)
     else:
         try:
             n = operator.index(value)

@@ -11,6 +11,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from ._errors import MusaCacheError
 from ._version import __version__
 
 BENCHES = {
@@ -62,7 +63,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] in SUBCOMMANDS:
         return _run_module(SUBCOMMANDS[argv[0]][0], argv[1:])
     if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHES:
-        return _run_module(BENCHES[argv[1]][0], argv[2:])
+        try:
+            return _run_module(BENCHES[argv[1]][0], argv[2:])
+        except MusaCacheError as e:  # a benchmark's argument the cache refused
+            print(f"musacache bench {argv[1]}: {e}", file=sys.stderr)
+            return 2
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

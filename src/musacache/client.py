@@ -39,6 +39,7 @@ from ._fastpath import token_bytes
 from ._keys import as_tokens
 from ._pages import check_pages
 from ._spec import KVSpec, check_writable, may_overlap
+from ._validate import positive_float
 from .ipc._memory import shared_segment
 
 __all__ = ["Client", "connect"]
@@ -255,8 +256,11 @@ class Client:
         self.namespace = namespace
         self.tenant = tenant
         self.chunk_size = chunk_size
-        self.timeout = timeout
-        self.connect_timeout = connect_timeout
+        # Checked here, not at the first call: a NaN bound never expires (a call to a server
+        # that answers nothing would hang), and a string failed deep inside asyncio.
+        self.timeout = positive_float(timeout, "timeout", error=InvalidInputError)
+        self.connect_timeout = positive_float(connect_timeout, "connect_timeout",
+                                              error=InvalidInputError)
         self.server_info: dict[str, Any] = {}
         self._conn: ipc.Connection | None = None
         self._pending: dict[int, asyncio.Future[ipc.Reply]] = {}

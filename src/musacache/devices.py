@@ -138,6 +138,10 @@ def resolve(device: str | torch.device | None = "auto") -> torch.device:
         kind = str(device).split(":", 1)[0]
         if kind in ACCELERATORS and accelerator_module(kind) is not None:
             dev = torch.device(device)
+        elif kind in ACCELERATORS:
+            raise DeviceError(f"device {device!r} is not available on this machine"
+                              + (" (musa needs torch_musa)" if kind == "musa" else "")
+                              ) from None
         else:
             raise ConfigError(
                 f"unknown device {device!r}; use auto, cpu, cuda[:i] or musa[:i]") from None

@@ -275,7 +275,12 @@ def _share_of(tier: Any, n: int) -> Any:
     capacity = getattr(tier, "capacity_bytes", None)
     if capacity is None:
         return tier
-    return dataclasses.replace(tier, capacity_bytes=int(capacity) // n)
+    try:
+        return dataclasses.replace(tier, capacity_bytes=int(capacity) // n)
+    except ConfigError as e:
+        raise ConfigError(f"tier {getattr(tier, 'name', '?')!r}: each of max_caches={n} caches "
+                          f"gets capacity_bytes // {n} = {int(capacity) // n} of its "
+                          f"{int(capacity)} bytes: {e}") from None
 
 
 @dataclass

@@ -269,6 +269,9 @@ def test_bad_extra_config_is_refused() -> None:
         MusaCacheStorage(storage_config(dynamic_extra()), {})
     with pytest.raises(ConfigError, match="unknown"):
         MusaCacheStorage(storage_config(dynamic_extra(config="x", sockets="y")), {})
+    for bad in (float("nan"), float("inf"), 1e10, 0, "5"):
+        with pytest.raises(ConfigError, match="timeout"):
+            MusaCacheStorage(storage_config(dynamic_extra(config="x", timeout=bad)), {})
 
 
 def test_pools_of_other_layouts_or_kv_dtypes_never_share_pages(server: str) -> None:

@@ -1104,6 +1104,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted({x for x in args.only.split(",") if x} - set(PARTS))
     if unknown:
         p.error(f"--only: no part named {', '.join(unknown)} (the parts: {','.join(PARTS)})")
+    for flag in ("sizes", "siblings", "evict_chunks"):
+        try:  # read now, not after the parts before the one that needs them have run
+            _ints(getattr(args, flag))
+        except ValueError:
+            p.error(f"--{flag.replace('_', '-')}: not a comma list of numbers: "
+                    f"{getattr(args, flag)!r}")
     res = asyncio.run(run(args))
     if args.json:
         print(json.dumps(res, indent=2))

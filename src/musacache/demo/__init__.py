@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 
 from .. import devices
@@ -120,9 +121,23 @@ def main(argv: list[str] | None = None) -> int:
     except MusaCacheError as e:  # --device cuda on a machine without one
         print(f"musacache demo: {e}", file=sys.stderr)
         return EXIT_USAGE
-    result = asyncio.run(run_demo(opts))
+    if args.plot:  # its folder must take the file: checked now, not after the whole run
+        folder = os.path.dirname(os.path.abspath(args.plot))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            print(f"musacache demo: cannot write the plot {args.plot}: {folder} is not a "
+                  "writable folder", file=sys.stderr)
+            return EXIT_USAGE
+    try:
+        result = asyncio.run(run_demo(opts))
+    except MusaCacheError as e:  # a --disk-dir that is a file, or not writable
+        print(f"musacache demo: {e}", file=sys.stderr)
+        return EXIT_USAGE
     if args.plot:
-        plot_ttft(result, args.plot)
+        try:
+            plot_ttft(result, args.plot)
+        except OSError as e:
+            print(f"musacache demo: cannot write the plot {args.plot}: {e}", file=sys.stderr)
+            return EXIT_USAGE
     if args.json:
         print(json.dumps(to_json(result), indent=2))
     else:

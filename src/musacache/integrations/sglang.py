@@ -28,6 +28,7 @@ exception into SGLang.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -36,7 +37,8 @@ import torch
 
 from .._errors import CacheClosedError, CacheUnavailableError, ConfigError, MusaCacheError
 from .._spec import KVSpec
-from ._loop import LoopThread
+from .._validate import positive_float
+from ._loop import SETTLE_S, LoopThread
 
 try:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
@@ -97,10 +99,11 @@ class MusaCacheStorage(HiCacheStorage):
         if self.socket is None and self.config is None:
             raise ConfigError('hicache storage extra config needs "musacache.socket" (a node '
                               'server) or "musacache.config" (a TOML file of tiers)')
-        timeout = ours.get("timeout", 30.0)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ConfigError(f"musacache.timeout must be a positive number, got {timeout!r}")
-        self.timeout = float(timeout)
+        timeout = positive_float(ours.get("timeout", 30.0), "musacache.timeout")
+        if timeout > threading.TIMEOUT_MAX - SETTLE_S:  # a thread could not wait for it
+            raise ConfigError(f"musacache.timeout must be at most "
+                              f"{threading.TIMEOUT_MAX - SETTLE_S:g} s, got {timeout!r}")
+        self.timeout = timeout
         model = str(ours.get("namespace") or storage_config.model_name or "sglang")
         # The rank's slice here; the host pool's layout and KV dtype are added when it is
         # registered (register_mem_pool_host).
