@@ -5,12 +5,15 @@ and the thread that frees the memory pool. Speed is shown by
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gc
 import threading
 import weakref
 from collections import deque
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -213,3 +216,29 @@ async def test_closing_frees_the_memory_pool_off_the_loop():
     loop_thread = threading.get_ident()
     await c.aclose()
     assert freed_on and loop_thread not in freed_on
+
+
+@pytest.mark.timeout(180)
+async def test_aclose_while_puts_queue_storage_writes_returns(tmp_path) -> None:
+    # A put still running at close queued a storage write after the close had begun: the
+    # write's task, started in the group being cancelled, was never cancelled, spun at its
+    # first checkpoint, and aclose waited for it forever (found by a probe).
+    spec = mc.KVSpec(num_layers=2, num_kv_heads=1, head_dim=8, dtype=torch.float32)
+    cs = 16
+    for trial in range(40):
+        cfg = mc.CacheConfig(spec, "spin", chunk_size=cs, tiers=(
+            mc.HostTier(spec.nbytes(cs)),
+            mc.DiskTier(str(tmp_path / str(trial)), spec.nbytes(cs) * 400)))
+        cache = mc.Cache(cfg)
+        await cache.open()
+
+        async def putter(k: int, c: mc.Cache = cache) -> None:
+            with contextlib.suppress(mc.CacheClosedError):
+                for j in range(1000):
+                    toks = [k, j, *range(600)]
+                    await c.put(toks, torch.zeros(spec.shape(len(toks))))
+
+        puts = [asyncio.ensure_future(putter(k)) for k in range(8)]
+        await asyncio.sleep(0.002 * (trial % 10))
+        await cache.aclose()
+        await asyncio.gather(*puts, return_exceptions=True)

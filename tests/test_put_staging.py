@@ -56,3 +56,21 @@ def test_the_pool_keeps_at_most_its_bound_and_hands_out_the_right_shape() -> Non
     assert t.data_ptr() == ts[2].data_ptr()  # the newest idle buffer first
     other = pool.take((4, 16), torch.int64)
     assert other.dtype == torch.int64 and other.data_ptr() not in {x.data_ptr() for x in ts}
+
+
+def test_the_stage_pool_keeps_and_counts_whole_buffers() -> None:
+    # A put's whole chunk, then a prompt's 1-token tail: the tail took the newest idle buffer
+    # (a whole chunk's) and came back as a 1-element view, counted at its own size while it
+    # held the whole buffer, and useless for the next whole chunk, which allocated again: the
+    # pool kept 402 MiB against its 64 MiB cap after 400 puts (found by a probe).
+    from musacache._staging import StagePool
+
+    pool = StagePool(keep_bytes=4 * 1024)
+    for _ in range(50):
+        whole = pool.take((256,), torch.float32)  # 1 KiB
+        pool.give([whole])
+        tail = pool.take((1,), torch.float32)
+        pool.give([tail])
+    held = sum(t.untyped_storage().nbytes() for t in pool._idle)
+    assert held == pool._idle_bytes <= pool.keep_bytes
+    assert len(pool._idle) == 1  # the one buffer, taken and given back each time

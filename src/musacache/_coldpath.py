@@ -20,7 +20,7 @@ import torch
 
 from . import _errors
 from ._directory import Entry
-from ._errors import MusaCacheError, TierError
+from ._errors import CacheClosedError, MusaCacheError, TierError
 from ._gcfreeze import collect_young
 from ._listing import ChunkListing, ListingBuilder
 from ._log import RateLimitedLog
@@ -323,6 +323,8 @@ class ColdPath:
             return False
         if t.holds(e) or self._stale(e):
             return True  # written by another task while we waited, or gone: nothing to do
+        if not self.eng.tasks.running_group():
+            raise CacheClosedError("the cache closed while a write waited for room")
         t.enqueue(e, obj)
         before, mine = t.chain_link(e.key)
         self.eng.tasks.spawn(self._write_job, t, e, obj, before, mine)

@@ -693,20 +693,16 @@ async def _release(eng: Engine) -> None:
 
 def _check_room(cfg: CacheConfig, slot_bytes: int) -> None:
     """A memory tier keeps whole chunk slots: one smaller than a slot holds nothing, and puts
-    fall through it to the next tier. With no tier left that can hold a chunk, every put
-    stored nothing without a word (a server's tiers split over its caches, say): refused."""
+    fall through it to the next tier; with no tier that can hold a chunk, every put stores
+    nothing. Said in the log when the cache opens (a put's return value says it too), since
+    it stored nothing without a word (a server's tiers split over its caches, say)."""
     small = [t for t in cfg.tiers if isinstance(t, (HostTier, DeviceTier))
              and int(t.capacity_bytes) < slot_bytes]
-    if small and len(small) == len(cfg.tiers):
-        names = ", ".join(f"{t.name!r} ({t.capacity_bytes} bytes)" for t in small)
-        raise ConfigError(
-            f"no tier can hold a chunk: {names} "
-            f"{'is' if len(small) == 1 else 'are'} less than one chunk ({cfg.chunk_size} "
-            f"tokens of {cfg.spec.describe()}: {slot_bytes} bytes); give a tier room for a "
-            "chunk at least, or use a smaller chunk_size")
     for t in small:
-        log.warning("musacache: tier %r (%d bytes) is less than one chunk (%d bytes): puts "
-                    "fall through it", t.name, t.capacity_bytes, slot_bytes)
+        log.warning("musacache: tier %r (%d bytes) is less than one chunk (%d tokens: %d "
+                    "bytes): puts %s", t.name, int(t.capacity_bytes), cfg.chunk_size,
+                    slot_bytes, "fall through it" if len(small) < len(cfg.tiers)
+                    else "store nothing: no tier can hold a chunk")
 
 
 async def _get_matched(cache: Cache, eng: Engine, toks: np.ndarray,

@@ -48,11 +48,15 @@ class TaskOwner:
 
     def running_group(self) -> bool:
         """Whether :meth:`spawn` can start work now."""
-        return self._tg is not None
+        return self._tg is not None and not self._stop.is_set()
 
     def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
-        """Run ``fn(*args)`` in the background; a failure is logged, never lost."""
-        if self._tg is None:
+        """Run ``fn(*args)`` in the background; a failure is logged, never lost. Refused
+        once :meth:`aclose` has begun: the group is being cancelled, and a task started in
+        it then is never cancelled (anyio has delivered the group's cancellation already),
+        so its first checkpoint spun forever and the close waited for it (found by a
+        probe: a put still running at close queued a write)."""
+        if self._tg is None or self._stop.is_set():
             raise CacheClosedError("the cache is closed: no background work can start")
         self.running += 1
         if self._idle.is_set():
