@@ -300,3 +300,129 @@ def test_the_new_limits_are_read_and_checked(tmp_path):
             assert next(iter(bad)) in str(e)
         else:
             raise AssertionError(f"{bad} was accepted")
+
+
+# -- found by a review probe of the limits above ---------------------------------------------
+
+
+async def test_registers_at_once_cannot_pass_max_mappings_together(tmp_path) -> None:
+    # Each register counted the others' mappings once, then opened its handles one by one in
+    # worker threads: six registers at once all passed a limit of 8 and held 48.
+    layers = 8
+    spec = mc.KVSpec(num_layers=layers, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    cfg = ServerConfig(str(tmp_path / "m" / "s.sock"), tiers=(mc.HostTier(spec.nbytes(CH) * 64),),
+                       chunk_size=CH, max_mappings=layers, max_mappings_per_peer=layers)
+    async with Server(cfg) as srv:
+        serving = asyncio.create_task(srv.serve_forever())
+        clients = [mc.connect(cfg.socket_path, spec=spec, namespace="srv", chunk_size=CH)
+                   for _ in range(6)]
+        try:
+            for c in clients:
+                await c.open()
+
+            def pages() -> list[torch.Tensor]:
+                shape = (2, NB, BS, spec.num_kv_heads, spec.head_dim)
+                return [ipc.empty_shared(shape, spec.dtype) for _ in range(layers)]
+
+            got = await asyncio.gather(*[c.register_kv_caches(pages()) for c in clients],
+                                       return_exceptions=True)
+            assert sum(not isinstance(r, BaseException) for r in got) == 1
+            assert all(isinstance(r, mc.ServerLimitError) for r in got
+                       if isinstance(r, BaseException))
+            assert srv._server_stats()["open_mappings"] <= cfg.max_mappings
+        finally:
+            for c in clients:
+                await c.aclose()
+            srv.stop()
+            await serving
+
+
+async def test_a_busy_connection_is_not_closed_by_frame_timeout(tmp_path) -> None:
+    # frame_timeout measured how long the connection had had some frame incomplete, not the
+    # age of the frame: a client whose every send ends inside a frame (each whole ~2 ms
+    # later) was closed after frame_timeout.
+    cfg = config(tmp_path, frame_timeout=0.5)
+    spec = small_spec()
+    async with Server(cfg) as srv:
+        serving = asyncio.create_task(srv.serve_forever())
+
+        def client() -> tuple[int, int]:
+            import threading
+            import time
+
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(cfg.socket_path)
+            sock.settimeout(10)
+            decoder = ipc.FrameDecoder(expect="reply")
+            answered = [0]
+
+            def read() -> None:  # replies read as they come, so neither side blocks
+                while True:
+                    data = sock.recv(1 << 16)
+                    if not data:
+                        return
+                    decoder.feed(data)
+                    while decoder.next_frame() is not None:
+                        answered[0] += 1
+
+            reader = threading.Thread(target=read)
+            reader.start()
+            sock.sendall(ipc.encode_request(1, "hello", {
+                "protocol": ipc.PROTOCOL_VERSION, "namespace": "srv",
+                "spec": spec.to_dict(), "chunk_size": CH}))
+            sent, carry, start = 0, b"", time.monotonic()
+            while time.monotonic() - start < 1.5:
+                frame = ipc.encode_request(2 + sent, "lookup",
+                                           {"tokens": struct.pack("<4i", 1, 2, 3, sent)})
+                sock.sendall(carry + frame[: len(frame) // 2])
+                carry = frame[len(frame) // 2:]
+                sent += 1
+                time.sleep(0.002)
+            sock.sendall(carry)
+            deadline = time.monotonic() + 10
+            while answered[0] < sent + 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            sock.shutdown(socket.SHUT_RDWR)
+            reader.join()
+            sock.close()
+            return sent, answered[0]
+
+        try:
+            sent, answered = await asyncio.to_thread(client)
+            assert answered == sent + 1
+            assert srv.counters["frame_timeouts"] == 0
+        finally:
+            srv.stop()
+            await serving
+
+
+async def test_an_eviction_whose_hello_is_cancelled_still_persists(tmp_path) -> None:
+    # The eviction ran in the hello's task: the evicting peer went away, its task was
+    # cancelled, and the evicted cache's persist was cut short (its chunks were lost).
+    spec = small_spec()
+    cfg = ServerConfig(str(tmp_path / "e" / "s.sock"),
+                       tiers=(mc.HostTier(spec.nbytes(CH) * 4000),
+                              mc.DiskTier(str(tmp_path / "disk"), 1 << 30)),
+                       chunk_size=CH, max_caches=1)
+    seqs = [list(range(i * 100000, i * 100000 + CH * 40)) for i in range(30)]
+    async with Server(cfg) as srv:
+        serving = asyncio.create_task(srv.serve_forever())
+        try:
+            async with mc.connect(cfg.socket_path, spec=spec, namespace="srv", chunk_size=CH,
+                                  tenant="victim") as c:
+                for s in seqs:
+                    assert await c.put(s, torch.randn(spec.shape(len(s)))) == len(s)
+            await until(lambda: not srv._caches.users)  # the victim's cache is unused now
+            peer = RawPeer(cfg.socket_path)
+            peer.send("hello", {"protocol": ipc.PROTOCOL_VERSION, "namespace": "srv",
+                                "spec": spec.to_dict(), "chunk_size": CH, "tenant": "other"})
+            await asyncio.sleep(0.05)
+            peer.sock.close()  # gone while the eviction persists
+            await until(lambda: srv.counters["cache_evictions"] == 1, 60)
+            async with mc.connect(cfg.socket_path, spec=spec, namespace="srv", chunk_size=CH,
+                                  tenant="victim") as c:
+                for s in seqs:
+                    assert await c.lookup(s) == len(s)
+        finally:
+            srv.stop()
+            await serving

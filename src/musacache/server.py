@@ -309,6 +309,9 @@ class _Peer:
     key: CacheKey | None = None
     in_flight: int = 0
     held_fds: int = 0
+    #: mappings being opened (awaited in a worker thread): counted against the limits before
+    #: they exist, so that registers running at once cannot all pass them
+    opening: int = 0
     #: fds received whose frame is not whole yet, and bytes of an incomplete frame (since)
     parked_fds: int = 0
     partial: int = 0
@@ -346,13 +349,15 @@ class _DataOps:
         self.peers = peers  # the server's own set
 
     def _mappings_elsewhere(self, peer: _Peer) -> int:
-        return sum(p.table.open_mappings for p in self.peers if p is not peer)
+        return sum(p.table.open_mappings + p.opening for p in self.peers if p is not peer)
 
-    def _room_for_a_mapping(self, peer: _Peer, op: str, elsewhere: int) -> None:
+    def _room_for_a_mapping(self, peer: _Peer, op: str) -> None:
         """Refuse a mapping the connection would keep past its limit or the server's (found
         by a probe: one client's 65k registrations filled vm.max_map_count, and every mmap of
-        the server failed for everyone)."""
-        mine = peer.table.open_mappings
+        the server failed for everyone). Mappings still being opened count (found by a
+        probe: registers of six connections at once all passed a limit of 8)."""
+        elsewhere = self._mappings_elsewhere(peer)
+        mine = peer.table.open_mappings + peer.opening
         if mine >= self.config.max_mappings_per_peer:
             raise ServerLimitError(f"{op}: this connection keeps {mine} memory mappings in the "
                                    f"server (max_mappings_per_peer="
@@ -421,11 +426,15 @@ class _DataOps:
                            fds: list[int]) -> Any:
         cache = _cache_of(peer)
         imports: list[ipc.ImportedTensor] = []
-        elsewhere = self._mappings_elsewhere(peer)
         try:
             for h in msg.handles:
-                self._room_for_a_mapping(peer, "register", elsewhere)
-                imports.append(await peer.table.aopen_tensor(h, msgs.take_fds(fds, h.num_fds)))
+                self._room_for_a_mapping(peer, "register")
+                peer.opening += 1
+                try:
+                    imports.append(await peer.table.aopen_tensor(
+                        h, msgs.take_fds(fds, h.num_fds)))
+                finally:
+                    peer.opening -= 1
             # The handles come in the order of Pages.tensors: described here once, then
             # every store and retrieve on this registration reuses it.
             pages = transfer.Pages.from_tensors([imp.tensor for imp in imports], msg.layout)
@@ -475,13 +484,17 @@ class _DataOps:
             raise ServerLimitError(f"this connection keeps {len(peer.buffers)} buffers "
                                    f"mapped (max_buffers_per_peer="
                                    f"{self.config.max_buffers_per_peer}); release some")
-        self._room_for_a_mapping(peer, "buf", self._mappings_elsewhere(peer))
+        self._room_for_a_mapping(peer, "buf")
         mine = msgs.take_fds(fds, msg.nfds)
         if msg.handle.device_kind == "cpu":
             # A shared memory file is mapped with a few cheap syscalls: no worker thread.
             imp = peer.table.open_tensor(msg.handle, mine)
         else:
-            imp = await peer.table.aopen_tensor(msg.handle, mine)
+            peer.opening += 1
+            try:
+                imp = await peer.table.aopen_tensor(msg.handle, mine)
+            finally:
+                peer.opening -= 1
             if msg.buf in peer.buffers:  # another request kept this id meanwhile
                 imp.close()
                 raise ProtocolError(f"buffer {msg.buf} is already mapped on this connection")
@@ -713,6 +726,12 @@ class _Caches:
     async def acquire(self, key: CacheKey, *, pin: bool = False) -> Cache:
         """The cache of ``key``, opened if need be, counted as used until :meth:`release`
         (``pin``: the server's own, never closed before the server)."""
+        cache = self.caches.get(key)
+        if cache is not None:
+            # Open already: no wait behind a hello that opens or evicts another cache (found
+            # by a probe: every hello waited out an eviction's persist, up to close_timeout).
+            self._use(key, pin)
+            return cache
         async with self.lock:
             cache = self.caches.get(key)
             if cache is None:
@@ -727,12 +746,15 @@ class _Caches:
                 self.caches[key] = cache
                 log.info("opened a cache for %s (tenant %s)",
                          Fingerprint(namespace, spec, chunk).describe(), _tenant_tag(tenant))
-            if pin:
-                self.pinned = key
-            else:
-                self.users[key] = self.users.get(key, 0) + 1
-                self.unused.pop(key, None)
+            self._use(key, pin)
             return cache
+
+    def _use(self, key: CacheKey, pin: bool) -> None:
+        if pin:
+            self.pinned = key
+        else:
+            self.users[key] = self.users.get(key, 0) + 1
+            self.unused.pop(key, None)
 
     def release(self, key: CacheKey) -> None:
         """A connection that used ``key``'s cache ended."""
@@ -745,8 +767,12 @@ class _Caches:
             self.unused[key] = None
 
     def _full(self, key: CacheKey) -> MusaCacheError:
-        wanted = Fingerprint(key[0], key[1], key[2]).describe()
-        held = "; ".join(Fingerprint(k[0], k[1], k[2]).describe() for k in self.caches)
+        def name(k: CacheKey) -> str:
+            # The tenant too: two keys may differ by it alone.
+            return f"{Fingerprint(k[0], k[1], k[2]).describe()} (tenant {_tenant_tag(k[3])})"
+
+        wanted = name(key)
+        held = "; ".join(name(k) for k in self.caches)
         if self.config.max_caches == 1:
             return FingerprintMismatchError(
                 f"client wants {wanted}, this server caches {held} (max_caches=1)")
@@ -760,11 +786,18 @@ class _Caches:
             return False
         del self.unused[key]
         cache = self.caches.pop(key)
-        entry = await self._close(key, cache)
+        # In a task of its own, waited for whatever cancels the hello: a plain cancel of the
+        # hello's task (its peer went away) cut the persist short, and the evicted cache's
+        # memory-only chunks were lost (found by a probe).
+        closing = asyncio.ensure_future(self._close(key, cache))
+        came = await outlive(closing)
+        entry = closing.result()
         self.counters["cache_evictions"] += 1
         log.info("closed the unused cache of %s (tenant %s) to open another: %d chunk(s), "
                  "%d written to storage", key[0], entry["tenant"], entry["chunks"],
                  entry["persisted"])
+        if came is not None:
+            raise came
         return True
 
     async def close_all(self) -> None:
@@ -787,8 +820,17 @@ class _Caches:
                             if "pending_writes" in t]}
 
 
-def _overdue(cfg: ServerConfig, peer: _Peer, received: int, now: float) -> str | None:
-    """The counter of the timeout a connection has run past (it is closed), or None."""
+def _overdue(cfg: ServerConfig, peer: _Peer, received: int, now: float,
+             paused: bool = False) -> str | None:
+    """The counter of the timeout a connection has run past (it is closed), or None.
+
+    ``frame_timeout`` bounds the age of the frame being received (its clock restarts at each
+    whole frame), not how long the connection has had some frame incomplete: a busy client
+    whose reads end inside frames was closed while every frame took milliseconds (found by a
+    probe). While the server reads nothing from the connection (``paused``: its turn went to
+    others, a refusal is being answered) the frame's clock waits too."""
+    if peer.partial_since and paused:
+        peer.partial_since = now
     if peer.partial_since and now - peer.partial_since >= cfg.frame_timeout:
         return "frame_timeouts"
     if not peer.hello:
@@ -1053,6 +1095,7 @@ class Server:
 
         def on_frame(frame: ipc.Frame | ipc.FrameError) -> None:
             nonlocal budget
+            peer.partial_since = 0.0  # (the next frame's clock: see _overdue)
             if peer.parked_fds:  # (fds that waited for their frame: taken now, or closed)
                 self._sync_parked(peer, conn)
             if type(frame) is not ipc.Request:
@@ -1118,7 +1161,7 @@ class Server:
             nonlocal ended, watcher
             if ended:
                 return
-            why = _overdue(cfg, peer, conn.received, loop.time())
+            why = _overdue(cfg, peer, conn.received, loop.time(), conn.reading_paused)
             if why is None:
                 watcher = loop.call_later(tick, watch)
                 return

@@ -534,6 +534,11 @@ class Connection:
             self._paused = True
             self._stop_reading()
 
+    @property
+    def reading_paused(self) -> bool:
+        """Whether delivery is paused (:meth:`pause_reading`)."""
+        return self._paused
+
     def resume_reading(self) -> None:
         if not self._paused or self._closed or self._on_frame is None:
             return
