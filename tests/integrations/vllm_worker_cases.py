@@ -9,6 +9,7 @@ Run in the vLLM venv by tests/test_vllm.py.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -422,3 +423,92 @@ def test_a_non_causal_model_gets_no_hits_and_saves_nothing(server) -> None:
         assert meta.ops == []  # type: ignore[attr-defined]
     finally:
         sch.shutdown()
+
+
+def test_a_failed_load_taints_the_requests_saves_until_vllm_rewinds_it(server) -> None:
+    """Found by a probe: with async scheduling vLLM plans a request's next step before it
+    sees that the step's load failed; the worker had forgotten the failure by then and saved
+    KV computed over blocks never loaded, which the recompute's save could not replace (a
+    store never overwrites a cached chunk)."""
+    from vllm_sim import vllm_kinds
+
+    torch.manual_seed(3)
+    prompt = list(range(3000, 3500))
+    kv_true = torch.randn(LAYERS, 2, 500, H, D)
+    saved_prompt(server.socket_path, prompt[:256], kv_true[:, :, :256])
+    kinds = vllm_kinds()
+    sch = connector(server.socket_path, role=KVConnectorRole.SCHEDULER)
+    w = connector(server.socket_path, timeout=2)
+    try:
+        kv = pages()
+        w.register_kv_caches(kv)
+        req = kinds.request("r", prompt)
+        for _ in range(500):
+            ext, _ = sch.get_num_new_matched_tokens(req, 0)
+            if ext is not None:
+                break
+            time.sleep(0.01)
+        assert ext == 256
+        sch.update_state_after_alloc(req, None, ext)  # type: ignore[arg-type]
+        blocks = list(range(NB))
+        slots = slots_for(blocks, BS, 500)
+        # Step N: load [0, 256), which times out (the server stalls); compute [256, 400).
+        meta = sch.build_connector_meta(kinds.output(
+            [kinds.new_req("r", prompt, blocks, 256)], kinds.cached([], set(), [], []),
+            {"r": 144}, set()))
+        w.bind_connector_metadata(meta)
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            w.start_load_kv(SimpleNamespace())
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        assert w.get_block_ids_with_load_errors()
+        write_token_kv(kv, slots[256:400], kv_true[:, :, 256:400] + 100)  # over garbage
+        w.wait_for_save()
+        w.clear_connector_metadata()
+        # Step N+1, planned before step N's output was seen: the rest of the prompt, and
+        # its save of [256, 500), all over the blocks never loaded.
+        meta = sch.build_connector_meta(kinds.output(
+            [], kinds.cached(["r"], set(), [None], [400]), {"r": 100}, set()))
+        (o,) = meta.ops  # type: ignore[attr-defined]
+        assert (o.save_start, o.save_end) == (256, 500)
+        write_token_kv(kv, slots[400:500], kv_true[:, :, 400:500] + 100)
+        step(w, meta.ops)  # type: ignore[attr-defined]
+        # vLLM sees the failure, rewinds the request to 0 and computes it all again.
+        meta = sch.build_connector_meta(kinds.output(
+            [], kinds.cached(["r"], set(), [None], [0]), {"r": 500}, set()))
+        (o,) = meta.ops  # type: ignore[attr-defined]
+        assert o.save_start == 0
+        write_token_kv(kv, slots[:500], kv_true)
+        step(w, meta.ops)  # type: ignore[attr-defined]
+    finally:
+        sch.shutdown()
+        w.shutdown()
+    assert torch.equal(loaded(server.socket_path, prompt, 499), kv_true[:, :, :499])
+
+
+def test_a_connect_cut_short_by_its_time_limit_leaves_nothing_open(server) -> None:
+    """Found by a probe: a hook's time limit that ran out between hello and the staging
+    area's registration left the half-opened client open (a socket on each side and a
+    server mapping per time)."""
+    w = connector(server.socket_path, timeout=1)
+    try:
+        w.register_kv_caches(pages())
+        srv = w._server  # type: ignore[attr-defined]
+        opened: list[object] = []
+
+        async def stall(client: object) -> None:
+            opened.append(client)
+            await asyncio.sleep(30)  # (the registration that never answers)
+
+        for _ in range(3):
+            w._loop.run(srv.aclose(), 5)  # type: ignore[attr-defined]
+            srv.on_connect.insert(0, stall)
+            with pytest.raises(TimeoutError):
+                w._loop.run(srv.get(), 0.5)  # type: ignore[attr-defined]
+            srv.on_connect.remove(stall)
+            srv._failed_at = -1e9
+        assert len(opened) == 3 and srv.client is None
+        assert all(c._conn is None for c in opened)  # type: ignore[attr-defined]
+    finally:
+        w.shutdown()

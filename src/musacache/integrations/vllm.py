@@ -27,6 +27,8 @@ counted. No hook waits on the server without a timeout.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import hashlib
 import logging
 import threading
@@ -232,6 +234,7 @@ class _Server:
                 return self.client
             if time.monotonic() - self._failed_at < self.retry_after:
                 raise _Unavailable("musacache server unreachable (retrying shortly)")
+            client: Client | None = None
             try:
                 if self.settings.config and not is_listening(self.settings.socket):
                     await anyio.to_thread.run_sync(
@@ -244,9 +247,17 @@ class _Server:
                 await client.open()
                 for hook in self.on_connect:
                     await hook(client)
-            except (MusaCacheError, OSError) as e:
+            except BaseException as e:
+                # A half-opened client is closed whatever ended the connect, a hook's time
+                # limit too (found by a probe: each cancel between hello and the staging
+                # area's registration kept a socket on each side and a server mapping).
                 self._failed_at = time.monotonic()
-                raise _Unavailable(str(e)) from e
+                if client is not None:
+                    with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                        await client.aclose()
+                if isinstance(e, (MusaCacheError, OSError)):
+                    raise _Unavailable(str(e)) from e
+                raise
             self.client = client
             return client
 
@@ -254,6 +265,11 @@ class _Server:
         if self.client is not None:
             await self.client.aclose()
             self.client = None
+
+
+# Requests whose failed load the worker remembers until vLLM rewinds them (a request that
+# ends before is forgotten once this many more have failed).
+_TAINTED_MAX = 4096
 
 
 class _Unavailable(Exception):
@@ -512,6 +528,10 @@ class _Worker:
         self._abandoned = False
         self._load_errors: set[int] = set()
         self._step_failed: set[int] = set()     # blocks whose load failed in this step
+        # Per request, the first token of a load that failed: what it computes past that is
+        # over blocks never loaded until vLLM rewinds it there, in later steps too (async
+        # scheduling plans the next step before it sees a failure).
+        self._tainted: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._errors_lock = threading.Lock()
         self._layer_events: list[threading.Event] = []
         self._layer_deadline = 0.0
@@ -716,6 +736,10 @@ class _Worker:
         with self._errors_lock:
             self._load_errors |= blocks
             self._step_failed |= blocks
+            self._tainted[op.req_id] = min(start, self._tainted.get(op.req_id, start))
+            self._tainted.move_to_end(op.req_id)
+            while len(self._tainted) > _TAINTED_MAX:  # (requests that ended unrewound)
+                self._tainted.popitem(last=False)
 
     def take_load_errors(self) -> set[int]:
         with self._errors_lock:
@@ -731,16 +755,22 @@ class _Worker:
         any was left out."""
         with self._errors_lock:
             failed = set(self._step_failed)
-        saves: list[RequestOp] = []
-        skipped = False
-        for op in ops:
-            if not op.saves:
-                continue
-            if failed and op.blocks_of(0, op.save_end) & failed:
-                self._count("save_skipped_tokens", op.save_end - op.save_start)
-                skipped = True
-                continue
-            saves.append(op)
+            saves: list[RequestOp] = []
+            skipped = False
+            for op in ops:
+                if not op.saves:
+                    continue
+                tainted = self._tainted.get(op.req_id)
+                if tainted is not None and op.save_start <= tainted:
+                    # vLLM rewound the request to its failed load and computes it again: what
+                    # it saves from there is over blocks loaded or computed anew.
+                    del self._tainted[op.req_id]
+                    tainted = None
+                if tainted is not None or (failed and op.blocks_of(0, op.save_end) & failed):
+                    self._count("save_skipped_tokens", op.save_end - op.save_start)
+                    skipped = True
+                    continue
+                saves.append(op)
         return saves, skipped
 
     def save_layer(self, layer_name: str, ops: Sequence[RequestOp]) -> None:
