@@ -203,6 +203,19 @@ def test_layerwise_load_when_vllm_waits_on_one_layer_only(server) -> None:
         a.shutdown()
 
 
+def admitted(sch: MusaCacheConnector, req: object) -> int:
+    """The external hit the scheduler side finds for ``req`` (polled until its lookup
+    answers), told back as allocated: vLLM's admission of the request."""
+    for _ in range(500):
+        ext, _ = sch.get_num_new_matched_tokens(req, 0)  # type: ignore[arg-type]
+        if ext is not None:
+            break
+        time.sleep(0.01)
+    assert ext is not None
+    sch.update_state_after_alloc(req, None, ext)  # type: ignore[arg-type]
+    return ext
+
+
 def saved_prompt(sock: str, tokens: list[int], kv_true: torch.Tensor) -> None:
     """Another vLLM prefilled ``tokens`` (their KV: ``kv_true``) and saved them."""
     a = connector(sock)
@@ -282,13 +295,7 @@ def test_a_step_whose_load_failed_saves_nothing_and_the_recompute_is_saved(serve
         kv = pages()
         w.register_kv_caches(kv)
         req = kinds.request("r", prompt)
-        for _ in range(500):
-            ext, _ = sch.get_num_new_matched_tokens(req, 0)
-            if ext is not None:
-                break
-            time.sleep(0.01)
-        assert ext == 256
-        sch.update_state_after_alloc(req, None, ext)  # type: ignore[arg-type]
+        assert admitted(sch, req) == 256
         blocks = list(range(3, 13))
         meta = sch.build_connector_meta(kinds.output(
             [kinds.new_req("r", prompt, blocks, 256)], kinds.cached([], set(), [], []),
@@ -443,13 +450,7 @@ def test_a_failed_load_taints_the_requests_saves_until_vllm_rewinds_it(server) -
         kv = pages()
         w.register_kv_caches(kv)
         req = kinds.request("r", prompt)
-        for _ in range(500):
-            ext, _ = sch.get_num_new_matched_tokens(req, 0)
-            if ext is not None:
-                break
-            time.sleep(0.01)
-        assert ext == 256
-        sch.update_state_after_alloc(req, None, ext)  # type: ignore[arg-type]
+        assert admitted(sch, req) == 256
         blocks = list(range(NB))
         slots = slots_for(blocks, BS, 500)
         # Step N: load [0, 256), which times out (the server stalls); compute [256, 400).
