@@ -87,6 +87,18 @@ class HostTier:
                 f"{self.name}.pinned must be true, false or 'auto', got {self.pinned!r}")
 
 
+_DEVICE_NAME = re.compile(r"auto|cpu|(cuda|musa)(:\d+)?")
+
+
+def _device_name(value: object, what: str) -> None:
+    """Refuse a device name that can never resolve ("gpu", "cuda0"), when the config is made:
+    whether the device exists is known only where the cache opens, but a misspelling is
+    known now (a server started with one listened, and refused every client)."""
+    if not isinstance(value, str) or not _DEVICE_NAME.fullmatch(value):
+        raise ConfigError(f"{what} must be 'auto', 'cpu', 'cuda[:n]' or 'musa[:n]', "
+                          f"got {value!r}")
+
+
 @dataclass(frozen=True)
 class DeviceTier:
     """Accelerator memory (cuda or musa), or CPU memory when ``device`` resolves to cpu.
@@ -115,18 +127,6 @@ class DeviceTier:
 MemoryTierConfig = HostTier | DeviceTier
 
 register_tier_kind("host", HostTier)
-_DEVICE_NAME = re.compile(r"auto|cpu|(cuda|musa)(:\d+)?")
-
-
-def _device_name(value: str, what: str) -> None:
-    """Refuse a device name that can never resolve ("gpu", "cuda0"), when the config is made:
-    whether the device exists is known only where the cache opens, but a misspelling is
-    known now (a server started with one listened, and refused every client)."""
-    if not _DEVICE_NAME.fullmatch(value):
-        raise ConfigError(f"{what} must be 'auto', 'cpu', 'cuda[:n]' or 'musa[:n]', "
-                          f"got {value!r}")
-
-
 register_tier_kind("device", DeviceTier)
 
 
@@ -226,9 +226,6 @@ class CacheConfig:
         object.__setattr__(self, "refresh_interval",
                            non_negative_float(self.refresh_interval, "refresh_interval"))
         boolean(self.persist_on_close, "persist_on_close")
-        if not isinstance(self.device, str) or not self.device:
-            raise ConfigError(f"device must be 'auto', 'cpu', 'cuda[:n]' or 'musa[:n]', "
-                              f"got {self.device!r}")
         _device_name(self.device, "device")
         object.__setattr__(self, "close_timeout",
                            non_negative_float(self.close_timeout, "close_timeout"))

@@ -547,20 +547,19 @@ class Engine(Reads):
                 # In the directory while its write waits for room (a delete or clear then
                 # finds it, and its write is skipped or its object deleted after it).
                 self.dir.add(e)
+                placed = False
                 try:
                     placed = await self.cold.place(st, e, obj)
-                except BaseException:
-                    # Cancelled before its write was queued (place queues it in its last
-                    # step): no tier holds it, and it must not stay behind as cached.
-                    if self.dir.get(e.key) is e:
-                        self.dir.remove(e)
-                    raise
-                if not placed or e.dead or self.dir is not within:
-                    # Refused; deleted while it waited (nothing queued, and the delete took
-                    # it out); or a clear swapped the directory meanwhile (its write, queued
-                    # in the old one, is dismantled with it). Not committed.
+                finally:
                     if not placed and self.dir.get(e.key) is e:
+                        # Refused, or cancelled before its write was queued (place queues
+                        # it in its last step): no tier holds it, and it must not stay
+                        # behind as cached.
                         self.dir.remove(e)
+                if not placed or e.dead or self.dir is not within:
+                    # Not committed either when deleted while it waited (nothing queued, and
+                    # the delete took it out), or when a clear swapped the directory
+                    # meanwhile (its write, queued in the old one, is dismantled with it).
                     return i
                 self._commit_new(it, held)
             return len(staged)

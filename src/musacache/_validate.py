@@ -42,7 +42,9 @@ __all__ = [
 
 ErrorType = type[MusaCacheError]
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
+# A unit is an optional prefix (k..p, with "i" for binary), then an optional "b": "16i" or
+# "ib" alone are no unit.
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*((?:[kmgtp]i?)?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1}
 for _i, _p in enumerate("kmgtp", start=1):
     _UNITS[_p] = _UNITS[_p + "b"] = 1000**_i
@@ -147,10 +149,7 @@ def size_bytes(value: Any, what: str = "size", *, minimum: int = 0,
         m = _SIZE_RE.match(stripped)
         if not m:
             raise error(f"{what}: cannot read {value!r} as a size (e.g. 512MiB, 8GiB)")
-        unit = _UNITS.get((m.group(2) or "").lower())
-        if unit is None:  # "16i": a binary mark without a unit
-            raise error(f"{what}: cannot read {value!r} as a size (e.g. 512MiB, 8GiB)")
-        exact = float(m.group(1)) * unit
+        exact = float(m.group(1)) * _UNITS[m.group(2).lower()]
         if not exact.is_integer():  # "1.5" bytes, as the float 1.5 is refused
             raise error(f"{what} must be a whole number of bytes, got {value!r}")
         n = int(exact)

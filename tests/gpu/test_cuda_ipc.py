@@ -3,9 +3,12 @@ be used in a forked child)."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection as Pipe
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import anyio
@@ -52,6 +55,22 @@ def expected_after_writes(kv: torch.Tensor) -> torch.Tensor:
     return expected
 
 
+@contextlib.contextmanager
+def spawned(target: Callable[[Pipe], None]) -> Iterator[tuple[Pipe, BaseProcess]]:
+    """``target(pipe)`` in a spawned child (CUDA cannot be used in a forked one): our end
+    of the pipe and the child, killed on the way out if it still runs."""
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    child = context.Process(target=target, args=(theirs,))
+    child.start()
+    try:
+        yield ours, child
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join()
+
+
 def receive(pipe: Pipe, timeout: float) -> Any:
     if not pipe.poll(timeout):
         raise TimeoutError("the other process did not answer in time")
@@ -92,11 +111,7 @@ async def test_cuda_memory_and_event_ipc_across_processes() -> None:
     torch.cuda.synchronize()
     window_handle, whole_handle = share(token_window(kv)), share(kv)
     assert window_handle.device_uuid is not None and window_handle.fds == ()
-    context = multiprocessing.get_context("spawn")
-    ours, theirs = context.Pipe()
-    child = context.Process(target=_consumer_child, args=(theirs,))
-    child.start()
-    try:
+    with spawned(_consumer_child) as (ours, child):
         ours.send({"window": window_handle.to_wire(), "whole": whole_handle.to_wire()})
         report = await anyio.to_thread.run_sync(receive, ours, 120)
         assert report["window_ok"] and report["stride_ok"]
@@ -114,10 +129,6 @@ async def test_cuda_memory_and_event_ipc_across_processes() -> None:
         event.close()
         await anyio.to_thread.run_sync(child.join, 30)
         assert child.exitcode == 0
-    finally:
-        if child.is_alive():
-            child.kill()
-            child.join()
 
 
 async def test_cuda_host_fallback_event_synchronises_the_stream() -> None:
@@ -176,11 +187,7 @@ async def test_a_cuda_handle_claiming_past_its_allocation_is_refused() -> None:
     inflated["ipc"] = list(true["ipc"])
     inflated["ipc"][2] = claim
     inflated["pid"] = true["pid"]
-    context = multiprocessing.get_context("spawn")
-    ours, theirs = context.Pipe()
-    child = context.Process(target=_claims_child, args=(theirs,))
-    child.start()
-    try:
+    with spawned(_claims_child) as (ours, child):
         ours.send({"true": true, "inflated": inflated})
         report = await anyio.to_thread.run_sync(receive, ours, 120)
         assert report["true"] == "opened", report
@@ -188,7 +195,3 @@ async def test_a_cuda_handle_claiming_past_its_allocation_is_refused() -> None:
             report["inflated"], report
         await anyio.to_thread.run_sync(child.join, 30)
         assert child.exitcode == 0
-    finally:
-        if child.is_alive():
-            child.kill()
-            child.join()

@@ -216,6 +216,19 @@ def admitted(sch: MusaCacheConnector, req: object) -> int:
     return ext
 
 
+def recomputed(sch: MusaCacheConnector, w: MusaCacheConnector, kinds: object,
+               kv: dict[str, torch.Tensor], kv_true: torch.Tensor) -> RequestOp:
+    """vLLM rewinds request "r" to token 0 and computes all ``kv_true.shape[2]`` tokens
+    again (the forward writes ``kv_true``): the step's op, once run through ``w``."""
+    meta = sch.build_connector_meta(kinds.output(  # type: ignore[attr-defined]
+        [], kinds.cached(["r"], set(), [None], [0]),  # type: ignore[attr-defined]
+        {"r": kv_true.shape[2]}, set()))
+    (o,) = meta.ops  # type: ignore[attr-defined]
+    write_token_kv(kv, o.slot_mapping, kv_true)
+    step(w, meta.ops)  # type: ignore[attr-defined]
+    return o
+
+
 def saved_prompt(sock: str, tokens: list[int], kv_true: torch.Tensor) -> None:
     """Another vLLM prefilled ``tokens`` (their KV: ``kv_true``) and saved them."""
     a = connector(sock)
@@ -314,12 +327,8 @@ def test_a_step_whose_load_failed_saves_nothing_and_the_recompute_is_saved(serve
         assert stats is not None and stats.data.get("save_tokens", 0) == 0
         assert stats.data["save_skipped_tokens"] == 44
         # vLLM rewinds the request to its first failed block and computes it all again.
-        meta = sch.build_connector_meta(kinds.output(
-            [], kinds.cached(["r"], set(), [None], [0]), {"r": 300}, set()))
-        (o,) = meta.ops  # type: ignore[attr-defined]
+        o = recomputed(sch, w, kinds, kv, kv_true)
         assert (o.save_start, o.save_end) == (0, 300)
-        write_token_kv(kv, o.slot_mapping, kv_true)
-        step(w, meta.ops)  # type: ignore[attr-defined]
     finally:
         sch.shutdown()
         w.shutdown()
@@ -476,12 +485,7 @@ def test_a_failed_load_taints_the_requests_saves_until_vllm_rewinds_it(server) -
         write_token_kv(kv, slots[400:500], kv_true[:, :, 400:500] + 100)
         step(w, meta.ops)  # type: ignore[attr-defined]
         # vLLM sees the failure, rewinds the request to 0 and computes it all again.
-        meta = sch.build_connector_meta(kinds.output(
-            [], kinds.cached(["r"], set(), [None], [0]), {"r": 500}, set()))
-        (o,) = meta.ops  # type: ignore[attr-defined]
-        assert o.save_start == 0
-        write_token_kv(kv, slots[:500], kv_true)
-        step(w, meta.ops)  # type: ignore[attr-defined]
+        assert recomputed(sch, w, kinds, kv, kv_true).save_start == 0
     finally:
         sch.shutdown()
         w.shutdown()

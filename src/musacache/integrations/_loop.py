@@ -19,13 +19,16 @@ from .._errors import CacheUnavailableError
 
 T = TypeVar("T")
 
-__all__ = ["SETTLE_S", "LoopThread"]
+__all__ = ["MAX_TIMEOUT_S", "SETTLE_S", "LoopThread"]
 
 log = logging.getLogger("musacache")
 
 #: How long :meth:`LoopThread.run` waits, past its timeout, for a cancelled call to end (its
 #: copies stop at the next block or page: milliseconds).
 SETTLE_S = 10.0
+#: The longest timeout :meth:`LoopThread.run` can bound a call by: its wait and the grace
+#: after it (SETTLE_S) must both be a timeout threading accepts.
+MAX_TIMEOUT_S = threading.TIMEOUT_MAX - SETTLE_S
 
 
 async def _bounded(coro: Coroutine[Any, Any, T], timeout: float) -> T:

@@ -28,7 +28,6 @@ exception into SGLang.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -38,7 +37,7 @@ import torch
 from .._errors import CacheClosedError, CacheUnavailableError, ConfigError, MusaCacheError
 from .._spec import KVSpec
 from .._validate import positive_float
-from ._loop import SETTLE_S, LoopThread
+from ._loop import MAX_TIMEOUT_S, LoopThread
 
 try:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
@@ -51,10 +50,10 @@ log = logging.getLogger("musacache.sglang")
 
 _PREFIX = "musacache."
 _KNOWN = ("socket", "config", "namespace", "timeout")
-# Keys SGLang's dynamic-backend factory itself reads from the same dict.
 # The least time register_mem_pool_host gives the store to open: a node server it starts
 # takes longer to come up than a call (spawn waits up to a minute).
 _OPEN_TIMEOUT = 60.0
+# Keys SGLang's dynamic-backend factory itself reads from the same dict.
 _FACTORY_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "interface_v2")
 
 
@@ -100,9 +99,9 @@ class MusaCacheStorage(HiCacheStorage):
             raise ConfigError('hicache storage extra config needs "musacache.socket" (a node '
                               'server) or "musacache.config" (a TOML file of tiers)')
         timeout = positive_float(ours.get("timeout", 30.0), "musacache.timeout")
-        if timeout > threading.TIMEOUT_MAX - SETTLE_S:  # a thread could not wait for it
-            raise ConfigError(f"musacache.timeout must be at most "
-                              f"{threading.TIMEOUT_MAX - SETTLE_S:g} s, got {timeout!r}")
+        if timeout > MAX_TIMEOUT_S:  # a thread could not wait for it
+            raise ConfigError(f"musacache.timeout must be at most {MAX_TIMEOUT_S:g} s, got "
+                              f"{timeout!r}")
         self.timeout = timeout
         model = str(ours.get("namespace") or storage_config.model_name or "sglang")
         # The rank's slice here; the host pool's layout and KV dtype are added when it is
@@ -134,18 +133,17 @@ class MusaCacheStorage(HiCacheStorage):
                               f"{self.page_size}-token pages")
         self.namespace += _pool_identity(mem_pool_host)
         self._loop = LoopThread("musacache-sglang")
+        # Opening may start a node server, which takes longer than one call: at least the
+        # wait spawn allows it.
+        wait = max(self.timeout, _OPEN_TIMEOUT)
         try:
-            # Opening may start a node server, which takes longer than one call: at least
-            # the wait spawn allows it.
-            self._cache = self._run(self._open(), max(self.timeout, _OPEN_TIMEOUT))
-        except TimeoutError as e:
+            self._cache = self._run(self._open(), wait)
+        except BaseException as e:
             self._loop.close()
             self._loop = None
-            raise CacheUnavailableError(f"musacache: the page store did not open within "
-                                        f"{max(self.timeout, _OPEN_TIMEOUT)} s") from e
-        except BaseException:
-            self._loop.close()
-            self._loop = None
+            if isinstance(e, TimeoutError):
+                raise CacheUnavailableError(f"musacache: the page store did not open within "
+                                            f"{wait} s") from e
             raise
 
     async def _open(self) -> Any:

@@ -51,7 +51,7 @@ from .._errors import (
 from .._spawn import is_listening, spawn
 from .._spec import KVSpec
 from ..client import Client
-from ._loop import SETTLE_S, LoopThread
+from ._loop import MAX_TIMEOUT_S, LoopThread
 from ._vllm_plan import RequestOp, SchedulerPlanner
 
 try:
@@ -80,10 +80,6 @@ log = logging.getLogger("musacache.vllm")
 _PREFIX = "musacache."
 _KNOWN = ("socket", "config", "namespace", "chunk_size", "timeout", "lookup_timeout",
           "layerwise", "save_decode", "staging_tokens")
-#: The longest timeout a hook can wait: its wait and the grace after it (SETTLE_S) must both
-#: be a timeout threading accepts.
-MAX_TIMEOUT_S = threading.TIMEOUT_MAX - SETTLE_S
-
 
 @dataclass(frozen=True)
 class ConnectorSettings:
