@@ -596,6 +596,18 @@ async def test_a_long_prompt_is_worked_on_a_run_of_chunks_per_step(monkeypatch, 
     counting(Engine, "touch", lambda a, got: len(a[1]))  # type: ignore[arg-type]
     counting(Engine, "unpin")
     counting(Engine, "remove", lambda a, got: len(a[1]))  # type: ignore[arg-type]
+    found = Directory._found
+
+    def clearing_marks(d: Directory, key: bytes) -> None:
+        # The marks of missing chunks under which orphans wait, cleared up a chain: a delete
+        # left one per chunk of the prompt and its last removal cleared them all in one step
+        # (4 ms at 16,384 chunks).
+        nonlocal work
+        had = len(d.lost_parent)
+        found(d, key)
+        work += had - len(d.lost_parent)
+
+    monkeypatch.setattr(Directory, "_found", clearing_marks)
 
     def done() -> int:
         return -work
@@ -617,6 +629,22 @@ async def test_a_long_prompt_is_worked_on_a_run_of_chunks_per_step(monkeypatch, 
         else:
             assert await c.lookup(toks) == LONG * CH
             assert c._engine.pins_held == 0
+
+
+async def test_deleting_a_long_prompt_lets_go_of_it_a_batch_per_step():
+    """The keys a delete of a long prompt held (the prompt's chain, one object a chunk) were
+    all freed in the step it ended in: 8,225 objects at 4,096 chunks, 1.3 ms at 16,384.
+    Counted in objects freed per turn of the loop (the allocator's blocks), not timed."""
+    import sys
+
+    toks = np.random.default_rng(8).integers(0, 128000, LONG * CH).astype(np.int32)
+    async with mc.Cache(_cfg(LONG)) as c:
+        await c.put(toks, torch.zeros(TINY.shape(LONG * CH), dtype=TINY.dtype))
+        blocks = sys.getallocatedblocks
+        gc.collect()
+        freed = await most_per_turn(lambda: c.delete(toks), blocks)
+        assert len(c._engine.dir) == 0 and not c._engine.dir.lost_parent
+        assert 0 < freed < LONG // 4, freed
 
 
 @pytest.mark.parametrize("promotion", ["sync", "background"])

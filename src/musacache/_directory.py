@@ -10,7 +10,8 @@ from __future__ import annotations
 import gc
 import hashlib
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from typing import NamedTuple
 
 import numpy as np
@@ -463,6 +464,17 @@ class Directory:
         if e.kids is not None:  # they stay findable by their parent key
             self.children[key] = e.kids
             e.kids = None
+
+    def cut_links(self, doomed: Sequence[Entry], removed: AbstractSet[bytes]) -> None:
+        """``doomed`` are about to be removed, and so are the keys of ``removed`` (by the
+        same caller, later): the link of each doomed entry to its only child, when that child
+        is to be removed too, is dropped first. The entry then leaves with no child, and no
+        orphan is marked as waiting under it (see ``lost_parent``): a chain removed from its
+        first chunk down leaves no marks to clear in one step at its end."""
+        for e in doomed:
+            kid = e.kids
+            if kid is not None and not isinstance(kid, Siblings) and kid.key in removed:
+                e.kids = None
 
     def take_kids(self, key: bytes) -> Entry | Siblings[Entry] | None:
         """Detach the children of ``key`` from the directory, in one step whatever their

@@ -156,9 +156,11 @@ def delete_roots(directory: Directory, chain_keys: Iterable[tuple[int, int, byte
 _TAIL = 8
 
 
-def subtree_batches(directory: Directory, roots: list[bytes],
-                    batch: int) -> Iterator[list[Entry]]:
+def subtree_batches(directory: Directory, roots: list[bytes], batch: int,
+                    queued: set[bytes] | None = None) -> Iterator[list[Entry]]:
     """Every entry under ``roots`` (by parent links, to any depth), ``batch`` at a time.
+    ``queued``, when given, is ``set(roots)`` and ``roots`` has no key twice: both are then
+    the walk's own (the caller built them a batch at a time, each consumed here).
 
     The caller removes each batch before asking for the next, and may let other tasks run
     in between. A key's children leave the directory as a whole when the walk reaches it
@@ -170,8 +172,11 @@ def subtree_batches(directory: Directory, roots: list[bytes],
     # Every entry has one parent, so below the roots this is a tree: only the roots (which
     # may extend one another) can be met twice. No set of every key walked is kept (freeing
     # a million of them at the end would be a stall of its own).
-    queued: set[bytes] = set(roots)
-    stack = list(queued)
+    if queued is None:
+        queued = set(roots)
+        stack = list(queued)
+    else:
+        stack = roots
     lost = directory.lost_under
     out: list[Entry] = []
     steps = 0
