@@ -524,17 +524,25 @@ class ColdPath:
         worker thread: no step on the loop touches, makes or frees more than ``batch`` rows
         of it."""
         n = len(listing)
+        # Sorted into new arrays in a worker thread; a form of ours made on the way there
+        # gives its pages back once sorted (``ChunkListing.release_pages``).
         make: Callable[[], ChunkListing]
         if isinstance(listing, ChunkListing):
             make = listing.oldest_first
         elif isinstance(listing, list):
             backwards = await self._take_list(listing, batch)
             def make() -> ChunkListing:
-                return backwards.build().reversed().oldest_first()
+                built = backwards.build()
+                out = built.reversed().oldest_first()
+                built.release_pages()
+                return out
         else:  # not ours to empty: converted in one go, dropped whenever the tier drops it
             metas = listing
             def make() -> ChunkListing:
-                return ChunkListing.from_metas(metas).oldest_first()
+                built = ChunkListing.from_metas(metas)
+                out = built.oldest_first()
+                built.release_pages()
+                return out
         if n > batch:
             compact = await self.eng.mover.in_thread(make)
             self.eng.dir.freeze_listing()
@@ -545,6 +553,10 @@ class ColdPath:
             if turn % _COLLECT_TURNS == _COLLECT_TURNS - 1:
                 collect_young()  # a short collection every few turns, not a long one
             await anyio.lowlevel.checkpoint()
+        if n > batch:
+            # Sorted into new arrays, read, and now dropped: their pages go back in a worker
+            # thread first (the free on the loop would unmap them, see ``release_pages``).
+            await self.eng.mover.in_thread(compact.release_pages)
 
     @staticmethod
     async def _take_list(metas: list[ChunkMeta], batch: int) -> ListingBuilder:

@@ -10,8 +10,10 @@ time (``rows``).
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -21,6 +23,46 @@ from ._errors import InvalidInputError
 from ._keys import KEY_BYTES
 
 __all__ = ["ChunkListing", "ListingBuilder"]
+
+
+def _madvise() -> Callable[[int, int, int], int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        mmap.MADV_DONTNEED  # noqa: B018 (where the platform has no madvise, there is none)
+    except (AttributeError, OSError):
+        return None
+    return fn
+
+
+_MADVISE = _madvise()
+_PAGE = mmap.PAGESIZE
+# Arrays smaller than this are freed as they are: a few pages.
+_RELEASE_MIN_BYTES = 1 << 20
+
+
+def release_pages(arrays: Iterable[np.ndarray]) -> None:
+    """Give the memory of ``arrays`` back to the OS now, with the GIL free; they read as
+    zeros after. Only for arrays that own their memory and that nothing else will read: the
+    caller's own, about to be dropped.
+
+    Why: freeing a large array unmaps its pages while the thread holds the GIL, 6 ms for the
+    96 MiB of a million-row listing where the kernel gave it small pages (no transparent huge
+    page was free), and the event loop waits that long, whichever thread freed it. This
+    drops the pages in a ``madvise`` made through ctypes, which runs without the GIL (in a
+    worker thread: the loop goes on meanwhile); the free that follows has nothing left to
+    unmap."""
+    if _MADVISE is None:
+        return
+    for arr in arrays:
+        if arr.nbytes < _RELEASE_MIN_BYTES or arr.base is not None or not arr.flags.owndata:
+            continue  # small, or a view: not the caller's to wipe
+        at = arr.ctypes.data
+        start = -(-at // _PAGE) * _PAGE  # whole pages inside the array only: the allocator's
+        end = (at + arr.nbytes) // _PAGE * _PAGE  # own bookkeeping sits around them
+        if end > start:
+            _MADVISE(start, end - start, mmap.MADV_DONTNEED)
 
 
 class ChunkListing:
@@ -109,8 +151,18 @@ class ChunkListing:
         return ChunkListing(*(getattr(self, f)[::-1] for f in self.FIELDS))
 
     def oldest_first(self) -> ChunkListing:
-        """By ``last_used``, oldest first (stable); numpy's sort, for a worker thread."""
-        return self.take(np.argsort(self.last_used, kind="stable"))
+        """By ``last_used``, oldest first (stable), in new arrays; numpy's sort, for a
+        worker thread."""
+        order = np.argsort(self.last_used, kind="stable")
+        out = self.take(order)
+        release_pages((order,))
+        return out
+
+    def release_pages(self) -> None:
+        """Give this listing's memory back to the OS (:func:`release_pages`) before it is
+        dropped: only for a listing made by the caller, that nothing else reads (its rows
+        read as zeros after). In a worker thread: it runs without the GIL."""
+        release_pages(getattr(self, f) for f in self.FIELDS)
 
     def rows(self, start: int, stop: int) -> Iterator[tuple[bytes, bytes, int, int, int]]:
         """``(key, parent, num_tokens, raw_bytes, stored_bytes)`` of rows ``start:stop``:
@@ -186,19 +238,32 @@ class ListingBuilder:
             self._start_block()
 
     def build(self) -> ChunkListing:
+        """The rows added so far, as a :class:`ChunkListing`; the builder is left empty.
+
+        The blocks are copied last first, and each is let go of once copied. Freed together
+        (with the builder, wherever it was dropped) or first to last, they came back to the
+        allocator as one free run at the top of its heap, handed back to the kernel in one
+        step that held the GIL: 6 ms for the 500 blocks of a million rows. Last first, each
+        free gives back only its own pages."""
         parts = [*self._done, (bytes(self._keys), bytes(self._parents), self._tokens,
                                self._raw, self._stored, self._used)]
         n = len(self)
+        self._done = []
+        self._n_done = 0
+        self._start_block()
         keys = np.empty((n, KEY_BYTES), np.uint8)
         parents = np.empty((n, KEY_BYTES), np.uint8)
         cols = [np.empty(n, np.int64) for _ in range(3)] + [np.empty(n, np.float64)]
-        at = 0
-        for k, p, tokens, raw, stored, used in parts:
+        end = n
+        while parts:
+            k, p, tokens, raw, stored, used = parts.pop()
             m = len(tokens)
-            keys[at : at + m] = np.frombuffer(k, np.uint8).reshape(m, KEY_BYTES)
-            parents[at : at + m] = np.frombuffer(p, np.uint8).reshape(m, KEY_BYTES)
+            at = end - m
+            keys[at:end] = np.frombuffer(k, np.uint8).reshape(m, KEY_BYTES)
+            parents[at:end] = np.frombuffer(p, np.uint8).reshape(m, KEY_BYTES)
             bufs: tuple[array[Any], ...] = (tokens, raw, stored, used)
             for col, buf in zip(cols, bufs, strict=True):
-                col[at : at + m] = np.frombuffer(buf, col.dtype)
-            at += m
+                col[at:end] = np.frombuffer(buf, col.dtype)
+            end = at
+            del k, p, tokens, raw, stored, used, bufs
         return ChunkListing(keys, parents, *cols)
