@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import random
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ import torch
 
 import musacache as mc
 import musacache._engine as engine_mod
-from helpers import StepMemory, most_per_turn
+from helpers import StepMemory, most_per_turn, on_every_turn
 from musacache import _gcfreeze
 from musacache._core import BATCH
 from musacache._directory import Entry, KeyTable
@@ -109,6 +110,47 @@ async def test_clearing_a_wide_directory_frees_it_a_batch_per_step():
         assert (await c.stats())["tiers"]["host"]["bytes_used"] == 0
         assert m.grew < STEP_BYTES, m.grew
         assert m.shrank < STEP_BYTES, m.shrank
+
+
+@pytest.mark.parametrize("slow", [False, True])
+async def test_a_clear_takes_fewer_entries_in_a_step_that_ran_long(monkeypatch, slow):
+    """The last entries of a large directory are the last objects of most of the
+    allocator's arenas, each unmapped as it empties: a batch of them was a step of 4 to
+    7 ms at the end of a clear of 1.25 million. A step takes entries a few at a time until
+    it has run ``_STEP_S``: here a clock that says every few entries took a second."""
+    from musacache import _removal
+    from musacache._core import Engine
+
+    sizes: list[int] = []
+    real = Engine.remove
+    monkeypatch.setattr(Engine, "remove",
+                        lambda self, doomed: (sizes.append(len(doomed)), real(self, doomed))[1])
+    if slow:
+        ticks = iter(range(10**9))
+        monkeypatch.setattr(_removal, "_clock", lambda: float(next(ticks)))
+    n = 5 * BATCH
+    async with mc.Cache(_cfg(n)) as c:
+        toks = np.random.default_rng(3).integers(0, 128000, n * CH).astype(np.int32)
+        await c.put(toks, torch.zeros(TINY.shape(n * CH), dtype=TINY.dtype))
+        sizes.clear()
+        turns = await _turns(c.clear)
+        assert len(c._engine.dir) == 0 and sum(sizes) == n
+        if slow:
+            assert set(sizes) == {_removal._FEW} and turns >= n // _removal._FEW
+        else:  # a fast step takes a whole batch
+            assert turns < 2 * n // BATCH
+
+
+async def _turns(op: Callable[[], Awaitable[object]]) -> int:
+    """The turns of the loop ``op`` took."""
+    count = 0
+
+    def turn() -> None:
+        nonlocal count
+        count += 1
+
+    await on_every_turn(op, turn)
+    return count
 
 
 def test_a_key_table_taken_apart_lets_go_of_each_shard_as_it_empties():

@@ -12,6 +12,7 @@ import logging
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import anyio
@@ -22,7 +23,7 @@ from . import _errors
 from ._directory import Entry
 from ._errors import CacheClosedError, MusaCacheError, TierError
 from ._gcfreeze import collect_young
-from ._listing import ChunkListing, ListingBuilder
+from ._listing import ChunkListing, ListingBuilder, sorted_from
 from ._log import RateLimitedLog
 from ._placement import EntryQueue, memory_only_batches, victims
 from ._tierstate import MemTier, StoreTier, Tier
@@ -524,25 +525,13 @@ class ColdPath:
         worker thread: no step on the loop touches, makes or frees more than ``batch`` rows
         of it."""
         n = len(listing)
-        # Sorted into new arrays in a worker thread; a form of ours made on the way there
-        # gives its pages back once sorted (``ChunkListing.release_pages``).
-        make: Callable[[], ChunkListing]
+        make: Callable[[], ChunkListing]  # sorted into new arrays (in a worker thread)
         if isinstance(listing, ChunkListing):
             make = listing.oldest_first
         elif isinstance(listing, list):
-            backwards = await self._take_list(listing, batch)
-            def make() -> ChunkListing:
-                built = backwards.build()
-                out = built.reversed().oldest_first()
-                built.release_pages()
-                return out
+            make = partial(sorted_from, await self._take_list(listing, batch), backwards=True)
         else:  # not ours to empty: converted in one go, dropped whenever the tier drops it
-            metas = listing
-            def make() -> ChunkListing:
-                built = ChunkListing.from_metas(metas)
-                out = built.oldest_first()
-                built.release_pages()
-                return out
+            make = partial(sorted_from, listing)
         if n > batch:
             compact = await self.eng.mover.in_thread(make)
             self.eng.dir.freeze_listing()

@@ -22,7 +22,7 @@ from ._chunkmeta import ChunkMeta
 from ._errors import InvalidInputError
 from ._keys import KEY_BYTES
 
-__all__ = ["ChunkListing", "ListingBuilder"]
+__all__ = ["ChunkListing", "ListingBuilder", "release_pages", "sorted_from"]
 
 
 def _madvise() -> Callable[[int, int, int], int] | None:
@@ -187,6 +187,17 @@ class ChunkListing:
             for (key, parent, tokens, raw, stored), t in zip(self.rows(start, start + step),
                                                              used, strict=True):
                 yield ChunkMeta(key, parent, tokens, raw, stored, t)
+
+
+def sorted_from(rows: ListingBuilder | Iterable[ChunkMeta], backwards: bool = False
+                ) -> ChunkListing:
+    """Rows of the caller's own (a builder it filled, last row first if ``backwards``, or
+    ``ChunkMeta``) as a listing sorted oldest first, in new arrays; the form they were read
+    into on the way gives its pages back (:func:`release_pages`). For a worker thread."""
+    built = rows.build() if isinstance(rows, ListingBuilder) else ChunkListing.from_metas(rows)
+    out = (built.reversed() if backwards else built).oldest_first()
+    built.release_pages()
+    return out
 
 
 # Rows per block of a ListingBuilder: a block is never grown past this, so appending a row
