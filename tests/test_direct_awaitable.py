@@ -158,6 +158,54 @@ async def test_a_gather_of_direct_gets_and_lookups_creates_no_task() -> None:
         assert (await c.stats())["ops"]["gets"] == 100
 
 
+async def test_a_gather_of_direct_answers_schedules_one_call_for_all_their_callbacks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A done future schedules a call of its own per callback added to it, and gather adds
+    one to each argument: most of what a gather of 1,000 gets cost beyond the gets (1.2
+    against 0.7 µs per future, batched). The callbacks added to direct answers in one turn
+    run in one call, each in the context it was added in; one that raises goes to the
+    loop's exception handler and the others still run."""
+    import contextvars
+
+    prompts = [[i, 1, 2, 3, 4] for i in range(50)]
+    loop = asyncio.get_running_loop()
+    async with mc.Cache(_config(200)) as c:
+        await _filled(c, prompts)
+        scheduled = 0
+        real = loop.call_soon
+
+        def counting(*a: Any, **kw: Any) -> asyncio.Handle:
+            nonlocal scheduled
+            scheduled += 1
+            return real(*a, **kw)
+
+        monkeypatch.setattr(loop, "call_soon", counting)
+        hits = await asyncio.gather(*(c.get(p) for p in prompts))
+        found = await asyncio.gather(*(c.lookup(p) for p in prompts))
+        monkeypatch.undo()
+        assert [h.num_tokens for h in hits] == [5] * 50 and found == [5] * 50
+        assert scheduled <= 6, scheduled  # (before: one per answer, and the gather's own)
+
+        var: contextvars.ContextVar[str] = contextvars.ContextVar("var")
+        seen: list[tuple[str, int]] = []
+        handled: list[dict[str, Any]] = []
+        loop.set_exception_handler(lambda _loop, ctx: handled.append(ctx))
+        try:
+            answers = [c.lookup(p) for p in prompts[:3]]
+            for i, f in enumerate(answers):
+                assert isinstance(f, Completed)
+                var.set(f"added {i}")
+                if i == 1:
+                    f.add_done_callback(lambda _f: 1 / 0)
+                f.add_done_callback(lambda f, i=i: seen.append((var.get(), f.result() + i)))
+            var.set("later")
+            await asyncio.sleep(0)
+        finally:
+            loop.set_exception_handler(None)
+        assert seen == [("added 0", 5), ("added 1", 6), ("added 2", 7)]
+        assert len(handled) == 1 and isinstance(handled[0]["exception"], ZeroDivisionError)
+
+
 async def test_errors_are_raised_at_await_never_at_the_call(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A bad argument or a failure on the direct path comes out of ``await``: a list of calls
