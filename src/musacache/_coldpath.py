@@ -527,7 +527,7 @@ class ColdPath:
         n = len(listing)
         make: Callable[[], ChunkListing]  # sorted into new arrays (in a worker thread)
         if isinstance(listing, ChunkListing):
-            make = listing.oldest_first
+            make = partial(sorted_from, listing) if listing.given else listing.oldest_first
         elif isinstance(listing, list):
             make = partial(sorted_from, await self._take_list(listing, batch), backwards=True)
         else:  # not ours to empty: converted in one go, dropped whenever the tier drops it

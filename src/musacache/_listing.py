@@ -76,7 +76,8 @@ class ChunkListing:
     it in a worker thread, most easily with :class:`ListingBuilder`.
     """
 
-    __slots__ = ("keys", "last_used", "num_tokens", "parents", "raw_bytes", "stored_bytes")
+    __slots__ = ("given", "keys", "last_used", "num_tokens", "parents", "raw_bytes",
+                 "stored_bytes")
     #: The constructor's order.
     FIELDS = ("keys", "parents", "num_tokens", "raw_bytes", "stored_bytes", "last_used")
 
@@ -95,6 +96,8 @@ class ChunkListing:
             if arr.shape != (n,):
                 raise InvalidInputError(f"ChunkListing.{name} must have shape ({n},), got "
                                         f"{arr.shape}")
+        #: Handed over by the tier that made it (:meth:`give`).
+        self.given = False
         self.keys = keys
         self.parents = parents
         self.num_tokens = num_tokens.astype(np.int64, copy=False)
@@ -158,6 +161,15 @@ class ChunkListing:
         release_pages((order,))
         return out
 
+    def give(self) -> ChunkListing:
+        """Hand this listing over with it: the tier returning it from ``start`` keeps no
+        reference to it nor to its arrays. The cache then gives their memory back once it
+        has sorted them (:meth:`release_pages`), where a listing the tier may still hold is
+        only dropped: at a million rows that drop frees 96 MiB wherever it happens, 6 ms
+        with the GIL held where the kernel had no huge page to give. Returns the listing."""
+        self.given = True
+        return self
+
     def release_pages(self) -> None:
         """Give this listing's memory back to the OS (:func:`release_pages`) before it is
         dropped: only for a listing made by the caller, that nothing else reads (its rows
@@ -189,12 +201,14 @@ class ChunkListing:
                 yield ChunkMeta(key, parent, tokens, raw, stored, t)
 
 
-def sorted_from(rows: ListingBuilder | Iterable[ChunkMeta], backwards: bool = False
-                ) -> ChunkListing:
-    """Rows of the caller's own (a builder it filled, last row first if ``backwards``, or
-    ``ChunkMeta``) as a listing sorted oldest first, in new arrays; the form they were read
-    into on the way gives its pages back (:func:`release_pages`). For a worker thread."""
-    built = rows.build() if isinstance(rows, ListingBuilder) else ChunkListing.from_metas(rows)
+def sorted_from(rows: ChunkListing | ListingBuilder | Iterable[ChunkMeta],
+                backwards: bool = False) -> ChunkListing:
+    """Rows of the caller's own (a listing handed over to it, a builder it filled, last row
+    first if ``backwards``, or ``ChunkMeta``) as a listing sorted oldest first, in new arrays;
+    the form they were in gives its pages back (:func:`release_pages`). For a worker
+    thread."""
+    built = rows if isinstance(rows, ChunkListing) else rows.build() \
+        if isinstance(rows, ListingBuilder) else ChunkListing.from_metas(rows)
     out = (built.reversed() if backwards else built).oldest_first()
     built.release_pages()
     return out

@@ -129,7 +129,9 @@ class StorageTier(abc.ABC):
         """Open connections or folders; return the chunks already stored for ``ctx``.
 
         A :class:`ChunkListing` (built in a worker thread, e.g. with :class:`ListingBuilder`)
-        is learned without an event-loop stall however long it is. A list of ``ChunkMeta`` is
+        is learned without an event-loop stall however long it is; a tier that keeps no
+        reference to it returns ``listing.give()``, and the cache gives its memory back as
+        soon as it has sorted it (:meth:`ChunkListing.give`). A list of ``ChunkMeta`` is
         still accepted, and is the cache's from then on: it is read and emptied a batch per
         loop turn (so its objects are freed a batch at a time if the tier keeps no other
         reference), with the collector's full collections held off from this call until

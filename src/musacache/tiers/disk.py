@@ -377,8 +377,9 @@ class DiskStore(StorageTier):
             async with anyio.create_task_group() as tg:
                 for sub in subdirs:
                     tg.start_soon(scan, sub)
-            return await anyio.to_thread.run_sync(ChunkListing.concat, parts,
-                                                  limiter=self._limiter)
+            listing = await anyio.to_thread.run_sync(ChunkListing.concat, parts,
+                                                     limiter=self._limiter)
+            return listing.give()  # (the parts are dropped: nothing here keeps it)
         except BaseException:
             self._release_lock()
             self._root = self._root_text = None

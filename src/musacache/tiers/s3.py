@@ -403,7 +403,8 @@ class S3Store(StorageTier):
                 return ChunkListing.empty()  # unreachable for now: start empty, refresh later
             raise err from e
         self._c["lists"] += 1
-        return await anyio.to_thread.run_sync(found.build)
+        listing = await anyio.to_thread.run_sync(found.build)
+        return listing.give()  # not kept here
 
     def _list_error(self, e: Exception, prefix: str) -> TierError:
         """Count a failed listing; the error that says so."""
