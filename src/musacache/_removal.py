@@ -56,16 +56,20 @@ def _delete_steps(eng: Engine, toks: np.ndarray, batch: int,
     chain: set[bytes] = set()
     start: list[bytes] = []
     queued: set[bytes] = set()
+
+    def walk_from(ks: list[bytes]) -> None:  # each key once, in order
+        for k in ks:
+            if k not in queued:
+                queued.add(k)
+                start.append(k)
+
     chain_keys = eng.chain.iter_keys(toks)
     while run := list(itertools.islice(chain_keys, batch)):
         run_roots, run_keys = delete_roots(eng.dir, run, toks)
         roots += run_roots
         keys += run_keys
         chain.update(run_keys)
-        for k in run_roots:
-            if k not in queued:
-                queued.add(k)
-                start.append(k)
+        walk_from(run_roots)
         if len(run) == batch:
             yield
     # In prompt order, a batch per step: the first batch takes the prompt's first cached
@@ -86,10 +90,7 @@ def _delete_steps(eng: Engine, toks: np.ndarray, batch: int,
         if i + batch < len(roots):
             yield
     for i in range(0, len(keys), batch):  # the walk starts at the chain keys too
-        for k in keys[i : i + batch]:
-            if k not in queued:
-                queued.add(k)
-                start.append(k)
+        walk_from(keys[i : i + batch])
         yield
     for part in subtree_batches(eng.dir, start, batch, queued):
         live = [e for e in part if not e.dead]
