@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any, cast
 
 import anyio
-import anyio.to_thread
 import numpy as np
 import pytest
 import torch
@@ -95,7 +94,7 @@ async def test_a_get_of_many_disk_chunks_is_one_batch_on_a_few_threads(
         store = _store(c)
         calls = {"to": 0, "batches": 0, "items": 0, "threads": 0}
         read_to, read_to_many = store.read_to, store.read_to_many
-        run_sync = anyio.to_thread.run_sync
+        submit = store._lanes.submit
 
         async def spy_to(*a: Any, **kw: Any) -> Any:
             calls["to"] += 1
@@ -106,20 +105,19 @@ async def test_a_get_of_many_disk_chunks_is_one_batch_on_a_few_threads(
             calls["items"] += len(items)
             return await read_to_many(items, *a, **kw)
 
-        async def spy_thread(*a: Any, **kw: Any) -> Any:
+        def spy_thread(*a: Any) -> Any:
             calls["threads"] += 1
-            return await run_sync(*a, **kw)
+            return submit(*a)
 
         monkeypatch.setattr(store, "read_to", spy_to)
         monkeypatch.setattr(store, "read_to_many", spy_many)
-        monkeypatch.setattr(anyio.to_thread, "run_sync", spy_thread)
+        monkeypatch.setattr(store._lanes, "submit", spy_thread)
         # One slice per lane however slow the machine (slices are tested below), and as
         # many lanes as max_concurrency however few its CPUs (lanes by CPUs: below).
         monkeypatch.setattr(disk_mod, "_LANE_SLICE", 60.0)
         monkeypatch.setattr(devices, "usable_cpus", lambda: 64)
         out = torch.full_like(kv, float("nan"))
         hit = await c.get(toks, out=out)
-        monkeypatch.setattr(anyio.to_thread, "run_sync", run_sync)
         assert hit.num_tokens == len(toks) and hit.tiers == {"disk": len(toks)}
         assert torch.equal(out, kv)
         # One batch of all six chunks, run by two worker threads (one hand-off each), where
@@ -309,6 +307,8 @@ async def test_one_hung_file_costs_a_batch_one_timeout_not_two(
         store = _store(c).stats()
         assert store["read_timeouts"] == 1 and store["quarantined"] == 1
         assert store["stuck_reads"] == 0
+        # The abandoned lane's thread token went back with it, the others' as they ended.
+        assert _store(c)._limiter.borrowed_tokens == 0
         # The other three were read meanwhile, into out, by the other lanes.
         td = spec.token_dim
         assert torch.equal(out.narrow(td, CH, 3 * CH), kv.narrow(td, CH, 3 * CH))
@@ -330,6 +330,8 @@ async def test_a_batch_whose_lanes_wait_for_threads_still_reads_with_one(
             for h in holders:
                 store._limiter.release_on_behalf_of(h)
         assert hit.num_tokens == len(toks) and torch.equal(out, kv)
+        # A lane that waited for a token got one once the other lane ended, and gave it back.
+        assert store._limiter.borrowed_tokens == 0 and not store._limiter.statistics().tasks_waiting
 
 
 async def test_a_long_batch_takes_turns_with_another_gets_reads(
@@ -569,3 +571,62 @@ def test_a_read_is_judged_by_the_blocks_it_read_or_the_share_of_its_time_on_a_cp
     assert not lanes.io_bound  # one of two: not most
     lanes.judge(0.010, 0.001, 0)  # asleep for most of it (a network file system)
     assert lanes.io_bound and (lanes.judged, lanes.waited) == (3, 2)
+
+
+async def test_every_lane_of_a_batch_is_handed_its_first_read_before_a_turn_of_the_loop(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lane started a loop turn after the others (anyio's ``to_thread`` passes through the
+    loop twice before its thread starts) ends a batch of equal chunks that much later: every
+    lane's first slice is on its thread before the loop runs anything else."""
+    monkeypatch.setattr(devices, "usable_cpus", lambda: 64)
+    async with _on_disk(tmp_path, 6, seed=31, max_concurrency=3) as (c, _spec, toks, kv):
+        store = _store(c)
+        submit = store._lanes.submit
+        turns = [0]
+        at_submit: list[int] = []
+
+        def spy(*a: Any) -> Any:
+            at_submit.append(turns[0])
+            return submit(*a)
+
+        def turn() -> None:  # counts the loop's turns while the get runs
+            turns[0] += 1
+            if turns[0] < 1000:
+                asyncio.get_running_loop().call_soon(turn)
+
+        monkeypatch.setattr(store._lanes, "submit", spy)
+        asyncio.get_running_loop().call_soon(turn)
+        out = torch.zeros_like(kv)
+        hit = await c.get(toks, out=out)
+        assert hit.tiers == {"disk": len(toks)} and torch.equal(out, kv)
+        # Three lanes, each handed its first (and, slices being long, only) read in the
+        # same step of the get, before the loop turned.
+        assert len(at_submit) == 3 and len(set(at_submit)) == 1, at_submit
+        assert store._limiter.borrowed_tokens == 0
+
+
+async def test_a_get_cancelled_while_its_lanes_wait_for_tokens_leaves_no_token_behind(
+        tmp_path: Path) -> None:
+    """Every thread token of the tier is held by other work: the batch's lanes wait for
+    one. The get is cancelled meanwhile: its waits end, and neither a token nor a waiter of
+    the batch is left in the tier's limiter."""
+    async with _on_disk(tmp_path, 4, seed=12, timeout=5.0) as (c, _spec, toks, kv):
+        store = _store(c)
+        holders = [object() for _ in range(store.max_concurrency)]
+        for h in holders:
+            await store._limiter.acquire_on_behalf_of(h)
+        try:
+            with anyio.move_on_after(0.2) as scope:
+                await c.get(toks, out=torch.zeros_like(kv))
+            assert scope.cancelled_caught
+            await asyncio.sleep(0.05)  # the cancelled waits end at the loop's next turns
+            stats = store._limiter.statistics()
+            assert stats.borrowed_tokens == len(holders) and stats.tasks_waiting == 0
+        finally:
+            for h in holders:
+                store._limiter.release_on_behalf_of(h)
+        assert store._limiter.borrowed_tokens == 0
+        # The tier reads again: nothing of the cancelled batch is stuck.
+        out = torch.zeros_like(kv)
+        hit = await c.get(toks, out=out)
+        assert hit.num_tokens == len(toks) and torch.equal(out, kv)

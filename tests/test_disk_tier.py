@@ -668,7 +668,15 @@ async def test_a_disk_promotion_is_one_worker_thread_call_per_chunk(
             hops.append(getattr(fn, "__name__", repr(fn)))
             return await run_sync(fn, *args, **kw)
 
+        store = cache._engine.stores[0].store
+        submit = store._lanes.submit
+
+        def lane(fn: Any, *args: Any) -> Any:  # a batch's lanes: the store's own threads
+            hops.append(getattr(fn, "__name__", repr(fn)))
+            return submit(fn, *args)
+
         monkeypatch.setattr(anyio.to_thread, "run_sync", counting)
+        monkeypatch.setattr(store._lanes, "submit", lane)
         out = torch.empty_like(kv)
         hit = await cache.get(toks, out=out)
         monkeypatch.setattr(anyio.to_thread, "run_sync", run_sync)

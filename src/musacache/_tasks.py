@@ -58,10 +58,34 @@ class TaskOwner:
         probe: a put still running at close queued a write)."""
         if self._tg is None or self._stop.is_set():
             raise CacheClosedError("the cache is closed: no background work can start")
+        self._begun()
+        self._tg.start_soon(self._run, fn, args)
+
+    def spawn_soon(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        """:meth:`spawn`, with the task started at the loop's next turn instead of in the
+        call: for work a caller about to return starts, off the caller's own time (a task
+        costs about 25 µs on the loop here). Running from the call on (:meth:`drain` waits
+        for it); never started if the cache begins to close meanwhile."""
+        if self._tg is None or self._stop.is_set():
+            raise CacheClosedError("the cache is closed: no background work can start")
+        self._begun()
+        asyncio.get_running_loop().call_soon(self._start, fn, args)
+
+    def _start(self, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...]) -> None:
+        if self._tg is None or self._stop.is_set():
+            self._ended()
+            return
+        self._tg.start_soon(self._run, fn, args)
+
+    def _begun(self) -> None:
         self.running += 1
         if self._idle.is_set():
             self._idle = anyio.Event()
-        self._tg.start_soon(self._run, fn, args)
+
+    def _ended(self) -> None:
+        self.running -= 1
+        if self.running == 0:
+            self._idle.set()
 
     async def _run(self, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...]) -> None:
         try:
@@ -69,9 +93,7 @@ class TaskOwner:
         except Exception:
             log.exception("musacache background task failed")
         finally:
-            self.running -= 1
-            if self.running == 0:
-                self._idle.set()
+            self._ended()
 
     async def drain(self) -> None:
         """Wait until no background work is left (work may start more work)."""

@@ -52,6 +52,7 @@ stuck, reads fail at once instead of starting more threads.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import fcntl
@@ -85,6 +86,7 @@ from .._keys import KEY_BYTES, Fingerprint
 from .._validate import boolean, parse_size, positive_float, positive_int
 from ..codec import CODECS, HEADER_SIZE, read_chunk_into, read_chunk_to, read_header
 from ._ordering import KeyOrder
+from ._workers import WorkerThreads
 from .base import (
     NOT_TRIED,
     ChunkListing,
@@ -96,8 +98,6 @@ from .base import (
 )
 
 if TYPE_CHECKING:
-    from anyio.abc import TaskGroup
-
     from .._native import ChunkCopy
 
 __all__ = ["DiskStore", "DiskTier"]
@@ -312,6 +312,8 @@ class DiskStore(StorageTier):
         self.timeout = config.timeout
         self.max_concurrency = config.max_concurrency
         self._limiter = anyio.CapacityLimiter(config.max_concurrency)
+        # The lanes of a batch of reads (_read_batch), each under one of _limiter's tokens.
+        self._lanes = WorkerThreads("musacache-disk-lane")
         self._root: Path | None = None
         self._root_text: str | None = None  # str(_root): what a read's path is made from
         self._fp: Fingerprint | None = None
@@ -405,6 +407,7 @@ class DiskStore(StorageTier):
             self._lock_fd = None
 
     async def aclose(self) -> None:
+        self._lanes.close()
         self._release_lock()
         self._root = self._root_text = None
 
@@ -939,42 +942,79 @@ async def _read_batch(store: DiskStore, items: Sequence[tuple[ChunkMeta, ChunkCo
                 if calls[i].abandoned:
                     store._stuck -= 1
 
-    scopes = [anyio.CancelScope() for _ in range(full)]
-    left = [count]
-    started = [count]
-    finished = anyio.Event()
-
-    async def run_lane(k: int, tg: TaskGroup) -> None:
-        with scopes[k]:
-            # abandon_on_cancel: a hung disk (NFS) must not hold the caller past timeout.
-            while await anyio.to_thread.run_sync(lane, k, limiter=store._limiter,
-                                                 abandon_on_cancel=True):
-                while lanes.io_bound and started[0] < full:
-                    left[0] += 1
-                    started[0] += 1
-                    tg.start_soon(run_lane, started[0] - 1, tg)
-        left[0] -= 1
-        if not left[0]:
-            finished.set()
-
+    limiter = store._limiter
+    # Per lane: what holds its thread token. What the batch waits for: each lane's slice on
+    # its thread, or (when no token was free) its wait for a token, with the lane's number.
+    borrowers = [object() for _ in range(full)]
+    waits: dict[asyncio.Future[Any], int] = {}
     hung: set[int] = set()  # items whose read ran the whole timeout: abandoned, quarantined
 
-    async def watch(tg: TaskGroup) -> None:
+    def run_slice(k: int) -> None:
+        # Lane k's next slice, on a thread from now, under the token it holds: given back
+        # when the batch takes the slice's end, or once it abandons the slice (a hung disk,
+        # NFS, must not hold the caller past the timeout).
+        try:
+            waits[store._lanes.submit(lane, k)] = k
+        except BaseException:
+            limiter.release_on_behalf_of(borrowers[k])
+            raise
+
+    def next_slice(k: int) -> None:
+        # Now if a token is free and no other work waits for one (first come, first
+        # served: a long batch takes turns with the rest), else once one is.
+        try:
+            limiter.acquire_on_behalf_of_nowait(borrowers[k])
+        except anyio.WouldBlock:
+            waits[asyncio.ensure_future(limiter.acquire_on_behalf_of(borrowers[k]))] = k
+            return
+        run_slice(k)
+
+    def drop(k: int) -> None:
+        # Lane k is abandoned (its read hung) or the batch stops: not waited for any more,
+        # and its token given back. A wait for a token that is cancelled gives back what
+        # it was granted itself.
+        for fut in [f for f, lane_k in waits.items() if lane_k == k]:
+            del waits[fut]
+            if not isinstance(fut, asyncio.Task):
+                fut.cancel()
+                limiter.release_on_behalf_of(borrowers[k])
+            elif not fut.cancel() and not fut.cancelled() and fut.exception() is None:
+                limiter.release_on_behalf_of(borrowers[k])
+
+    try:
+        # Every lane's first slice is on its thread here, at once, before any turn of the
+        # loop: a lane started a turn later ended a batch of equal chunks that much later.
+        for k in range(count):
+            next_slice(k)
+        started = count
         # Each read is bounded by the timeout, as one read alone is. A lane whose read
         # outlives it is abandoned (the others go on with the batch); a batch that ends no
         # read in a whole timeout with none running (its lanes wait for threads) is stopped.
         seen, progress = 0, time.monotonic()
-        while not finished.is_set():
+        while waits:
             with store._tlock:
                 running = [lanes.began[i] for k, i in enumerate(lanes.current)
                            if i is not None and not lanes.dead[k]]
                 if lanes.ended != seen:
                     seen, progress = lanes.ended, time.monotonic()
             deadline = (min(running) if running else progress) + timeout
-            with anyio.move_on_at(deadline):
-                await finished.wait()
-            if finished.is_set():
-                return
+            done, _ = await asyncio.wait(waits, timeout=max(0.0, deadline - time.monotonic()),
+                                         return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                k = waits.pop(fut)
+                if not isinstance(fut, asyncio.Task):  # a slice ended: True, more to read
+                    limiter.release_on_behalf_of(borrowers[k])
+                    if fut.result():
+                        next_slice(k)
+                        while lanes.io_bound and started < full:
+                            next_slice(started)
+                            started += 1
+                elif lanes.dead[k] or lanes.stop:  # a token, for a lane that is over
+                    limiter.release_on_behalf_of(borrowers[k])
+                else:
+                    run_slice(k)
+            if done:
+                continue
             now = time.monotonic()
             with store._tlock:
                 late = [(k, i) for k, i in enumerate(lanes.current)
@@ -991,26 +1031,19 @@ async def _read_batch(store: DiskStore, items: Sequence[tuple[ChunkMeta, ChunkCo
             for k, i in late:
                 if store._abandon(calls[i], items[i][0].key):
                     hung.add(i)
-                scopes[k].cancel()
+                drop(k)
             if stalled:
-                tg.cancel_scope.cancel()
-                return
-
-    try:
-        async with anyio.create_task_group() as tg:
-            for k in range(1, count):
-                tg.start_soon(run_lane, k, tg)
-            tg.start_soon(watch, tg)  # (after the lanes: their reads start first)
-            # The first lane runs in this task: its read starts now, not a loop turn later
-            # (the tasks above start at the next turn of the loop).
-            await run_lane(0, tg)
+                break
     finally:
         # Normal end, a stalled batch, or cancelled from outside: no lane takes another item,
-        # and the reads still running are abandoned to their threads.
+        # the reads still running are abandoned to their threads, and every token the
+        # batch holds or waits for is given back (drop).
         with store._tlock:
             lanes.stop = True
             begun = [i for i in range(n) if calls[i].started and not calls[i].done
                      and i not in hung]
+        for k in range(full):
+            drop(k)
         if hung or lanes.judged:
             store._reads_wait = bool(hung) or lanes.io_bound
         now = time.monotonic()
@@ -1033,6 +1066,11 @@ async def _read_batch(store: DiskStore, items: Sequence[tuple[ChunkMeta, ChunkCo
         got = lanes.outcome[i]
         if isinstance(got, _Raised):
             out[i] = got.exc
+            continue
+        if type(got) is int:  # the usual, a read: counted as _settle counts it, inline
+            store._c["reads"] += 1
+            store._c["bytes_out"] += got
+            out[i] = got
             continue
         try:
             out[i] = size = await store._settle(items[i][0], functools.partial(path_of, i),
