@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 
 import pytest
@@ -109,3 +110,29 @@ async def test_close_refuses_new_calls_and_lets_the_threads_end() -> None:
             break
         await asyncio.sleep(0.01)
     assert workers.threads == 0
+
+
+def test_a_forked_child_starts_its_own_threads() -> None:
+    """fork() copies no thread: a child that inherited idle ones counted would hand its
+    work to nobody. Its first call starts a thread of its own."""
+    workers = WorkerThreads("t")
+
+    async def once() -> int:
+        return await asyncio.wait_for(workers.submit(lambda: 41), 10) + 1
+
+    assert asyncio.run(once()) == 42 and workers.idle == 1
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its answer through the pipe, then out without cleanup
+        try:
+            os.write(w, str(asyncio.run(once())).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        with os.fdopen(r, "rb") as f:
+            got = f.read()
+        assert got == b"42", got
+    finally:
+        os.waitpid(pid, 0)
+        workers.close()

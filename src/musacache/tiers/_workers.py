@@ -10,12 +10,14 @@ comes back as an ``asyncio`` future; the caller keeps its own bound on the threa
 
 Threads are daemons: one stuck in a hung file system (NFS) does not hold up the process's
 exit. A thread is started when none is idle and never more than were ever busy at once; they
-end once the owner is closed and they are idle.
+end once the owner is closed and they are idle. In a child made by ``fork()`` (which copies
+none of them) the first call starts afresh.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -40,6 +42,7 @@ class WorkerThreads:
         self._idle = 0        # threads waiting for work and not yet claimed by a submit
         self._threads = 0     # threads started and not ended
         self._closed = False
+        self._pid = os.getpid()
 
     @property
     def threads(self) -> int:
@@ -57,6 +60,8 @@ class WorkerThreads:
         its end all the same, and its answer is dropped."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[_T] = loop.create_future()
+        if os.getpid() != self._pid:
+            self._forked()
         with self._lock:
             if self._closed:
                 raise CacheClosedError(f"{self._name}: the worker threads are closed")
@@ -75,6 +80,14 @@ class WorkerThreads:
                 raise
         self._work.put((fn, args, fut, loop))
         return fut
+
+    def _forked(self) -> None:
+        # In a child process made by fork(): the parent's threads are not here, and an
+        # idle one counted would be handed work nobody runs.
+        self._work = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = self._threads = 0
+        self._pid = os.getpid()
 
     def close(self) -> None:
         """Let every thread end once idle (a busy or stuck one ends when its call returns);
