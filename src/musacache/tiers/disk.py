@@ -655,8 +655,7 @@ class DiskStore(StorageTier):
         file is removed first); a :class:`TierError` raised for a fault. ``path_of()`` is
         the file's path, asked only for a fault (made on the loop, a path costs a batch
         about 5 µs per chunk read)."""
-        if obj is not None and not isinstance(obj, (_NotAFile, OSError)):
-            self._c["reads"] += 1
+        if _counted_read(self, obj):
             return obj
         path = path_of()
         if isinstance(obj, _NotAFile):
@@ -833,6 +832,15 @@ def _read_file_to(path: str | Path, fingerprint: Fingerprint, meta: ChunkMeta,
         return size
 
     return _with_file(path, to)
+
+
+def _counted_read(store: DiskStore, obj: Any) -> bool:
+    """Whether ``obj``, what a read returned, is the chunk read (its bytes or size: not absent,
+    not a fault); counted if so. The rest is :meth:`DiskStore._settle`'s."""
+    if obj is None or isinstance(obj, (_NotAFile, OSError)):
+        return False
+    store._c["reads"] += 1
+    return True
 
 
 def _quarantined(store: DiskStore, path: Path) -> QuarantinedError:
@@ -1067,17 +1075,12 @@ async def _read_batch(store: DiskStore, items: Sequence[tuple[ChunkMeta, ChunkCo
         if isinstance(got, _Raised):
             out[i] = got.exc
             continue
-        if type(got) is int:  # the usual, a read: counted as _settle counts it, inline
-            store._c["reads"] += 1
+        if _counted_read(store, got):  # the usual: no coroutine per chunk for it
             store._c["bytes_out"] += got
             out[i] = got
             continue
-        try:
-            out[i] = size = await store._settle(items[i][0], functools.partial(path_of, i),
-                                                 got)
+        try:  # absent (None), or a fault (raised)
+            out[i] = await store._settle(items[i][0], functools.partial(path_of, i), got)
         except TierError as exc:
             out[i] = exc
-            continue
-        if size is not None:
-            store._c["bytes_out"] += size
     return out
