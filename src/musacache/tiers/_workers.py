@@ -2,7 +2,7 @@
 
 ``anyio.to_thread.run_sync`` passes through the loop twice before its thread starts (a
 checkpoint, then one more in the limiter's ``acquire``), each a turn in which every other
-ready callback runs first: the second lane of a disk batch started 0.18 ms (median) after
+ready callback runs first: the second lane of a disk batch started 0.10 ms (median) after
 the first, and with two lanes sharing a batch of equal chunks the batch ends that much later.
 Here a function is queued to a thread in :meth:`WorkerThreads.submit` itself, and its answer
 comes back as an ``asyncio`` future; the caller keeps its own bound on the threads in use
