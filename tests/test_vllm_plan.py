@@ -91,6 +91,87 @@ def test_preemption_and_resume(n: int, cached: int, frac: float, block_size: int
     assert len(trace.block_ids) == 2  # admitted, preempted, admitted again
 
 
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(2, 900), cached=st.integers(0, 900), budget=st.sampled_from([1 << 30, 48]),
+       lag=st.integers(0, 1), preempt=st.booleans())
+def test_several_ranks_save_the_same_tokens_held_back_behind_each_load(
+        n: int, cached: int, budget: int, lag: int, preempt: bool) -> None:
+    """With several ranks, saves wait for each load's step to be known good on all ranks;
+    the same tokens are saved, in order, as with one rank."""
+    cached = min(cached, n)
+    prompt = list(range(9, 9 + n))
+    planner, trace = run_request(standin_kinds(), prompt=prompt, cached_prefix=cached,
+                                 local_prefix=0, block_size=16, chunk_size=32, budget=budget,
+                                 preempt_at=max(1, n // 2) if preempt else None,
+                                 decode_steps=3, ranks=2, lag=lag)
+    check_trace(prompt, cached, 16, 32, planner, trace, preempted=preempt)
+    # No save in the step of a load, nor (async scheduling) in the next one.
+    loaded = [s for op, s in zip(trace.ops, trace.steps, strict=True) if op.loads]
+    for op, s in zip(trace.ops, trace.steps, strict=True):
+        assert not (op.saves and any(0 <= s - at <= lag for at in loaded)), (trace.ops, s)
+
+
+def _loaded_request(ranks: int, n: int = 600, hit: int = 512,
+                    ) -> tuple[SchedulerPlanner, object, RequestOp]:
+    """A request whose first ``hit`` tokens load, through its first step; the step's op."""
+    kinds = standin_kinds()
+    planner = SchedulerPlanner(block_size=16, chunk_size=256, start_lookup=lambda t: done(hit),
+                               ranks=ranks)
+    prompt = list(range(n))
+    req = kinds.request("r", prompt)
+    ext, _ = planner.num_new_matched_tokens(req, 0)
+    planner.after_alloc(req, ext)
+    (op,) = planner.build(kinds.output([kinds.new_req("r", prompt, list(range(40)), hit)],
+                                       kinds.cached([], set(), [], []), {"r": n - hit}, set()))
+    return planner, req, op
+
+
+def test_one_rank_saves_in_the_step_of_its_load() -> None:
+    _planner, _req, op = _loaded_request(ranks=1)
+    assert (op.load_start, op.load_end, op.save_start, op.save_end) == (0, 512, 512, 600)
+
+
+def test_a_load_that_failed_on_another_rank_leaves_no_save_over_it() -> None:
+    """Found by reading: with tensor parallelism a load that failed on one rank alone let
+    the other ranks save that step's KV, which every rank computed over the failed rank's
+    unloaded blocks (their attention outputs are summed), and a store never overwrites a
+    cached chunk. Now no rank saves until the step's output, every rank's failed loads in
+    it, is in; then vLLM has rewound the request and its recomputed KV is what is saved."""
+    kinds = standin_kinds()
+    planner, req, op = _loaded_request(ranks=2)
+    assert (op.load_start, op.load_end, op.saves) == (0, 512, False)
+    assert planner.step == 1
+    # Async scheduling: the next step is planned before the first one's output is in.
+    req.append_output_token_ids(7)
+    assert planner.build(kinds.output([], kinds.cached(["r"], set(), [None], [600]),
+                                      {"r": 1}, set())) == []
+    assert planner.stats.held_saves == 2
+    # Step 1's output: another rank failed the block of tokens 256..271; vLLM rewinds the
+    # request there and computes it again, which is saved.
+    planner.outputs_seen(1)
+    (op,) = planner.build(kinds.output([], kinds.cached(["r"], set(), [None], [256]),
+                                       {"r": 345}, set()))
+    assert (op.loads, op.save_start, op.save_end) == (False, 256, 600)
+
+
+def test_a_load_known_good_on_every_rank_saves_what_was_held() -> None:
+    kinds = standin_kinds()
+    planner, req, _op = _loaded_request(ranks=2)
+    planner.outputs_seen(1)
+    req.append_output_token_ids(7)
+    (op,) = planner.build(kinds.output([], kinds.cached(["r"], set(), [None], [600]),
+                                       {"r": 1}, set()))
+    assert (op.loads, op.save_start, op.save_end) == (False, 512, 600)
+    req.append_output_token_ids(7)
+    assert planner.build(kinds.output([], kinds.cached(["r"], set(), [None], [601]),
+                                      {"r": 1}, set())) == []
+
+
+def test_a_request_that_loads_nothing_is_not_held() -> None:
+    _planner, _req, op = _loaded_request(ranks=4, hit=0)
+    assert (op.loads, op.save_start, op.save_end) == (False, 0, 600)
+
+
 def test_lookup_in_flight_answers_none_and_never_blocks() -> None:
     never: concurrent.futures.Future[int] = concurrent.futures.Future()
     planner = SchedulerPlanner(block_size=16, chunk_size=256, start_lookup=lambda t: never)
@@ -178,3 +259,21 @@ def test_a_request_vllm_rewinds_is_saved_again_from_there(rewind_to: int) -> Non
     req.append_output_token_ids(7)
     assert planner.build(kinds.output([], kinds.cached(["r"], set(), [None], [600]),
                                       {"r": 1}, set())) == []
+
+
+def test_a_vllm_that_hands_no_step_back_is_warned_of(caplog: pytest.LogCaptureFixture) -> None:
+    kinds = standin_kinds()
+    planner = SchedulerPlanner(block_size=16, chunk_size=256, start_lookup=lambda t: done(0),
+                               ranks=2)
+    empty = kinds.output([], kinds.cached([], set(), [], []), {}, set())
+    with caplog.at_level("WARNING", logger="musacache.vllm"):
+        for _ in range(63):
+            planner.build(empty)
+        assert not caplog.records
+        planner.build(empty)
+    assert "handed back no step" in caplog.text
+    planner.outputs_seen(64)
+    caplog.clear()
+    for _ in range(10):
+        planner.build(empty)
+    assert not caplog.records

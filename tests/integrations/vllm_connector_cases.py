@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -24,6 +26,7 @@ from musacache.integrations.vllm import (  # noqa: E402
     ConnectorSettings,
     MusaCacheConnector,
     MusaCacheConnectorMetadata,
+    MusaCacheStepDone,
     _as_musacache_pages,
 )
 from test_vllm_plan import check_trace  # noqa: E402
@@ -44,14 +47,31 @@ def test_planner_with_vllms_own_request_and_scheduler_output(
     check_trace(prompt, cached, 16, 256, planner, trace, preempted=preempt)
 
 
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(2, 700), cached=st.integers(0, 800), lag=st.integers(0, 1))
+def test_planner_of_several_ranks_with_vllms_own_classes(n: int, cached: int,
+                                                         lag: int) -> None:
+    cached = min(cached, n)
+    prompt = list(range(3, 3 + n))
+    planner, trace = run_request(vllm_kinds(), prompt=prompt, cached_prefix=cached,
+                                 local_prefix=0, block_size=16, chunk_size=256, budget=200,
+                                 preempt_at=None, decode_steps=2, ranks=2, lag=lag)
+    check_trace(prompt, cached, 16, 256, planner, trace, preempted=False)
+
+
 def test_connector_is_a_kv_connector_with_every_hook() -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
         KVConnectorBase_V1,
         KVConnectorMetadata,
+        KVConnectorWorkerMetadata,
     )
 
     assert issubclass(MusaCacheConnector, KVConnectorBase_V1)
     assert issubclass(MusaCacheConnectorMetadata, KVConnectorMetadata)
+    assert issubclass(MusaCacheStepDone, KVConnectorWorkerMetadata)
+    # Workers send it to the scheduler's process, where vLLM merges every rank's.
+    merged = pickle.loads(pickle.dumps(MusaCacheStepDone(3))).aggregate(MusaCacheStepDone(4))
+    assert isinstance(merged, MusaCacheStepDone) and merged.step == 4
     abstract = getattr(MusaCacheConnector, "__abstractmethods__", frozenset())
     assert not abstract, f"unimplemented: {sorted(abstract)}"
 

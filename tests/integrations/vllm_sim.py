@@ -116,17 +116,20 @@ class Trace:
     #: (vLLM's own computed tokens, tokens to load, request length) per admission
     admissions: list[tuple[int, int, int]] = field(default_factory=list)
     block_ids: list[list[int]] = field(default_factory=list)  # per admission
+    steps: list[int] = field(default_factory=list)  # per op: the step it was built in
 
 
 def run_request(kinds: Kinds, *, prompt: list[int], cached_prefix: int, local_prefix: int,
                 block_size: int, chunk_size: int, budget: int, preempt_at: int | None,
                 decode_steps: int, save_decode: bool = False, pending_polls: int = 1,
-                ) -> tuple[SchedulerPlanner, Trace]:
+                ranks: int = 1, lag: int = 0) -> tuple[SchedulerPlanner, Trace]:
     """Drive one request through the planner. ``cached_prefix``: what musacache holds of
     the prompt; ``local_prefix``: vLLM's own prefix-cache hit (block aligned here, as vLLM
     presents it). ``preempt_at``: preempt after the step in which this many tokens are
     computed (then resume). ``pending_polls``: times the scheduler asks while the lookup is
-    still in flight."""
+    still in flight. ``ranks``: the engine's ranks; every rank's output of a step is handed
+    back ``lag`` builds after the step's own (0: before the next build, as vLLM schedules
+    by default; 1: async scheduling, which plans a step before the last one's output)."""
     lookups: list[concurrent.futures.Future[int]] = []
 
     def start_lookup(tokens: np.ndarray) -> concurrent.futures.Future[int]:
@@ -137,7 +140,8 @@ def run_request(kinds: Kinds, *, prompt: list[int], cached_prefix: int, local_pr
         return f
 
     planner = SchedulerPlanner(block_size=block_size, chunk_size=chunk_size,
-                               start_lookup=start_lookup, save_decode=save_decode)
+                               start_lookup=start_lookup, save_decode=save_decode,
+                               ranks=ranks)
     req = kinds.request("r1", prompt)
     trace = Trace()
     next_block = [100]
@@ -180,7 +184,10 @@ def run_request(kinds: Kinds, *, prompt: list[int], cached_prefix: int, local_pr
             nb = [(blocks,)] if resumed_now else [(fresh,)] if fresh else [None]
             out = kinds.output([], kinds.cached(["r1"], {"r1"} if resumed_now else set(), nb,
                                                 [computed]), {"r1": sched}, set())
-        trace.ops.extend(planner.build(out))
+        built = planner.build(out)
+        trace.ops.extend(built)
+        trace.steps.extend(planner.step for _ in built)
+        planner.outputs_seen(planner.step - lag)
         first_step = resumed_now = False
         fresh = []
         computed += sched

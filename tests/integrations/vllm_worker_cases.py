@@ -42,7 +42,8 @@ NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 def connector(sock: str, *, role: KVConnectorRole = KVConnectorRole.WORKER,
               spec: FullAttentionSpec | None = None, names: list[str] | None = None,
-              cache_dtype: str | None = None, **extra: object) -> MusaCacheConnector:
+              cache_dtype: str | None = None, ranks: int = 1,
+              **extra: object) -> MusaCacheConnector:
     kv = KVTransferConfig(kv_connector="MusaCacheConnector",
                           kv_connector_module_path="musacache.integrations.vllm",
                           kv_role="kv_both", kv_load_failure_policy="recompute",
@@ -50,7 +51,8 @@ def connector(sock: str, *, role: KVConnectorRole = KVConnectorRole.WORKER,
                                                      **{f"musacache.{k}": v
                                                         for k, v in extra.items()}})
     vllm_config = SimpleNamespace(kv_transfer_config=kv, model_config=SimpleNamespace(
-        model="tiny/llama"), compilation_config=SimpleNamespace(static_forward_context={}))
+        model="tiny/llama"), compilation_config=SimpleNamespace(static_forward_context={}),
+        parallel_config=SimpleNamespace(world_size=ranks))
     if cache_dtype is not None:
         vllm_config.cache_config = CacheConfig(cache_dtype=cache_dtype)  # type: ignore[arg-type]
     spec = spec or FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D,
@@ -333,6 +335,77 @@ def test_a_step_whose_load_failed_saves_nothing_and_the_recompute_is_saved(serve
         sch.shutdown()
         w.shutdown()
     assert torch.equal(loaded(server.socket_path, prompt, 299), kv_true[:, :, :299])
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_a_load_that_fails_on_one_rank_is_saved_by_no_rank(server, monkeypatch,
+                                                          layerwise: bool) -> None:
+    """Found by reading (docs/vllm.md left it open): with tensor parallelism each rank caches
+    its own heads, and a rank's copy can be evicted while another's stays. The other rank's
+    load then succeeds and its step saved what the forward computed, though every rank's
+    attention output is summed with the failed rank's, computed over blocks never loaded;
+    a store never overwrites a cached chunk, so later prompts were served that KV. Now the
+    ranks' outputs go through vLLM's own aggregation to the scheduler side, which holds the
+    saves back until it has seen them, and vLLM rewinds the request first."""
+    import vllm.distributed.parallel_state as ps
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm_sim import vllm_kinds
+
+    torch.manual_seed(4)
+    prompt = list(range(3000, 3300))
+    kv_true = torch.randn(LAYERS, 2, 300, H, D)
+    saved_prompt(server.socket_path, prompt[:256], kv_true[:, :, :256])  # rank 0's copy only
+    kinds = vllm_kinds()
+    sch = connector(server.socket_path, role=KVConnectorRole.SCHEDULER, ranks=2)
+    r0 = connector(server.socket_path, layerwise=layerwise)
+    monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda: 1)
+    r1 = connector(server.socket_path, layerwise=layerwise)
+    try:
+        assert "/tp0/" in r0.namespace and "/tp1/" in r1.namespace
+        req = kinds.request("r", prompt)
+        assert admitted(sch, req) == 256  # the scheduler looks up rank 0's namespace
+        blocks = list(range(3, 13))
+        meta = sch.build_connector_meta(kinds.output(
+            [kinds.new_req("r", prompt, blocks, 256)], kinds.cached([], set(), [], []),
+            {"r": 44}, set()))
+        (o,) = meta.ops  # type: ignore[attr-defined]
+        assert (o.load_start, o.load_end, o.saves) == (0, 256, False)
+        computed = slots_for(blocks, BS, 300)[256:]
+        outputs = []
+        for w in (r0, r1):
+            kv = pages()
+            w.register_kv_caches(kv)
+            w.bind_connector_metadata(meta)
+            w.start_load_kv(SimpleNamespace())
+            for n in NAMES:
+                w.wait_for_layer_load(n)
+                # What the forward computes past the load, over rank 1's unloaded blocks.
+                write_token_kv(kv, computed, kv_true[:, :, 256:] + 100)
+                if layerwise:
+                    w.save_kv_layer(n, torch.empty(0), None)
+            w.wait_for_save()
+            out = KVConnectorOutput(invalid_block_ids=w.get_block_ids_with_load_errors(),
+                                    kv_connector_stats=w.get_kv_connector_stats(),
+                                    kv_connector_worker_meta=w.build_connector_worker_meta())
+            w.clear_connector_metadata()
+            outputs.append(ModelRunnerOutput(req_ids=["r"], req_id_to_index={"r": 0},
+                                             kv_connector_output=out))
+        kvo = KVOutputAggregator(expected_finished_count=2).aggregate(outputs)
+        assert kvo is not None and kvo.kv_connector_output is not None
+        got = kvo.kv_connector_output
+        assert got.invalid_block_ids == set(range(3, 11))  # rank 1's, for both ranks
+        assert got.kv_connector_stats.data.get("save_tokens", 0) == 0
+        sch.update_connector_output(got)
+        assert sch._planner is not None and sch._planner.seen == 1
+    finally:
+        sch.shutdown()
+        r0.shutdown()
+        r1.shutdown()
+    # Rank 0's namespace holds the 256 tokens it was given, nothing computed over the load.
+    monkeypatch.undo()
+    assert torch.equal(loaded(server.socket_path, prompt, 299), torch.cat(
+        [kv_true[:, :, :256], torch.zeros(LAYERS, 2, 43, H, D)], dim=2))
 
 
 def test_a_layerwise_load_from_a_dead_server_frees_every_layer(server) -> None:

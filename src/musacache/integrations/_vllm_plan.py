@@ -10,6 +10,15 @@ vLLM asks the scheduler-side connector three things per request, on its schedule
    tokens to load.
 3. ``build_connector_meta``: once per step, what the workers must load and save.
 
+With tensor or pipeline parallelism, one more: ``update_connector_output`` hands back, once
+every rank's output of a step is in, which step that was (:meth:`SchedulerPlanner.
+outputs_seen`). A load can fail on one rank alone, and every rank's forward then computes
+over that rank's unloaded blocks (their attention outputs are summed across the ranks), so
+what the step computes for that request is wrong on *every* rank, while only the failed rank
+knows it. vLLM gathers the failed blocks of all ranks into the step's output and rewinds the
+request; the planner holds back a request's saves from the step of its load until that
+step's output is in, so that no rank stores the KV computed over a failed load.
+
 :class:`SchedulerPlanner` holds that state per request and turns each step into
 :class:`RequestOp` records (tokens, slot mapping, a load range, a save range) that travel to
 the workers. It takes the engine's objects duck-typed, so it is tested both with vLLM's own
@@ -29,6 +38,10 @@ import numpy as np
 log = logging.getLogger("musacache.vllm")
 
 __all__ = ["RequestOp", "SchedulerPlanner", "slots_for", "uncacheable"]
+
+#: Steps built with none of their outputs handed back after which the planner warns: vLLM
+#: hands each step's back one or two steps later.
+_LAG_WARN_STEPS = 64
 
 #: Starts a lookup of a token prefix; the future's result is the cached prefix length.
 StartLookup = Callable[[np.ndarray], "concurrent.futures.Future[int]"]
@@ -104,6 +117,9 @@ class _Tracker:
     saved: int = 0
     #: Where the last step left the request's computed tokens, as planned.
     planned: int = 0
+    #: With several ranks: the step of the request's last load, whose output (every rank's
+    #: failed loads) must be in before the request saves again; 0: none pending.
+    held_until: int = 0
 
 
 @dataclass
@@ -116,6 +132,8 @@ class PlannerStats:
     refused: int = 0
     load_tokens: int = 0
     save_tokens: int = 0
+    #: Steps in which a request's save waited for the output of the step of its load.
+    held_saves: int = 0
 
 
 class SchedulerPlanner:
@@ -126,16 +144,25 @@ class SchedulerPlanner:
     step); on the step that finishes the prompt its partial last chunk is saved too, because
     musacache matches partial tails (multi-turn reuse). ``save_decode`` also saves generated
     tokens as they are computed.
+
+    ``ranks`` above 1 (tensor or pipeline parallelism) holds back a request's saves from the
+    step of its load until :meth:`outputs_seen` says that step's output is in (see the
+    module docstring); :attr:`step` numbers the steps built, from 1.
     """
 
     def __init__(self, *, block_size: int, chunk_size: int, start_lookup: StartLookup,
-                 save_decode: bool = False) -> None:
+                 save_decode: bool = False, ranks: int = 1) -> None:
         if block_size <= 0 or chunk_size <= 0:
             raise ValueError(f"block_size and chunk_size must be positive, got {block_size}, "
                              f"{chunk_size}")
         self.block_size = block_size
         self.chunk_size = chunk_size
         self.save_decode = save_decode
+        self.ranks = ranks
+        #: The last step built (its number travels to the workers) and the last step whose
+        #: output vLLM has handed back from every rank.
+        self.step = 0
+        self.seen = 0
         self._start_lookup = start_lookup
         self._lookups: dict[str, _Lookup] = {}
         self._known_cached: dict[str, int] = {}
@@ -209,8 +236,18 @@ class SchedulerPlanner:
 
     # -- build_connector_meta ---------------------------------------------------------------
 
+    def outputs_seen(self, step: int) -> None:
+        """vLLM handed back the output of step ``step`` from every rank: the loads that
+        failed in it, on any rank, are known (and the requests over them rewound)."""
+        self.seen = max(self.seen, step)
+
     def build(self, scheduler_output: Any) -> list[RequestOp]:
         """The workers' work for this step: one op per request that loads or saves."""
+        self.step += 1
+        if self.ranks > 1 and self.step - self.seen == _LAG_WARN_STEPS:
+            log.warning("musacache: vLLM has handed back no step of the workers' for %d "
+                        "steps: requests that load save nothing until it does",
+                        _LAG_WARN_STEPS)
         ops: list[RequestOp] = []
         scheduled: dict[str, int] = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -275,11 +312,21 @@ class SchedulerPlanner:
             load_start, load_end = load[0], min(load[1], num_computed, len(tokens))
             self.stats.load_tokens += max(0, load_end - load_start)
             tr.saved = max(tr.saved, load_end)
+            if self.ranks > 1 and load_end > load_start:
+                tr.held_until = self.step
         save_start = save_end = 0
         limit = min(end, len(tokens)) if self.save_decode else min(end, tr.prompt_len)
         if limit < tr.prompt_len:
             # The prompt goes on next step: save whole chunks only.
             limit -= limit % self.chunk_size
+        if tr.held_until > self.seen:
+            # What this step computes stands on the load, which another rank may have
+            # failed: saved once the load's step is known good (or computed again).
+            if limit > tr.saved:
+                self.stats.held_saves += 1
+            limit = tr.saved
+        else:
+            tr.held_until = 0
         if limit > tr.saved:
             save_start, save_end = tr.saved, limit
             tr.saved = limit

@@ -63,6 +63,14 @@ try:
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 except ImportError as e:  # pragma: no cover - only without vLLM
     raise ImportError("musacache.integrations.vllm needs vLLM (pip install vllm)") from e
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+    _WORKER_META = True
+except ImportError:  # pragma: no cover - a vLLM whose workers send the scheduler nothing
+    _WORKER_META = False
+
+    class KVConnectorWorkerMetadata:  # type: ignore[no-redef]
+        """Stands in for the base class a vLLM without worker metadata lacks."""
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -73,7 +81,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = ["ConnectorSettings", "MusaCacheConnector", "MusaCacheConnectorMetadata",
-           "MusaCacheConnectorStats"]
+           "MusaCacheConnectorStats", "MusaCacheStepDone"]
 
 log = logging.getLogger("musacache.vllm")
 
@@ -160,10 +168,27 @@ def _flag(v: Any, name: str) -> bool:
 
 
 class MusaCacheConnectorMetadata(KVConnectorMetadata):
-    """What the scheduler side sends the workers each step: one op per request."""
+    """What the scheduler side sends the workers each step: one op per request, and with
+    several ranks the step's number (0 with one rank), which each worker sends back
+    (:class:`MusaCacheStepDone`) with the step's failed loads."""
 
-    def __init__(self, ops: list[RequestOp]) -> None:
+    def __init__(self, ops: list[RequestOp], step: int = 0) -> None:
         self.ops = ops
+        self.step = step
+
+
+class MusaCacheStepDone(KVConnectorWorkerMetadata):
+    """What a worker tells the scheduler side after a step: its number. vLLM merges every
+    rank's (:meth:`aggregate`) into the step's output, beside every rank's failed blocks,
+    so the scheduler side learns when a step's loads are known good on all ranks."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def aggregate(self, other: Any) -> MusaCacheStepDone:
+        if isinstance(other, MusaCacheStepDone):
+            self.step = max(self.step, other.step)
+        return self
 
 
 @dataclass
@@ -315,6 +340,21 @@ def _parallel_ranks() -> tuple[int, int]:
     return ranks[0], ranks[1]
 
 
+def _held_ranks(vllm_config: Any) -> int:
+    """The ranks of one engine (tensor x pipeline x context parallel) whose loads the
+    scheduler side must hear of before a loaded request saves again (see
+    ``_vllm_plan``); 1 where vLLM's workers cannot send it the step's number, which leaves
+    a load that fails on one rank alone to the other ranks' saves (docs/vllm.md)."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    ranks = int(getattr(pc, "world_size", 0) or 0) or (
+        int(getattr(pc, "tensor_parallel_size", 1)) * int(getattr(pc, "pipeline_parallel_size", 1)))
+    if ranks > 1 and not _WORKER_META:
+        log.warning("MusaCacheConnector: this vLLM has no worker metadata: a load that fails "
+                    "on one of the %d ranks alone does not hold back the others' saves", ranks)
+        return 1
+    return max(1, ranks)
+
+
 def _kv_format(vllm_config: Any, kv_cache_config: Any) -> str:
     """The logical format of the KV bytes: vLLM's ``cache_dtype`` (it holds every fp8
     variant as uint8, so the torch dtype cannot tell fp8_e4m3 from fp8_e5m2), and its
@@ -386,7 +426,8 @@ class MusaCacheConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._planner = SchedulerPlanner(
                 block_size=self.block_size, chunk_size=self.settings.chunk_size or 256,
-                start_lookup=self._start_lookup, save_decode=self.settings.save_decode)
+                start_lookup=self._start_lookup, save_decode=self.settings.save_decode,
+                ranks=_held_ranks(vllm_config))
             self._server.on_connect.append(self._learn_chunk_size)
         else:
             self._worker = _Worker(self)
@@ -425,7 +466,14 @@ class MusaCacheConnector(KVConnectorBase_V1):
         assert self._planner is not None
         if self.refused is not None:
             return MusaCacheConnectorMetadata([])
-        return MusaCacheConnectorMetadata(self._planner.build(scheduler_output))
+        ops = self._planner.build(scheduler_output)
+        return MusaCacheConnectorMetadata(
+            ops, self._planner.step if self._planner.ranks > 1 else 0)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        done = getattr(connector_output, "kv_connector_worker_meta", None)
+        if self._planner is not None and isinstance(done, MusaCacheStepDone):
+            self._planner.outputs_seen(done.step)
 
     def request_finished(self, request: Request, block_ids: list[int],
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -469,6 +517,15 @@ class MusaCacheConnector(KVConnectorBase_V1):
             return set()
         return self._worker.take_load_errors()
 
+    def build_connector_worker_meta(self) -> Any:
+        # Called after get_block_ids_with_load_errors, into the same output: the step's
+        # failed loads travel with its number.
+        if self._worker is not None and self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            if isinstance(meta, MusaCacheConnectorMetadata) and meta.step:
+                return MusaCacheStepDone(meta.step)
+        return None
+
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._worker is not None:
             data = self._worker.take_stats()
@@ -476,7 +533,7 @@ class MusaCacheConnector(KVConnectorBase_V1):
             s = self._planner.stats
             data = {"lookups": s.lookups, "lookup_failures": s.lookup_failures,
                     "lookup_tokens": s.lookup_tokens, "hit_tokens": s.hit_tokens,
-                    "refused_requests": s.refused}
+                    "refused_requests": s.refused, "held_saves": s.held_saves}
             self._planner.stats = type(s)()
         else:
             return None
