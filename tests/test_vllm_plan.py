@@ -29,10 +29,11 @@ def check_trace(prompt: list[int], cached_prefix: int, block_size: int, chunk_si
     n = len(prompt)
     # What is loaded: the cached prefix, less one token on a full hit, less what vLLM
     # holds; exactly that range, once per admission that loads.
-    for local, ext, length in trace.admissions:
-        assert ext == max(0, min(cached_prefix, length - 1) - local)
+    for local, ext, length, hit in trace.admissions:
+        assert ext == max(0, min(hit, length - 1) - local)
+    assert trace.admissions[0][3] == min(cached_prefix, n)
     loads = [op for op in ops if op.loads]
-    expected = [(local, local + ext) for local, ext, _len in trace.admissions if ext > 0]
+    expected = [(local, local + ext) for local, ext, _len, _hit in trace.admissions if ext > 0]
     assert [(op.load_start, op.load_end) for op in loads] == expected
     # Saves: in order, never overlapping, each one that ends before the prompt does ends on
     # a chunk boundary; together they cover the prompt past what the cache held.
@@ -169,6 +170,31 @@ def test_a_load_known_good_on_every_rank_saves_what_was_held() -> None:
 
 def test_a_request_that_loads_nothing_is_not_held() -> None:
     _planner, _req, op = _loaded_request(ranks=4, hit=0)
+    assert (op.loads, op.save_start, op.save_end) == (False, 0, 600)
+
+
+def test_a_request_rewound_then_preempted_saves_what_the_cache_lacks() -> None:
+    """Found by reading (docs/vllm.md left it open): a load failed, and vLLM rewound the
+    request and preempted it before the planner saw a step of it. On its return the planner
+    kept the tokens of the failed step as saved, although nothing of them was, so the
+    request's recomputed KV was never stored."""
+    kinds = standin_kinds()
+    hits = [512, 0]  # the chunks were evicted: the second lookup finds nothing
+    planner = SchedulerPlanner(block_size=16, chunk_size=256,
+                               start_lookup=lambda t: done(hits.pop(0)))
+    prompt = list(range(600))
+    req = kinds.request("r", prompt)
+    ext, _ = planner.num_new_matched_tokens(req, 0)
+    planner.after_alloc(req, ext)
+    (op,) = planner.build(kinds.output([kinds.new_req("r", prompt, list(range(40)), 512)],
+                                       kinds.cached([], set(), [], []), {"r": 88}, set()))
+    assert (op.load_end, op.save_start, op.save_end) == (512, 512, 600)  # (saves nothing)
+    # Rewound to token 0 and preempted; admitted again, with nothing in the cache.
+    ext, _ = planner.num_new_matched_tokens(req, 0)
+    assert ext == 0
+    planner.after_alloc(req, ext)
+    (op,) = planner.build(kinds.output([], kinds.cached(["r"], {"r"}, [(list(range(50, 90)),)],
+                                                        [0]), {"r": 600}, set()))
     assert (op.loads, op.save_start, op.save_end) == (False, 0, 600)
 
 

@@ -113,8 +113,9 @@ def done(value: int) -> concurrent.futures.Future[int]:
 @dataclass
 class Trace:
     ops: list[RequestOp] = field(default_factory=list)
-    #: (vLLM's own computed tokens, tokens to load, request length) per admission
-    admissions: list[tuple[int, int, int]] = field(default_factory=list)
+    #: (vLLM's own computed tokens, tokens to load, request length, the cache's hit) per
+    #: admission
+    admissions: list[tuple[int, int, int, int]] = field(default_factory=list)
     block_ids: list[list[int]] = field(default_factory=list)  # per admission
     steps: list[int] = field(default_factory=list)  # per op: the step it was built in
 
@@ -131,12 +132,14 @@ def run_request(kinds: Kinds, *, prompt: list[int], cached_prefix: int, local_pr
     back ``lag`` builds after the step's own (0: before the next build, as vLLM schedules
     by default; 1: async scheduling, which plans a step before the last one's output)."""
     lookups: list[concurrent.futures.Future[int]] = []
+    # The cache holds the prompt's first cached_prefix tokens, and what the request's saves
+    # add to them (a save is stored by the end of its step).
+    stored = [cached_prefix]
 
     def start_lookup(tokens: np.ndarray) -> concurrent.futures.Future[int]:
         f: concurrent.futures.Future[int] = concurrent.futures.Future()
         lookups.append(f)
-        # The cache holds the prompt's first cached_prefix tokens (never generated ones).
-        f.hit = min(cached_prefix, len(tokens))  # type: ignore[attr-defined]
+        f.hit = min(stored[0], len(tokens))  # type: ignore[attr-defined]
         return f
 
     planner = SchedulerPlanner(block_size=block_size, chunk_size=chunk_size,
@@ -163,7 +166,7 @@ def run_request(kinds: Kinds, *, prompt: list[int], cached_prefix: int, local_pr
         planner.after_alloc(req, ext)
         computed = local + ext
         blocks = alloc(-(-n // block_size))
-        trace.admissions.append((local, ext, n))
+        trace.admissions.append((local, ext, n, lookups[-1].hit))  # type: ignore[attr-defined]
         trace.block_ids.append(blocks)
         return computed, blocks, ext
 
@@ -185,6 +188,9 @@ def run_request(kinds: Kinds, *, prompt: list[int], cached_prefix: int, local_pr
             out = kinds.output([], kinds.cached(["r1"], {"r1"} if resumed_now else set(), nb,
                                                 [computed]), {"r1": sched}, set())
         built = planner.build(out)
+        for o in built:
+            if o.saves and o.save_start <= stored[0]:
+                stored[0] = max(stored[0], o.save_end)
         trace.ops.extend(built)
         trace.steps.extend(planner.step for _ in built)
         planner.outputs_seen(planner.step - lag)

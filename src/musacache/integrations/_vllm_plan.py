@@ -279,9 +279,12 @@ class SchedulerPlanner:
                 tr.saved = min(tr.saved, num_computed)
             if req_id in resumed:
                 # Preempted and scheduled again: vLLM gives the request's whole block list,
-                # and it looked the prefix up again (its blocks were freed).
+                # and it looked the prefix up again (its blocks were freed). That lookup is
+                # what the cache holds: what the planner marked saved may never have been
+                # (a step whose load failed saves nothing, and vLLM may have rewound the
+                # request and preempted it before a step told the planner so).
                 tr.block_ids = list(new_blocks[0]) if new_blocks is not None else []
-                tr.saved = max(tr.saved, self._known_cached.pop(req_id, 0))
+                tr.saved = self._known_cached.pop(req_id, 0)
             elif new_blocks is not None:
                 tr.block_ids.extend(new_blocks[0])
             tokens = self._tokens_of(req_id, None)
