@@ -62,9 +62,10 @@ def kv_transfer_config(socket: str, config: Path | None) -> str:
 
 
 def _serve(tmp: Path, name: str, model: Path, prompts: Path, socket: str | None = None,
-           config: Path | None = None) -> dict:
+           config: Path | None = None, tensor_parallel: int = 1) -> dict:
     out = tmp / f"{name}.json"
-    args = ["serve", "--model", str(model), "--prompts", str(prompts), "--out", str(out)]
+    args = ["serve", "--model", str(model), "--prompts", str(prompts), "--out", str(out),
+            "--tensor-parallel-size", str(tensor_parallel)]
     if socket:
         args += ["--kv-transfer-config", kv_transfer_config(socket, config)]
     _run(*args)
@@ -146,3 +147,30 @@ def test_vllm_keeps_serving_when_the_server_is_killed(world: dict) -> None:
     assert after["num_cached_tokens"] == [0, base["num_cached_tokens"][1]]
     assert base["num_cached_tokens"][1] < PREFIX
     assert after["tokens"] == [base["tokens"][1], base["tokens"][0]]
+
+
+def test_tensor_parallel_vllm_saves_what_it_computed_past_its_loads(world: dict) -> None:
+    """Two ranks (vLLM's multiprocess executor): a request that loads holds its saves back
+    until every rank's output of the load's step is in (docs/vllm.md, "Faults"); vLLM's own
+    executor must hand the workers' step numbers back for the hold to open. A third process
+    finds what the second computed past its load."""
+    tmp, model = world["tmp"], world["model"]
+    (tmp / "again.json").write_text(json.dumps(
+        [json.loads((tmp / "second.json").read_text())[0]]))
+    base = _serve(tmp, "tp-baseline", model, tmp / "second.json", tensor_parallel=2)
+    cfg = _tiers(tmp, "tiers-tp")
+    sock = str(tmp / "run-tp" / "node.sock")
+    server = spawn(cfg, sock)
+    try:
+        one = _serve(tmp, "tp-one", model, tmp / "first.json", sock, cfg, tensor_parallel=2)
+        two = _serve(tmp, "tp-two", model, tmp / "second.json", sock, cfg, tensor_parallel=2)
+        three = _serve(tmp, "tp-three", model, tmp / "again.json", sock, cfg,
+                       tensor_parallel=2)
+    finally:
+        server.stop()
+    assert one["num_cached_tokens"] == [0]
+    assert two["num_cached_tokens"] == [PREFIX, PROMPT - 1]
+    # The second prompt's tail was saved after its load's step came back from both ranks.
+    assert three["num_cached_tokens"] == [PROMPT - 1]
+    assert two["tokens"] == base["tokens"]
+    assert three["tokens"] == base["tokens"][:1]

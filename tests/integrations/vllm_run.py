@@ -47,7 +47,8 @@ def serve(args: argparse.Namespace) -> None:
         if args.kv_transfer_config else None
     llm = LLM(model=args.model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
               max_model_len=args.max_model_len, kv_transfer_config=kv, seed=0,
-              enable_prefix_caching=not args.no_prefix_caching)
+              enable_prefix_caching=not args.no_prefix_caching,
+              tensor_parallel_size=args.tensor_parallel_size)
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, detokenize=False)
     report: dict[str, object] = {"tokens": [], "num_cached_tokens": [], "ttft": []}
     if args.ttft:  # the first request of a process pays one-off costs: not a prompt of ours
@@ -85,6 +86,7 @@ def main() -> None:
     s.add_argument("--max-model-len", type=int, default=4096)
     s.add_argument("--ttft", action="store_true")
     s.add_argument("--no-prefix-caching", action="store_true")
+    s.add_argument("--tensor-parallel-size", type=int, default=1)
     args = p.parse_args()
     if args.cmd == "make-model":
         make_model(args.path, args.layers, args.hidden)
