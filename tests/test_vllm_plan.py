@@ -198,6 +198,49 @@ def test_a_request_rewound_then_preempted_saves_what_the_cache_lacks() -> None:
     assert (op.loads, op.save_start, op.save_end) == (False, 0, 600)
 
 
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(2, 900), cached=st.integers(0, 900), block_size=st.sampled_from([16, 32]),
+       budget=st.sampled_from([1 << 30, 48, 100]), preempt=st.booleans(),
+       save_decode=st.booleans())
+def test_whole_blocks_only_move_whole_blocks(n: int, cached: int, block_size: int,
+                                            budget: int, preempt: bool,
+                                            save_decode: bool) -> None:
+    """vLLM's CPU backend holds each block's keys transposed: every load and save the
+    planner sends starts and ends on a block boundary, in order, without overlap, and
+    together the saves cover the prompt's whole blocks past what the cache held."""
+    cached = min(cached, n)
+    prompt = list(range(11, 11 + n))
+    planner, trace = run_request(standin_kinds(), prompt=prompt, cached_prefix=cached,
+                                 local_prefix=0, block_size=block_size, chunk_size=64,
+                                 budget=budget, preempt_at=max(1, n // 2) if preempt else None,
+                                 decode_steps=2, save_decode=save_decode, whole_blocks=True)
+    for op in trace.ops:
+        for edge in (op.load_start, op.load_end, op.save_start, op.save_end):
+            assert edge % block_size == 0, (edge, op)
+    saves = [(op.save_start, op.save_end) for op in trace.ops if op.saves]
+    covered = cached - cached % block_size
+    for lo, hi in saves:
+        assert lo == covered, saves
+        covered = hi
+    if not save_decode:
+        assert covered == max(cached - cached % block_size, n - n % block_size)
+    assert planner.tracked() == 0
+
+
+def test_whole_blocks_load_a_hit_down_to_its_last_whole_block() -> None:
+    kinds = standin_kinds()
+    planner = SchedulerPlanner(block_size=16, chunk_size=256, start_lookup=lambda t: done(300),
+                               whole_blocks=True)
+    prompt = list(range(600))
+    req = kinds.request("r", prompt)
+    ext, _ = planner.num_new_matched_tokens(req, 0)
+    assert ext == 288
+    planner.after_alloc(req, ext)
+    (op,) = planner.build(kinds.output([kinds.new_req("r", prompt, list(range(40)), 288)],
+                                       kinds.cached([], set(), [], []), {"r": 312}, set()))
+    assert (op.load_start, op.load_end, op.save_start, op.save_end) == (0, 288, 288, 592)
+
+
 def test_lookup_in_flight_answers_none_and_never_blocks() -> None:
     never: concurrent.futures.Future[int] = concurrent.futures.Future()
     planner = SchedulerPlanner(block_size=16, chunk_size=256, start_lookup=lambda t: never)

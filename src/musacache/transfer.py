@@ -39,8 +39,10 @@ The layouts (``LAYOUTS``), per layer:
 ``vllm-hnd``    ``[2, num_blocks, H, block_size, D]``
 ``vllm-packed`` ``[num_blocks, H, block_size, 2*D]``: K = ``[..., :D]``, V = ``[..., D:]``
                 (vLLM >= 0.32, GPU attention backends; any physical order)
-``vllm-packed-cpu`` the same shape as vLLM's CPU backend reads it: each head's block is
-                ``block_size`` rows of K then ``block_size`` rows of V
+``vllm-packed-cpu`` the same shape as vLLM's CPU backend views it: each head's block is
+                ``block_size`` rows of K then ``block_size`` rows of V (its kernel
+                writes a block's keys transposed, so K rows mean tokens only for a
+                whole block moved to a whole block: the vLLM connector moves no less)
 =================== =============================================================
 """
 

@@ -28,6 +28,13 @@ from musacache.server import spawn  # noqa: E402
 RUNNER = Path(__file__).with_name("vllm_run.py")
 DOC = Path(__file__).resolve().parents[2] / "docs" / "vllm.md"
 PREFIX = 300   # shared by both prompts: more than one 256-token chunk, ends mid-chunk
+# vLLM's CPU backend (blocks of 128 tokens here) is loaded and saved whole blocks at a time
+# (docs/vllm.md): a hit counts down to its last whole block.
+CPU_BLOCK = 128
+
+
+def whole(tokens: int) -> int:
+    return tokens - tokens % CPU_BLOCK
 PROMPT = 400
 
 
@@ -120,9 +127,10 @@ def test_second_vllm_process_hits_the_first_ones_prefix(world: dict) -> None:
         server.stop()
     # A fresh vLLM has an empty prefix cache: cached tokens came through the connector.
     assert one["num_cached_tokens"] == [0]
-    # The shared prefix (a whole chunk plus 44 tokens of the first prompt's partial tail),
-    # then the whole first prompt less the one token vLLM must compute itself.
-    assert two["num_cached_tokens"] == [PREFIX, PROMPT - 1]
+    # The shared prefix (found as a whole chunk plus 44 tokens of the first prompt's
+    # partial tail), then the whole first prompt less the one token vLLM must compute
+    # itself; each down to its last whole block.
+    assert two["num_cached_tokens"] == [whole(PREFIX), whole(PROMPT - 1)]
     # The same greedy tokens as vLLM computing everything itself.
     assert one["tokens"][0] == base["tokens"][0]
     assert two["tokens"][0] == base["tokens"][1]
@@ -169,8 +177,8 @@ def test_tensor_parallel_vllm_saves_what_it_computed_past_its_loads(world: dict)
     finally:
         server.stop()
     assert one["num_cached_tokens"] == [0]
-    assert two["num_cached_tokens"] == [PREFIX, PROMPT - 1]
+    assert two["num_cached_tokens"] == [whole(PREFIX), whole(PROMPT - 1)]
     # The second prompt's tail was saved after its load's step came back from both ranks.
-    assert three["num_cached_tokens"] == [PROMPT - 1]
+    assert three["num_cached_tokens"] == [whole(PROMPT - 1)]
     assert two["tokens"] == base["tokens"]
     assert three["tokens"] == base["tokens"][:1]

@@ -123,12 +123,14 @@ class Trace:
 def run_request(kinds: Kinds, *, prompt: list[int], cached_prefix: int, local_prefix: int,
                 block_size: int, chunk_size: int, budget: int, preempt_at: int | None,
                 decode_steps: int, save_decode: bool = False, pending_polls: int = 1,
-                ranks: int = 1, lag: int = 0) -> tuple[SchedulerPlanner, Trace]:
+                ranks: int = 1, lag: int = 0, whole_blocks: bool = False,
+                ) -> tuple[SchedulerPlanner, Trace]:
     """Drive one request through the planner. ``cached_prefix``: what musacache holds of
     the prompt; ``local_prefix``: vLLM's own prefix-cache hit (block aligned here, as vLLM
     presents it). ``preempt_at``: preempt after the step in which this many tokens are
     computed (then resume). ``pending_polls``: times the scheduler asks while the lookup is
-    still in flight. ``ranks``: the engine's ranks; every rank's output of a step is handed
+    still in flight. ``whole_blocks``: the planner moves whole blocks only (vLLM's CPU
+    backend). ``ranks``: the engine's ranks; every rank's output of a step is handed
     back ``lag`` builds after the step's own (0: before the next build, as vLLM schedules
     by default; 1: async scheduling, which plans a step before the last one's output)."""
     lookups: list[concurrent.futures.Future[int]] = []
@@ -144,7 +146,7 @@ def run_request(kinds: Kinds, *, prompt: list[int], cached_prefix: int, local_pr
 
     planner = SchedulerPlanner(block_size=block_size, chunk_size=chunk_size,
                                start_lookup=start_lookup, save_decode=save_decode,
-                               ranks=ranks)
+                               ranks=ranks, whole_blocks=whole_blocks)
     req = kinds.request("r1", prompt)
     trace = Trace()
     next_block = [100]

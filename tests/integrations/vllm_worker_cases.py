@@ -226,7 +226,7 @@ def recomputed(sch: MusaCacheConnector, w: MusaCacheConnector, kinds: object,
         [], kinds.cached(["r"], set(), [None], [0]),  # type: ignore[attr-defined]
         {"r": kv_true.shape[2]}, set()))
     (o,) = meta.ops  # type: ignore[attr-defined]
-    write_token_kv(kv, o.slot_mapping, kv_true)
+    write_token_kv(kv, o.slot_mapping, kv_true[:, :, :len(o.slot_mapping)])
     step(w, meta.ops)  # type: ignore[attr-defined]
     return o
 
@@ -316,25 +316,26 @@ def test_a_step_whose_load_failed_saves_nothing_and_the_recompute_is_saved(serve
             [kinds.new_req("r", prompt, blocks, 256)], kinds.cached([], set(), [], []),
             {"r": 44}, set()))
         (o,) = meta.ops  # type: ignore[attr-defined]
-        assert (o.load_start, o.load_end, o.save_start, o.save_end) == (0, 256, 256, 300)
+        # (whole blocks of 32 only: vLLM's CPU backend, see test_cpu_backend_blocks_...)
+        assert (o.load_start, o.load_end, o.save_start, o.save_end) == (0, 256, 256, 288)
         # The chunk is evicted between the lookup and the load: the load comes up empty.
         w._loop.run(w._server.client.clear(), 5)  # type: ignore[union-attr]
         w.bind_connector_metadata(meta)
         w.start_load_kv(SimpleNamespace())
         assert w.get_block_ids_with_load_errors() == set(range(3, 11))
-        write_token_kv(kv, o.slot_mapping[256:], kv_true[:, :, 256:] + 100)  # over garbage
+        write_token_kv(kv, slots_for(blocks, BS, 300)[256:], kv_true[:, :, 256:] + 100)
         w.wait_for_save()
         w.clear_connector_metadata()
         stats = w.get_kv_connector_stats()
         assert stats is not None and stats.data.get("save_tokens", 0) == 0
-        assert stats.data["save_skipped_tokens"] == 44
+        assert stats.data["save_skipped_tokens"] == 32
         # vLLM rewinds the request to its first failed block and computes it all again.
         o = recomputed(sch, w, kinds, kv, kv_true)
-        assert (o.save_start, o.save_end) == (0, 300)
+        assert (o.save_start, o.save_end) == (0, 288)
     finally:
         sch.shutdown()
         w.shutdown()
-    assert torch.equal(loaded(server.socket_path, prompt, 299), kv_true[:, :, :299])
+    assert torch.equal(loaded(server.socket_path, prompt, 288), kv_true[:, :, :288])
 
 
 @pytest.mark.parametrize("layerwise", [False, True])
@@ -406,6 +407,67 @@ def test_a_load_that_fails_on_one_rank_is_saved_by_no_rank(server, monkeypatch,
     monkeypatch.undo()
     assert torch.equal(loaded(server.socket_path, prompt, 299), torch.cat(
         [kv_true[:, :, :256], torch.zeros(LAYERS, 2, 43, H, D)], dim=2))
+
+
+def kernel_write(kv: dict[str, torch.Tensor], slots: np.ndarray, keys: torch.Tensor,
+                 values: torch.Tensor) -> None:
+    """What vLLM's CPU backend writes for these tokens (``keys``/``values`` [layers, T, H,
+    D]): its own ``cpu_attn_reshape_and_cache``, on the views its attention layer makes."""
+    from vllm import _custom_ops as ops
+
+    for i, name in enumerate(kv):
+        key_cache, value_cache = kv[name].view(NB, H, 2 * BS, D).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(keys[i], values[i], key_cache, value_cache,
+                                       torch.from_numpy(slots), "vec", k_scale=1.0,
+                                       v_scale=1.0, kv_cache_dtype="auto")
+
+
+@pytest.mark.parametrize("n", [300, 256, 64])
+def test_keys_come_back_where_the_cpu_backends_kernel_wrote_them(server, n: int) -> None:
+    """Found by comparing what two vLLM runs cached: vLLM's CPU backend writes each block's
+    keys transposed ([head_dim, block_size] per head), so the rows of a part of a block are
+    other tokens' key bytes. A prompt whose end cut a block was saved and loaded by rows,
+    and the last block's keys came back scattered over other tokens (a 400-token prompt
+    reloaded with wrong keys for its last 15 tokens). The connector now moves whole blocks
+    only, which come back byte for byte where the kernel wrote them."""
+    from vllm_sim import vllm_kinds
+
+    torch.manual_seed(5)
+    prompt = list(range(7000, 7000 + n))
+    keys = torch.randn(LAYERS, n, H, D)
+    values = torch.randn(LAYERS, n, H, D)
+    kinds = vllm_kinds()
+
+    def run(name: str, blocks: list[int], write: bool) -> tuple[RequestOp, dict]:
+        sch = connector(server.socket_path, role=KVConnectorRole.SCHEDULER)
+        w = connector(server.socket_path)
+        try:
+            kv = pages()
+            w.register_kv_caches(kv)
+            req = kinds.request(name, prompt)
+            hit = admitted(sch, req)
+            meta = sch.build_connector_meta(kinds.output(
+                [kinds.new_req(name, prompt, blocks, hit)], kinds.cached([], set(), [], []),
+                {name: n - hit}, set()))
+            (o,) = meta.ops  # type: ignore[attr-defined]
+            if write:  # the forward of the whole prompt
+                kernel_write(kv, slots_for(blocks, BS, n), keys, values)
+            step(w, meta.ops)  # type: ignore[attr-defined]
+            return o, kv
+        finally:
+            sch.shutdown()
+            w.shutdown()
+
+    saved, _ = run("a", list(range(NB)), write=True)
+    assert saved.save_start == 0 and saved.save_end == n - n % BS
+    other = [15, 3, 9, 1, 12, 6, 0, 10, 2, 14]
+    o, kv = run("b", other, write=False)
+    assert o.loads and o.load_end % BS == 0 and o.load_end >= n - n % BS - BS
+    want = pages()
+    m = o.load_end
+    kernel_write(want, slots_for(other, BS, m), keys[:, :m], values[:, :m])
+    for name in NAMES:
+        assert torch.equal(kv[name], want[name]), name
 
 
 def test_a_layerwise_load_from_a_dead_server_frees_every_layer(server) -> None:
@@ -554,7 +616,7 @@ def test_a_failed_load_taints_the_requests_saves_until_vllm_rewinds_it(server) -
         meta = sch.build_connector_meta(kinds.output(
             [], kinds.cached(["r"], set(), [None], [400]), {"r": 100}, set()))
         (o,) = meta.ops  # type: ignore[attr-defined]
-        assert (o.save_start, o.save_end) == (256, 500)
+        assert (o.save_start, o.save_end) == (256, 480)  # (whole blocks of 32)
         write_token_kv(kv, slots[400:500], kv_true[:, :, 400:500] + 100)
         step(w, meta.ops)  # type: ignore[attr-defined]
         # vLLM sees the failure, rewinds the request to 0 and computes it all again.
@@ -562,7 +624,7 @@ def test_a_failed_load_taints_the_requests_saves_until_vllm_rewinds_it(server) -
     finally:
         sch.shutdown()
         w.shutdown()
-    assert torch.equal(loaded(server.socket_path, prompt, 499), kv_true[:, :, :499])
+    assert torch.equal(loaded(server.socket_path, prompt, 480), kv_true[:, :, :480])
 
 
 def test_a_connect_cut_short_by_its_time_limit_leaves_nothing_open(server) -> None:

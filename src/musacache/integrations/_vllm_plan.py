@@ -148,10 +148,16 @@ class SchedulerPlanner:
     ``ranks`` above 1 (tensor or pipeline parallelism) holds back a request's saves from the
     step of its load until :meth:`outputs_seen` says that step's output is in (see the
     module docstring); :attr:`step` numbers the steps built, from 1.
+
+    ``whole_blocks`` loads and saves whole vLLM blocks only (vLLM's CPU backend: its K
+    cache holds each block's keys transposed, so a part of a block read or written as
+    token rows is other tokens' bytes; a whole block moves all of them, and comes back
+    where it was); ``chunk_size`` must then be a multiple of ``block_size``.
     """
 
     def __init__(self, *, block_size: int, chunk_size: int, start_lookup: StartLookup,
-                 save_decode: bool = False, ranks: int = 1) -> None:
+                 save_decode: bool = False, ranks: int = 1,
+                 whole_blocks: bool = False) -> None:
         if block_size <= 0 or chunk_size <= 0:
             raise ValueError(f"block_size and chunk_size must be positive, got {block_size}, "
                              f"{chunk_size}")
@@ -159,6 +165,7 @@ class SchedulerPlanner:
         self.chunk_size = chunk_size
         self.save_decode = save_decode
         self.ranks = ranks
+        self.whole_blocks = whole_blocks
         #: The last step built (its number travels to the workers) and the last step whose
         #: output vLLM has handed back from every rank.
         self.step = 0
@@ -212,12 +219,16 @@ class SchedulerPlanner:
             self.stats.lookup_failures += 1
         return self.loadable(lk.hit(), n, num_computed_tokens), False
 
-    @staticmethod
-    def loadable(hit: int, num_tokens: int, num_computed_tokens: int) -> int:
+    def loadable(self, hit: int, num_tokens: int, num_computed_tokens: int) -> int:
         """Tokens to load: the cached prefix, less one token on a full-prompt hit (vLLM must
-        compute at least one token to sample from), less what vLLM already holds."""
-        usable = min(hit, num_tokens - 1)
+        compute at least one token to sample from), less what vLLM already holds; whole
+        blocks only with ``whole_blocks``."""
+        usable = self._blocks(min(hit, num_tokens - 1))
         return max(0, usable - num_computed_tokens)
+
+    def _blocks(self, tokens: int) -> int:
+        """``tokens``, down to a whole number of blocks with ``whole_blocks``."""
+        return tokens - tokens % self.block_size if self.whole_blocks else tokens
 
     # -- update_state_after_alloc -----------------------------------------------------------
 
@@ -256,7 +267,7 @@ class SchedulerPlanner:
             if prompt is None or req_id in self._refused or uncacheable(new) is not None:
                 continue
             tr = _Tracker(req_id, len(prompt), list(new.block_ids[0]),
-                          saved=self._known_cached.pop(req_id, 0))
+                          saved=self._blocks(self._known_cached.pop(req_id, 0)))
             self._trackers[req_id] = tr
             tokens = self._tokens_of(req_id, prompt) or prompt
             op = self._op(tr, tokens, new.num_computed_tokens, scheduled.get(req_id, 0),
@@ -276,7 +287,7 @@ class SchedulerPlanner:
                 # vLLM went back: a load failed (it recomputes from the first failed block,
                 # and the worker dropped the saves of the step that failed) or drafts were
                 # rejected. What follows num_computed is computed again: save it again.
-                tr.saved = min(tr.saved, num_computed)
+                tr.saved = min(tr.saved, self._blocks(num_computed))
             if req_id in resumed:
                 # Preempted and scheduled again: vLLM gives the request's whole block list,
                 # and it looked the prefix up again (its blocks were freed). That lookup is
@@ -284,7 +295,7 @@ class SchedulerPlanner:
                 # (a step whose load failed saves nothing, and vLLM may have rewound the
                 # request and preempted it before a step told the planner so).
                 tr.block_ids = list(new_blocks[0]) if new_blocks is not None else []
-                tr.saved = self._known_cached.pop(req_id, 0)
+                tr.saved = self._blocks(self._known_cached.pop(req_id, 0))
             elif new_blocks is not None:
                 tr.block_ids.extend(new_blocks[0])
             tokens = self._tokens_of(req_id, None)
@@ -322,6 +333,7 @@ class SchedulerPlanner:
         if limit < tr.prompt_len:
             # The prompt goes on next step: save whole chunks only.
             limit -= limit % self.chunk_size
+        limit = self._blocks(limit)
         if tr.held_until > self.seen:
             # What this step computes stands on the load, which another rank may have
             # failed: saved once the load's step is known good (or computed again).

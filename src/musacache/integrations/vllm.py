@@ -405,11 +405,18 @@ class MusaCacheConnector(KVConnectorBase_V1):
         pp_rank = tp_rank = 0
         if role == KVConnectorRole.WORKER:
             pp_rank, tp_rank = _parallel_ranks()
+        # vLLM's CPU backend holds each block's keys transposed ([head_dim, block_size] per
+        # head): read as token rows, part of a block is other tokens' bytes. Such a vLLM
+        # moves whole blocks only (SchedulerPlanner.whole_blocks), which come back where
+        # they were, and caches under a name of its own, so that no engine of another
+        # layout or block size reads them as rows.
+        self.whole_blocks = _kv_in(vllm_config, self._layer_names[0]) == "block"
+        kv_format = _kv_format(vllm_config, kv_cache_config)
+        if self.whole_blocks:
+            kv_format += f"+cpu-kt{self.block_size}"
         # The scheduler looks up the first rank's namespace (vLLM gives it that rank's KV
         # cache config): every rank stores the same tokens.
-        self.namespace = cache_namespace(base, pp_rank, tp_rank,
-                                         _kv_format(vllm_config, kv_cache_config),
-                                         self._layer_names)
+        self.namespace = cache_namespace(base, pp_rank, tp_rank, kv_format, self._layer_names)
         #: Why no request is cached, when none can be (see docs/vllm.md).
         self.refused = _refusal(kv_cache_config)
         if self.refused is not None:
@@ -427,7 +434,7 @@ class MusaCacheConnector(KVConnectorBase_V1):
             self._planner = SchedulerPlanner(
                 block_size=self.block_size, chunk_size=self.settings.chunk_size or 256,
                 start_lookup=self._start_lookup, save_decode=self.settings.save_decode,
-                ranks=_held_ranks(vllm_config))
+                ranks=_held_ranks(vllm_config), whole_blocks=self.whole_blocks)
             self._server.on_connect.append(self._learn_chunk_size)
         else:
             self._worker = _Worker(self)
