@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import musacache as mc
-import musacache._engine as engine_module
+import musacache.cache as engine_module
 from musacache.tiers.base import StorageTier, TierContext
 
 CH = 16

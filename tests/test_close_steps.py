@@ -20,12 +20,12 @@ from hypothesis import strategies as st
 
 import musacache as mc
 from helpers import StepMemory, most_per_turn
-from musacache._core import BATCH
-from musacache._directory import Entry
-from musacache._listing import ListingBuilder
-from musacache._lru import PAGE, SlotLRU
-from musacache._placement import EntryQueue
 from musacache.bench.scale import _Listing
+from musacache.engine.core import BATCH
+from musacache.engine.directory import Entry
+from musacache.engine.lru import PAGE, SlotLRU
+from musacache.engine.placement import EntryQueue
+from musacache.tiers.listing import ListingBuilder
 
 CH = 16
 TINY = mc.KVSpec(1, 1, 8, torch.float16)

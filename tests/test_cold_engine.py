@@ -465,7 +465,7 @@ async def test_a_delete_the_store_refuses_is_retried_or_never_learned_again(
     and one that keeps failing leaves a tombstone until a new object is written."""
     from botocore.exceptions import ClientError
 
-    from musacache import _coldpath
+    from musacache.engine import storage as _coldpath
 
     monkeypatch.setattr(_coldpath, "_DELETE_RETRY_PAUSES", (0.01, 0.01))
     spec = small_spec()

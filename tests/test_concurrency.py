@@ -47,7 +47,7 @@ class _HeldRead:
     (``Mover.copy``, every chunk a view: forced by a resident minimum no get reaches)."""
 
     def __init__(self, c, path, monkeypatch):
-        import musacache._engine as engine_mod
+        import musacache.cache as engine_mod
 
         self.gate, self.entered = anyio.Event(), anyio.Event()
         self.mover = c._engine.mover

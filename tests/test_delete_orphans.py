@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import musacache as mc
-from musacache import _coldpath
+from musacache.engine import storage as _coldpath
 
 CS = 8
 SPEC = mc.KVSpec(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
@@ -118,7 +118,7 @@ async def test_a_clear_never_deletes_what_was_put_again_while_it_ran(tmp_path, m
     """Found by a probe: a clear takes the old directory apart a batch per loop turn, and
     each old chunk's delete, by key, was chained after the write of the same chunk put again
     meanwhile, so it removed the new file (lost at the next restart)."""
-    from musacache import _removal
+    from musacache.engine import removal as _removal
 
     gate, swapped = asyncio.Event(), asyncio.Event()
     dismantle = _removal._dismantle_steps

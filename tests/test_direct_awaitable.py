@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 
 import musacache as mc
 from helpers import prefix_kv
-from musacache import _fastpath
-from musacache._completed import Completed, failed
+from musacache.engine import fastpath as _fastpath
+from musacache.engine.completed import Completed, failed
 
 SPEC = mc.KVSpec(1, 1, 8, torch.float16)
 CH = 4

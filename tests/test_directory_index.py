@@ -9,10 +9,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import musacache._children as children_mod
-from musacache._directory import Directory, Entry
+import musacache.engine.children as children_mod
 from musacache._keys import Fingerprint, KeyChain
 from musacache._spec import KVSpec
+from musacache.engine.directory import Directory, Entry
 
 CHUNK = 6
 SPEC = KVSpec(1, 1, 2, torch.float16)
@@ -100,7 +100,7 @@ class _ScanDirectory(Directory):
     """The directory as it was: ``_best_prefix_child`` scans every child."""
 
     def _best_prefix_child(self, parent, tokens, start, end):  # type: ignore[no-untyped-def]
-        from musacache._directory import Match
+        from musacache.engine.directory import Match
 
         want = tokens[start:end]
         m = _plain_scan(self, parent, want)
@@ -190,7 +190,7 @@ def test_a_delete_walk_reaches_every_chunk_under_its_root_through_missing_ones(o
     through a root must be in the root's subtree walk, however many of the chunks between
     them are missing: found by a probe, a delete missed the chunks below a missing one, and
     a later put of that one brought them back."""
-    from musacache._placement import subtree_batches
+    from musacache.engine.placement import subtree_batches
 
     chain = KeyChain(Fingerprint("walk", SPEC, CHUNK))
     d = Directory(chain)

@@ -36,7 +36,7 @@ from helpers import (
 )
 from musacache import devices
 from musacache._errors import CorruptChunkError
-from musacache._tee import Tee
+from musacache.engine.tee import Tee
 from musacache.tiers import disk as disk_mod
 from musacache.tiers.base import NOT_TRIED, QuarantinedError
 

@@ -32,7 +32,7 @@ from helpers import (
 from musacache import codec
 from musacache._errors import ConfigError, CorruptChunkError
 from musacache._keys import Fingerprint
-from musacache._tee import Tee
+from musacache.engine.tee import Tee
 
 CH = 16
 

@@ -1,5 +1,5 @@
 """A get that promotes chunks from disk writes each chunk into its top-tier slot and into the
-caller's tensor in the same read, block by block (``musacache._tee``): the later move copies
+caller's tensor in the same read, block by block (``musacache.engine.tee``): the later move copies
 only what that read did not write. That is ``promotion="sync"``; the default read straight
 into the caller's tensor is tests/test_disk_direct.py's. Speed is shown by ``musacache bench scale --only disk``."""
 
@@ -28,7 +28,7 @@ from helpers import (
 )
 from musacache import codec
 from musacache._keys import KEY_BYTES, Fingerprint, as_tokens
-from musacache._tee import Tee, _as_numpy, fill_flat
+from musacache.engine.tee import Tee, _as_numpy, fill_flat
 from musacache.tiers.base import ChunkMeta, StorageTier, TierContext
 from musacache.tiers.disk import DiskStore
 
@@ -57,7 +57,7 @@ def _spy_moves(c: mc.Cache) -> list[int]:
 
 
 def _spy_resident(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The chunks of each copy by slot address (musacache._resident)."""
+    """The chunks of each copy by slot address (musacache.engine.resident)."""
     from musacache import _native
 
     calls: list[int] = []
@@ -109,7 +109,7 @@ async def test_chunks_served_from_memory_still_go_through_the_move(
         assert hit.tiers == {"host": 2 * CH, "disk": 4 * CH}
         assert torch.equal(out, kv)
         # exactly the two chunks the disk read did not write: the leading ones, which the
-        # host tier holds, copied by slot address (musacache._resident), none by the move
+        # host tier holds, copied by slot address (musacache.engine.resident), none by the move
         assert by_address == [2]
         assert moves.count(out.untyped_storage().data_ptr()) == 0
 
@@ -118,7 +118,7 @@ async def test_a_tee_is_made_only_for_the_chunks_read_from_below(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A tee (20 to 55 µs to make) is made as a chunk's fetch from storage starts, never for
     the chunks a get serves from memory (before: one per chunk of every get, 6 here)."""
-    from musacache import _engine
+    from musacache import cache as _engine
 
     made: list[Tee] = []
 

@@ -600,8 +600,8 @@ async def test_a_multi_chunk_disk_put_encodes_in_one_hop_on_every_copy_thread(
     import numpy as np
 
     import musacache as mc
-    from musacache import _move
     from musacache import codec as codec_mod
+    from musacache.engine import move as _move
 
     spec = KVSpec(2, 2, 64, torch.bfloat16)
     cfg = mc.CacheConfig(spec, "batched", chunk_size=16, copy_threads=2, tiers=(

@@ -13,7 +13,7 @@ import torch
 import musacache as mc
 from fake_store import MemStore
 from helpers import prefix_kv
-from musacache import _tierstate
+from musacache.engine import tierstate as _tierstate
 
 CH = 16
 HANG = 3600.0  # a storage call that never comes back within any test

@@ -20,7 +20,7 @@ import torch
 
 import musacache as mc
 from helpers import prefix_kv, small_spec
-from musacache import _core
+from musacache.engine import core as _core
 from musacache.tiers.disk import DiskTier
 
 CHUNK = 4
@@ -385,7 +385,7 @@ def test_native_copy_bytes() -> None:
 
 async def test_a_native_module_built_before_copy_bytes_still_serves(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from musacache import _fastpath
+    from musacache.engine import fastpath as _fastpath
 
     monkeypatch.setattr(_fastpath, "_copy_bytes", _fastpath._ctypes_copy)
     spec = small_spec()
@@ -485,7 +485,7 @@ def test_new_hit_is_the_same_hit_as_the_constructor_makes():
     same value, still frozen, and still false on a miss."""
     import dataclasses
 
-    from musacache._engine import Hit, _new_hit
+    from musacache.cache import Hit, _new_hit
 
     kv = torch.arange(4.0)
     made, fast = Hit(3, kv, {"host": 3}), _new_hit(3, kv, {"host": 3})

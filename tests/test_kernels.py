@@ -19,7 +19,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from musacache import _kernels, _relay, devices, transfer
+from musacache import devices, transfer
+from musacache.transfer import relay as _relay
+from musacache.transfer import triton as _kernels
 from test_transfer_chunks import (
     NUM_SLOTS,
     chunk_tensors,

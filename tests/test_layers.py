@@ -104,6 +104,54 @@ def test_the_cycle_finder_finds_a_cycle():
     assert _find_cycle({"a": {"b"}, "b": set()}) is None
 
 
+# The folders and the ground-floor modules, and what each may import (besides itself).
+# Everything not named here (the facade, bench, demo, cli, _testing) stands above them all.
+_GROUND = frozenset({"_errors", "_validate", "_log", "_chunkmeta", "_version", "_keys",
+                     "_spec", "_native", "codec", "devices"})
+_MAY_IMPORT = {
+    **{g: _GROUND for g in _GROUND},
+    "tiers": _GROUND,
+    "transfer": _GROUND,
+    "ipc": _GROUND,
+    "_config": _GROUND | {"tiers"},
+    "engine": _GROUND | {"_config", "tiers", "transfer"},
+    "cache": _GROUND | {"_config", "engine", "tiers", "transfer"},
+    "_api": _GROUND | {"cache"},
+    "server": _GROUND | {"_api", "_config", "cache", "engine", "ipc", "tiers", "transfer"},
+    "integrations": _GROUND | {"_api", "_config", "cache", "ipc", "server", "tiers",
+                               "transfer"},
+}
+
+
+def _group(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "musacache"
+
+
+def _layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for module, deps in sorted(graph.items()):
+        allowed = _MAY_IMPORT.get(_group(module))
+        if allowed is None:
+            continue
+        for dep in sorted(deps):
+            group = _group(dep)
+            if group != _group(module) and group not in allowed:
+                bad.append(f"{module} -> {dep}")
+    return bad
+
+
+def test_each_folder_imports_only_the_layers_below_it():
+    bad = _layer_violations(_graph())
+    assert not bad, "imports across layers:\n" + "\n".join(bad)
+
+
+def test_the_layer_rule_finds_an_upward_import():
+    graph = {"musacache.tiers.disk": {"musacache.engine.core"},
+             "musacache.engine.core": {"musacache.tiers.disk", "musacache._errors"}}
+    assert _layer_violations(graph) == ["musacache.tiers.disk -> musacache.engine.core"]
+
+
 @pytest.mark.parametrize("low,high", [
     ("musacache._validate", "musacache._config"),
     ("musacache._chunkmeta", "musacache.tiers.base"),

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 import musacache as mc
-from musacache._core import BATCH
 from musacache._errors import InvalidInputError
 from musacache._keys import KEY_BYTES, Fingerprint, KeyChain
 from musacache.bench.scale import _Listing, _listing
 from musacache.codec import encode_chunk
+from musacache.engine.core import BATCH
 from musacache.tiers.base import ChunkListing, ChunkMeta, ListingBuilder, TierContext
 from musacache.tiers.disk import DiskTier
 
@@ -251,7 +251,7 @@ def test_a_listing_builder_never_grows_one_buffer_past_a_block(monkeypatch):
     more than one block (a flat buffer of a million rows grows by copying all of it, with
     the GIL held: a loop stall whichever thread appends), and the built listing is the
     rows in order."""
-    from musacache import _listing as listing_mod
+    from musacache.tiers import listing as listing_mod
 
     monkeypatch.setattr(listing_mod, "_BLOCK_ROWS", 8)
     metas = list(_listing(8 * 5 + 3, 8))
@@ -269,7 +269,7 @@ def test_a_listing_builder_never_grows_one_buffer_past_a_block(monkeypatch):
 def test_release_pages_gives_back_only_arrays_that_own_their_memory():
     """Through ``madvise``: an owned array's pages go (it reads as zeros after); a view,
     an array that does not own its memory and a small array are left as they are."""
-    from musacache import _listing as listing_mod
+    from musacache.tiers import listing as listing_mod
 
     assert listing_mod._MADVISE is not None  # Linux: madvise is there to call
     size = 4 * listing_mod._RELEASE_MIN_BYTES
@@ -293,7 +293,7 @@ async def test_a_restart_gives_back_the_arrays_it_made_and_never_a_tiers(monkeyp
     rows on small pages). A listing a tier returned is the tier's: never touched."""
     import threading
 
-    from musacache import _listing as listing_mod
+    from musacache.tiers import listing as listing_mod
 
     released: list[tuple[int, str]] = []
     real = listing_mod._MADVISE

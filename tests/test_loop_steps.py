@@ -14,14 +14,14 @@ import pytest
 import torch
 
 import musacache as mc
-import musacache._engine as engine_mod
+import musacache.cache as engine_mod
 from helpers import StepMemory, most_per_turn, on_every_turn
 from musacache import _gcfreeze
-from musacache._core import BATCH
-from musacache._directory import Entry, KeyTable
 from musacache._errors import ConfigError
-from musacache._listing import ChunkListing
 from musacache.bench.scale import _Listing, _listing
+from musacache.engine.core import BATCH
+from musacache.engine.directory import Entry, KeyTable
+from musacache.tiers.listing import ChunkListing
 
 CH = 16
 TINY = mc.KVSpec(1, 1, 8, torch.float16)
@@ -75,8 +75,8 @@ async def test_a_wide_deletes_last_children_go_a_few_per_step(monkeypatch):
     as it empties: the last batch of a delete of 200,000 children unmapped 21 to 35 of them
     (4 to 6 ms). A big index's last ``_TAIL * BATCH`` children go ``BATCH // _TAIL`` per
     step; a small index still goes a whole batch per step."""
-    from musacache._core import Engine
-    from musacache._placement import _TAIL
+    from musacache.engine.core import Engine
+    from musacache.engine.placement import _TAIL
 
     sizes: list[int] = []
     real = Engine.remove
@@ -118,8 +118,8 @@ async def test_a_clear_takes_fewer_entries_in_a_step_that_ran_long(monkeypatch, 
     allocator's arenas, each unmapped as it empties: a batch of them was a step of 4 to
     7 ms at the end of a clear of 1.25 million. A step takes entries a few at a time until
     it has run ``_STEP_S``: here a clock that says every few entries took a second."""
-    from musacache import _removal
-    from musacache._core import Engine
+    from musacache.engine import removal as _removal
+    from musacache.engine.core import Engine
 
     sizes: list[int] = []
     real = Engine.remove
@@ -218,7 +218,7 @@ async def test_a_long_put_lets_go_of_its_chunks_a_batch_per_step(monkeypatch):
     them. The unpins ran all in one step after the batched touches: about a microsecond a
     chunk, a 12 to 15 ms step at the end of a put of 16,384 chunks. Counted, not timed: no
     turn of the loop unpins more than a batch (nor more than a round of placement)."""
-    from musacache._core import Engine
+    from musacache.engine.core import Engine
 
     n = 64 * BATCH
     calls = 0
@@ -470,7 +470,7 @@ async def test_long_gets_and_retrieves_run_without_full_collections(monkeypatch)
     """A read of LONG_READ_CHUNKS chunks or more keeps the collector's full collections off
     while its per-chunk objects are alive (a full collection inside one walked 63,000 of
     them at 16,384 chunks: 8.8 ms of a 10.9 ms loop gap); a short one leaves them on."""
-    from musacache._core import Engine
+    from musacache.engine.core import Engine
 
     oldest: list[int] = []
     sources = Engine.sources
@@ -566,7 +566,7 @@ def test_a_storage_tiers_recency_order_is_an_ordered_dicts(monkeypatch):
     of a bounded size (so no table of the whole tier is ever copied when it grows)."""
     from collections import OrderedDict
 
-    from musacache import _lru
+    from musacache.engine import lru as _lru
 
     monkeypatch.setattr(_lru, "_GEN", 8)
     rng = random.Random(5)
@@ -612,10 +612,10 @@ async def test_a_long_prompt_is_worked_on_a_run_of_chunks_per_step(monkeypatch, 
     within a few runs of chunks, whatever the prompt's length."""
     import inspect
 
-    from musacache._core import Engine
-    from musacache._directory import Directory
     from musacache._keys import KeyChain
-    from musacache._reads import Reads
+    from musacache.engine.core import Engine
+    from musacache.engine.directory import Directory
+    from musacache.engine.reads import Reads
 
     work = 0
 

@@ -11,7 +11,7 @@ import time
 import anyio
 import pytest
 
-from musacache._move import Mover
+from musacache.engine.move import Mover
 
 
 class _Slow:

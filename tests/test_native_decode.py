@@ -21,7 +21,7 @@ from musacache import _native, codec
 from musacache._errors import CorruptChunkError
 from musacache._keys import Fingerprint
 from musacache._spec import KVSpec
-from musacache._tee import Tee
+from musacache.engine.tee import Tee
 from musacache.tiers.base import ChunkMeta
 
 GUARD = 64  # canary bytes on each side of a decode's destination

@@ -13,7 +13,7 @@ import torch
 
 import musacache as mc
 from fake_store import MemStore
-from musacache import _removal
+from musacache.engine import removal as _removal
 
 CS = 4
 SPEC = mc.KVSpec(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32)

@@ -1,5 +1,5 @@
 """Chunks a put sends straight to storage are staged in host buffers that later puts reuse
-(``musacache._staging``): no fresh multi-MiB tensor, and its page faults, per chunk."""
+(``musacache.engine.staging``): no fresh multi-MiB tensor, and its page faults, per chunk."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 import musacache as mc
 from helpers import prefix_kv, small_spec
-from musacache._staging import StagePool
+from musacache.engine.staging import StagePool
 
 CH = 16
 
@@ -63,7 +63,7 @@ def test_the_stage_pool_keeps_and_counts_whole_buffers() -> None:
     # (a whole chunk's) and came back as a 1-element view, counted at its own size while it
     # held the whole buffer, and useless for the next whole chunk, which allocated again: the
     # pool kept 402 MiB against its 64 MiB cap after 400 puts (found by a probe).
-    from musacache._staging import StagePool
+    from musacache.engine.staging import StagePool
 
     pool = StagePool(keep_bytes=4 * 1024)
     for _ in range(50):

@@ -1,4 +1,4 @@
-"""The two-stream relay (``musacache._relay``) on a simulated device.
+"""The two-stream relay (``musacache.transfer.relay``) on a simulated device.
 
 The fake accelerator module queues every copy, event record and event wait on the stream
 that was current, as a device would; ``Device.drain`` then runs the streams in a random
@@ -19,7 +19,9 @@ from typing import Any
 import pytest
 import torch
 
-from musacache import _kernels, _relay, devices, transfer
+from musacache import devices, transfer
+from musacache.transfer import relay as _relay
+from musacache.transfer import triton as _kernels
 from test_transfer_chunks import (
     NUM_SLOTS,
     chunk_tensors,

@@ -1,5 +1,5 @@
 """A get of chunks held by a host top tier copies them by slot address, in one native call
-(``musacache._resident``): the same bytes as the general path for every layout of ``out``,
+(``musacache.engine.resident``): the same bytes as the general path for every layout of ``out``,
 no view per chunk, pins held for the copy and let go of whatever happens."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import musacache as mc
-import musacache._engine as engine_mod
+import musacache.cache as engine_mod
 from helpers import host_config, prefix_kv, small_spec
 from musacache import _native
-from musacache._reads import Reads
+from musacache.engine.reads import Reads
 from musacache.tiers.memory import MemoryPool
 
 CH = 16

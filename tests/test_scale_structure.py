@@ -13,9 +13,9 @@ import torch
 
 import musacache as mc
 from helpers import prefix_kv
-from musacache._core import BATCH
 from musacache._keys import Fingerprint, KeyChain
 from musacache.bench.scale import _Listing
+from musacache.engine.core import BATCH
 from musacache.tiers.base import ChunkMeta
 
 CH = 16
@@ -136,7 +136,7 @@ async def test_long_directory_work_lets_the_loop_run(spec):
 
 
 async def test_learning_a_large_listing_lets_the_loop_run(spec, monkeypatch):
-    from musacache._coldpath import ColdPath
+    from musacache.engine.storage import ColdPath
 
     chain = KeyChain(Fingerprint("scale", spec, CH))
     n = 4 * BATCH
@@ -189,7 +189,7 @@ async def test_a_long_put_leaves_its_leaf_oldest_and_its_root_newest(spec):
 async def test_evicting_a_long_prompt_walks_the_lru_once(spec, monkeypatch):
     """Eviction is amortised O(1) per chunk: making room for a prompt of n chunks visits
     O(n) entries of the recency list, not O(n) per chunk."""
-    from musacache._lru import SlotLRU
+    from musacache.engine.lru import SlotLRU
 
     visited = [0]
     items = SlotLRU.items
@@ -288,8 +288,8 @@ async def test_an_eviction_with_nowhere_to_demote_pins_and_detaches_nothing(spec
     """With no tier below, an evicted chunk leaves in the step it was chosen in: its slot goes
     straight back to the pool. No pin, unpin, or detach-then-free per evicted chunk (that
     bookkeeping made an evicting put cost up to 1.6x a put with room)."""
-    from musacache._core import Engine
-    from musacache._directory import Entry
+    from musacache.engine.core import Engine
+    from musacache.engine.directory import Entry
 
     pins: list[Entry] = []
     detached: list[Entry] = []
@@ -326,7 +326,7 @@ async def test_a_reader_who_pins_a_chunk_during_its_demotion_keeps_its_slot(spec
                                                                             monkeypatch):
     """A demotion awaits its copy; a reader may pin a victim meanwhile. The victim leaves the
     top tier, but its slot is freed only by the reader's unpin, never under the reader."""
-    from musacache._core import Engine
+    from musacache.engine.core import Engine
 
     cfg = mc.CacheConfig(spec, "scale", chunk_size=CH, tiers=(
         mc.HostTier(capacity_bytes=spec.nbytes(CH) * 4),

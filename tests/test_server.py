@@ -324,7 +324,7 @@ def test_stats_cli_shows_the_servers_tiers(server):
 
 
 def test_stats_table_names_tier_kinds_and_heads_every_column():
-    from musacache.stats_cli import render
+    from musacache.server.stats_cli import render
 
     snap = {"server": {"version": "x", "socket": "/run/musacache/s.sock", "caches": 1,
                        "max_caches": 4},
@@ -380,7 +380,7 @@ async def test_page_ops_check_their_tensors_alike_in_the_cache_and_the_client(tm
 
 
 def test_a_registration_is_named_by_its_number_only():
-    from musacache.client import _find_reg
+    from musacache.server.client import _find_reg
 
     regs = [object(), object()]
     assert _find_reg(regs, None, None, 1) is regs[1]  # type: ignore[arg-type]

@@ -27,10 +27,10 @@ from hypothesis import strategies as st
 
 import musacache as mc
 from helpers import prefix_kv, small_spec
-from musacache import client as client_mod
 from musacache import ipc
 from musacache.ipc import _protocol
 from musacache.server import Server, ServerConfig
+from musacache.server import client as client_mod
 from test_server_hardening import RawPeer
 
 CH = 16
@@ -125,7 +125,7 @@ def test_frames_made_on_several_threads_at_once_are_whole() -> None:
 _SRC = Path(mc.__file__).parent
 # The cache's own direct read path is counted apart (its cost is the cache's, not the
 # server's): only the server, the protocol, msgpack and generated dataclass code count.
-_OURS = (str(_SRC / "server.py"), str(_SRC / "ipc"), str(Path(msgpack.__file__).parent),
+_OURS = (str(_SRC / "server"), str(_SRC / "ipc"), str(Path(msgpack.__file__).parent),
          "<string>")
 
 
@@ -302,7 +302,7 @@ async def test_a_kept_buffer_get_is_one_direct_serve_and_a_reply_packed_before(t
     ``{tier: n}`` dict, and a msgpack ``pack`` of the reply dict per get."""
     spec = small_spec()
     cfg = _config(tmp_path, spec)
-    ours = (*_OURS, str(_SRC / "_fastpath.py"), str(_SRC / "_engine.py"))
+    ours = (*_OURS, str(_SRC / "engine" / "fastpath.py"), str(_SRC / "cache.py"))
     async with Server(cfg) as srv:
         serving = asyncio.create_task(srv.serve_forever())
         peer, out, raw = await _kept_buffer_peer(srv, cfg, spec)
@@ -331,9 +331,9 @@ async def test_a_kept_buffer_get_is_one_direct_serve_and_a_reply_packed_before(t
         assert all(r.ok and r.result == {"num_tokens": CH, "tiers": {"host": CH}}
                    for r in replies)
         assert torch.equal(out, prefix_kv(spec, list(range(CH))))
-        assert calls.get("_fastpath.py:serve") == BATCH, calls
-        assert "_fastpath.py:get" not in calls and "_engine.py:get" not in calls, calls
-        assert "_engine.py:_new_hit" not in calls, calls
+        assert calls.get("fastpath.py:serve") == BATCH, calls
+        assert "fastpath.py:get" not in calls and "cache.py:get" not in calls, calls
+        assert "cache.py:_new_hit" not in calls, calls
         assert packs["n"] == 0, (packs, calls)
         peer.sock.close()
         srv.stop()

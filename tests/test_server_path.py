@@ -17,7 +17,7 @@ import torch
 import musacache as mc
 from helpers import prefix_kv, small_spec
 from musacache import ipc
-from musacache._directory import KeyTable
+from musacache.engine.directory import KeyTable
 from musacache.ipc import _table
 from musacache.server import Server, ServerConfig
 from test_server_hardening import RawPeer

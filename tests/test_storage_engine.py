@@ -238,7 +238,7 @@ async def test_close_persists_memory_only_chunks_parents_first(spec):
 
 
 async def test_a_prompt_far_larger_than_memory_is_staged_a_batch_at_a_time(spec, monkeypatch):
-    from musacache import _core
+    from musacache.engine import core as _core
 
     monkeypatch.setattr(_core, "_STAGE_BYTES", spec.nbytes(CH) * 3)
     store = MemStore()

@@ -262,7 +262,7 @@ async def test_a_store_gathers_from_the_callers_slot_mapping_without_copying_it(
     """A store's new chunks follow one another in the prompt, so the one gather over all of
     them reads the caller's own slot_mapping (a slice of it), not a concatenated copy; the
     bytes stored are still the pages' (the stored KV reads back exact)."""
-    from musacache import _core
+    from musacache.engine import core as _core
 
     spec = small_spec()
     rng = random.Random(5)
@@ -294,7 +294,7 @@ async def test_store_from_host_pages_gathers_into_slots_by_address(layout, monke
     """From host pages, store hands the native gather its slots by address (no tensor view
     per slot); with a chunk whose head comes from the cache (skip_prefix inside it), as
     tensors. Either way the bytes are exact, a short tail chunk included."""
-    from musacache import _core
+    from musacache.engine import core as _core
     from musacache.tiers.memory import MemoryPool
     from musacache.transfer import DenseAt
 
@@ -334,7 +334,7 @@ async def test_store_from_host_pages_gathers_into_slots_by_address(layout, monke
 
 @pytest.mark.parametrize("chunks,calls", [(40, 1), (64, 1), (100, 2)])
 async def test_store_is_one_native_call_per_64_chunks(chunks, calls, monkeypatch):
-    from musacache import _core
+    from musacache.engine import core as _core
 
     made = []
     real = _core._gather_checked
@@ -363,7 +363,8 @@ async def test_close_during_a_store_frees_no_slot_the_store_is_writing(monkeypat
     import threading
     import time
 
-    from musacache import _core, _removal
+    from musacache.engine import core as _core
+    from musacache.engine import removal as _removal
 
     events: list[str] = []
     started = threading.Event()
@@ -409,7 +410,7 @@ async def _store_under_way(monkeypatch, seconds):
     import threading
     import time
 
-    from musacache import _core
+    from musacache.engine import core as _core
 
     started = threading.Event()
     real = _core._gather_checked

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from musacache._errors import CacheClosedError
-from musacache._tasks import TaskOwner
+from musacache.engine.tasks import TaskOwner
 
 
 async def test_work_spawned_soon_starts_after_the_caller_and_drain_waits_for_it() -> None:

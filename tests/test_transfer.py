@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from musacache import _native, _relay, transfer
+from musacache import _native, transfer
 from musacache._errors import (
     DeviceError,
     DTypeError,
@@ -22,6 +22,7 @@ from musacache._errors import (
     SlotRangeError,
 )
 from musacache._spec import KVSpec
+from musacache.transfer import relay as _relay
 
 L, NB, BS, H, D = 3, 4, 4, 2, 8
 NUM_SLOTS = NB * BS

@@ -19,8 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from musacache import _kernels, _native, _relay, devices, transfer
+from musacache import _native, devices, transfer
 from musacache._errors import DeviceError, InvalidInputError, ShapeError, SlotRangeError
+from musacache.transfer import relay as _relay
+from musacache.transfer import triton as _kernels
 
 NB, BS, H, D = 4, 4, 2, 8
 NUM_SLOTS = NB * BS

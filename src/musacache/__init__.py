@@ -6,10 +6,12 @@ token prefixes across device, host, disk and S3 tiers. See docs/quickstart.md.
 
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 
+from musacache.cache import Cache, Hit
+from musacache.server.client import Client, connect
+
 from . import devices, ipc, transfer
 from ._api import KVCache, TokensLike
 from ._config import CacheConfig, DeviceTier, HostTier
-from ._engine import Cache, Hit
 from ._errors import (
     CacheClosedError,
     CacheUnavailableError,
@@ -37,7 +39,6 @@ from ._errors import (
 )
 from ._spec import KVSpec
 from ._version import __version__
-from .client import Client, connect
 from .tiers.base import ChunkMeta, StorageTier, TierContext
 from .tiers.disk import DiskTier
 from .tiers.s3 import S3Tier

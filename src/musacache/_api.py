@@ -1,5 +1,5 @@
 """The one async API of the embedded :class:`~musacache.Cache` and the node-server
-:class:`~musacache.client.Client`: code typed against :class:`KVCache` runs on either.
+:class:`~musacache.server.client.Client`: code typed against :class:`KVCache` runs on either.
 
 mypy checks both classes against the protocol (the functions at the bottom of
 ``musacache/__init__.py``, which sits above both), so a method that drifts on one side (a
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from ._engine import Hit
+    from musacache.cache import Hit
 
 __all__ = ["KVCache", "TokensLike"]
 

@@ -29,7 +29,7 @@ BENCHES = {
 SUBCOMMANDS = {
     "demo": ("musacache.demo", "TTFT with and without the cache on a small random Llama"),
     "serve": ("musacache.server", "run the node server on a Unix socket"),
-    "stats": ("musacache.stats_cli", "live table of a running node server's tiers"),
+    "stats": ("musacache.server.stats_cli", "live table of a running node server's tiers"),
 }
 
 

@@ -732,7 +732,7 @@ def read_chunk_into(fp: Fingerprint, fd: int, size: int, out: torch.Tensor, *,
 def read_chunk_to(fp: Fingerprint, fd: int, size: int, copy: ChunkCopy, *,
                   expect: ChunkMeta | None = None) -> ChunkMeta:
     """Read, verify and decode the chunk object in the open file ``fd`` (``size`` bytes)
-    straight into ``copy``'s runs (a caller's tensor, :class:`~musacache._tee.Tee`), with no
+    straight into ``copy``'s runs (a caller's tensor, :class:`~musacache.engine.tee.Tee`), with no
     chunk-sized destination in between: a raw object a block at a time through one reused
     block buffer, a tagged one a 32 KiB strip at a time, each block checked before any of
     its bytes is copied. The runs then hold only verified bytes, whatever happens.

@@ -404,7 +404,7 @@ def stream_switch(device: torch.device, home: Any | None) -> Iterator[Callable[[
     """Yield ``use(stream)``, which makes ``stream`` current on this thread; ``home`` (the
     stream current on entry) is current again on exit. A no-op on the CPU.
 
-    For work that alternates between two streams many times (``musacache._relay``): a
+    For work that alternates between two streams many times (``musacache.transfer.relay``): a
     ``stream`` context costs tens of microseconds to enter (it looks the device up each time),
     ``set_stream`` a few. A module without ``set_stream`` gets a context per switch."""
     if home is None or device.type == "cpu":
@@ -448,7 +448,7 @@ def copy_stream(device: torch.device) -> Any | None:
 
 def side_stream(device: torch.device) -> Any | None:
     """A second kept stream on ``device`` (None on the CPU): the device-side half of a
-    two-stage transfer (``musacache._relay``), so that the copy engine's bus transfer of one
+    two-stage transfer (``musacache.transfer.relay``), so that the copy engine's bus transfer of one
     chunk overlaps the SMs' gather or scatter of the next."""
     return _kept_stream(device, 1)
 

@@ -20,7 +20,7 @@ def _require_cuda() -> None:
 def device_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run the test with each device backend of the paged transfer: the fused Triton kernel
     (skipped where triton is not importable) and the torch ops."""
-    from musacache import _kernels
+    from musacache.transfer import triton as _kernels
 
     if request.param == "triton" and not _kernels.available():
         pytest.skip("triton is not importable here")

@@ -118,7 +118,7 @@ def test_node_server_registers_cuda_pages(tmp_path):
     """A client registers cuda pages with a node server in another process (a CUDA IPC handle
     cannot be opened by the process that made it); the server maps them by memory IPC, fills
     them on retrieve, reads them on store after the client's event, and the bytes match."""
-    from musacache._spawn import spawn
+    from musacache.server.spawn import spawn
 
     spec = spec_()
     (tmp_path / "r").mkdir()

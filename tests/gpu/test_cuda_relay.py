@@ -1,4 +1,4 @@
-"""The two-stream relay on a real CUDA device (``musacache._relay``): puts and gets of strided
+"""The two-stream relay on a real CUDA device (``musacache.transfer.relay``): puts and gets of strided
 KV through pinned host slots, the device tier's copies as words, and store/retrieve of host
 chunks in windows. Every check is bit for bit, NaN payloads included (the data is random
 16-bit patterns)."""

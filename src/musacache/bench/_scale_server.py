@@ -36,10 +36,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from musacache.server.client import Client
+from musacache.server.spawn import spawn
+
 from .. import ipc
-from .._spawn import spawn
 from .._spec import KVSpec
-from ..client import Client
 
 CH = 16
 TINY = KVSpec(1, 1, 8, torch.float16)

@@ -306,7 +306,8 @@ class Bench:
                               self.nbytes, t["gather"], t["index_select"], 1.0))
 
     async def server_rows(self) -> None:
-        from ..client import connect
+        from musacache.server.client import connect
+
         from .ipc import _start_server
 
         reps = self.args.repeats

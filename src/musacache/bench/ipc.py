@@ -25,10 +25,11 @@ from typing import Any
 
 import torch
 
+from musacache.server.client import connect
+from musacache.server.spawn import SpawnedServer, spawn
+
 from .. import ipc, transfer
-from .._spawn import SpawnedServer, spawn
 from .._spec import KVSpec
-from ..client import connect
 from .cache import positive_int
 
 _FRAME = 32 * 1024**2

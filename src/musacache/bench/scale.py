@@ -35,8 +35,9 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from musacache.cache import Cache
+
 from .._config import CacheConfig, HostTier
-from .._engine import Cache
 from .._keys import Fingerprint, KeyChain
 from .._spec import KVSpec
 from ..tiers.base import ChunkListing, ChunkMeta, ListingBuilder, StorageTier, TierContext
@@ -264,7 +265,7 @@ def directory_bytes(eng: Any) -> tuple[int, int]:
     residency, child indexes, recency lists), and the token-id bytes (data) among them."""
     import sys
 
-    from .._children import Siblings
+    from musacache.engine.children import Siblings
 
     size = sys.getsizeof
     total = size(eng.dir.entries) + size(eng.dir.children)
@@ -557,7 +558,7 @@ async def small_ops(repeats: int) -> dict[str, Any]:
     coroutine (``bare_gather``: a Task each), and the Tasks made by one gather of the gets
     are counted.
     """
-    from .._completed import Completed
+    from musacache.engine.completed import Completed
 
     rng = np.random.default_rng(6)
     n = 1000

@@ -8,9 +8,10 @@ from typing import Any
 
 import anyio
 
+from musacache.server.spawn import is_listening, spawn
+
 from .._config import CacheConfig
 from .._errors import ConfigError
-from .._spawn import is_listening, spawn
 from .._spec import KVSpec
 
 __all__ = ["open_page_store"]
@@ -40,7 +41,7 @@ async def open_page_store(*, spec: KVSpec, chunk_size: int, namespace: str,
     """An open object with ``put_pages``, ``get_pages``, ``exists_pages``, ``clear`` and
     ``aclose``."""
     if socket is not None:
-        from ..client import Client
+        from musacache.server.client import Client
 
         if config is not None and not is_listening(socket):
             await anyio.to_thread.run_sync(lambda: spawn(config, socket, detach=True))
@@ -50,7 +51,7 @@ async def open_page_store(*, spec: KVSpec, chunk_size: int, namespace: str,
         return client
     if config is None:
         raise ConfigError("a page store needs a socket or a config file")
-    from .._engine import Cache
+    from musacache.cache import Cache
 
     cache = Cache(embedded_config(config, spec=spec, chunk_size=chunk_size,
                                   namespace=namespace))

@@ -41,6 +41,9 @@ import anyio
 import numpy as np
 import torch
 
+from musacache.server.client import Client
+from musacache.server.spawn import is_listening, spawn
+
 from .. import ipc, transfer
 from .._errors import (
     ConfigError,
@@ -48,9 +51,7 @@ from .._errors import (
     MusaCacheError,
     TierError,
 )
-from .._spawn import is_listening, spawn
 from .._spec import KVSpec
-from ..client import Client
 from ._loop import MAX_TIMEOUT_S, LoopThread
 from ._vllm_plan import RequestOp, SchedulerPlanner
 

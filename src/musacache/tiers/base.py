@@ -24,10 +24,11 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
+from musacache.tiers.listing import ChunkListing, ListingBuilder
+
 from .._chunkmeta import ChunkMeta
 from .._errors import TierError
 from .._keys import Fingerprint
-from .._listing import ChunkListing, ListingBuilder
 from .._spec import KVSpec
 
 if TYPE_CHECKING:

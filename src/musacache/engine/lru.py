@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ._directory import Entry
+    from musacache.engine.directory import Entry
 
 __all__ = ["KeyLRU", "SlotLRU", "int32_table"]
 

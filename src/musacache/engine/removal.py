@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING
 import anyio.lowlevel
 import numpy as np
 
-from ._children import Siblings
-from ._directory import Directory, Entry, KeyTable
-from ._placement import delete_roots, subtree_batches
-from ._tasks import TaskOwner, run_steps
-from ._tierstate import MemTier, StoreTier
+from musacache.engine.children import Siblings
+from musacache.engine.directory import Directory, Entry, KeyTable
+from musacache.engine.placement import delete_roots, subtree_batches
+from musacache.engine.tasks import TaskOwner, run_steps
+from musacache.engine.tierstate import MemTier, StoreTier
 
 if TYPE_CHECKING:
-    from ._core import Engine
+    from musacache.engine.core import Engine
 
 __all__ = ["clear", "delete", "dismantle", "release_memory", "release_store"]
 

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from ._errors import DTypeError, InvalidInputError, ShapeError
-from ._keys import KEY_BYTES
-from ._spec import KVSpec, check_has_data, check_plain_values, check_writable, dtype_name
+from musacache._errors import DTypeError, InvalidInputError, ShapeError
+from musacache._keys import KEY_BYTES
+from musacache._spec import KVSpec, check_has_data, check_plain_values, check_writable, dtype_name
 
 __all__ = ["PageSource", "check_pages", "page_keys"]
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from ._chunkmeta import ChunkMeta
-from ._errors import InvalidInputError
-from ._keys import KEY_BYTES
+from musacache._chunkmeta import ChunkMeta
+from musacache._errors import InvalidInputError
+from musacache._keys import KEY_BYTES
 
 __all__ = ["ChunkListing", "ListingBuilder", "release_pages", "sorted_from"]
 

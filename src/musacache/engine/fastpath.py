@@ -38,12 +38,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _move, _native
-from ._core import Engine
-from ._directory import _TIER_BITS, _TIER_MASK, Entry
-from ._keys import KEY_BYTES, as_tokens
-from ._spec import may_overlap, storage_short
-from ._tierstate import MemTier
+from musacache import _native
+from musacache._keys import KEY_BYTES, as_tokens
+from musacache._spec import may_overlap, storage_short
+from musacache.engine import move as _move
+from musacache.engine.core import Engine
+from musacache.engine.directory import _TIER_BITS, _TIER_MASK, Entry
+from musacache.engine.tierstate import MemTier
 
 __all__ = ["FastPath"]
 

@@ -32,7 +32,7 @@ from itertools import pairwise
 import numpy as np
 import torch
 
-from ._native import ChunkCopy
+from musacache._native import ChunkCopy
 
 __all__ = ["MIN_RUN_BYTES", "Tee", "fill_flat"]
 
@@ -65,7 +65,7 @@ class Tee:
     def native(self) -> ChunkCopy | None:
         """``dst`` as a native copy target (its runs of contiguous bytes), or None where
         only the Python copy can write it: what a read straight into ``dst`` writes through
-        (:meth:`~musacache._coldpath.DirectReads.read_to_tee`)."""
+        (:meth:`~musacache.engine.storage.DirectReads.read_to_tee`)."""
         return self._copy
 
     def target(self, src: torch.Tensor) -> Callable[[int, int], None]:

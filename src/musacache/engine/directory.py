@@ -16,9 +16,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._children import Siblings, common_tokens
-from ._gcfreeze import collect_young, freeze_heap
-from ._keys import KEY_BYTES, KeyChain
+from musacache._gcfreeze import collect_young, freeze_heap
+from musacache._keys import KEY_BYTES, KeyChain
+from musacache.engine.children import Siblings, common_tokens
 
 __all__ = ["Directory", "Entry", "KeyTable", "Match"]
 

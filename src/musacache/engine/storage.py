@@ -19,26 +19,26 @@ import anyio
 import anyio.lowlevel
 import torch
 
-from . import _errors
-from ._directory import Entry
-from ._errors import CacheClosedError, MusaCacheError, TierError
-from ._gcfreeze import collect_young
-from ._listing import ChunkListing, ListingBuilder, sorted_from
-from ._log import RateLimitedLog
-from ._placement import EntryQueue, memory_only_batches, victims
-from ._tierstate import MemTier, StoreTier, Tier
-from .tiers.base import NOT_TRIED, ChunkMeta, QuarantinedError
+from musacache import _errors
+from musacache._errors import CacheClosedError, MusaCacheError, TierError
+from musacache._gcfreeze import collect_young
+from musacache._log import RateLimitedLog
+from musacache.engine.directory import Entry
+from musacache.engine.placement import EntryQueue, memory_only_batches, victims
+from musacache.engine.tierstate import MemTier, StoreTier, Tier
+from musacache.tiers.base import NOT_TRIED, ChunkMeta, QuarantinedError
+from musacache.tiers.listing import ChunkListing, ListingBuilder, sorted_from
 
 if TYPE_CHECKING:
-    from ._config import CacheConfig
-    from ._directory import Directory
-    from ._keys import Fingerprint
-    from ._move import Mover
-    from ._native import ChunkCopy
-    from ._spec import KVSpec
-    from ._tasks import TaskOwner
-    from ._tee import Tee
-    from .tiers.memory import Slot
+    from musacache._config import CacheConfig
+    from musacache._keys import Fingerprint
+    from musacache._native import ChunkCopy
+    from musacache._spec import KVSpec
+    from musacache.engine.directory import Directory
+    from musacache.engine.move import Mover
+    from musacache.engine.tasks import TaskOwner
+    from musacache.engine.tee import Tee
+    from musacache.tiers.memory import Slot
 
 
 class EngineServices(Protocol):
@@ -122,8 +122,8 @@ class ColdPath:
         counted under its own name and is a miss, never an exception; ``out`` then holds
         garbage (a tier that reads into it may have written part of the chunk), so it must
         be a destination the caller discards on a miss. A ``tee`` is written block by block
-        from the read's thread when the tier reads into ``out`` (:mod:`musacache._tee`)."""
-        from .codec import decode_chunk
+        from the read's thread when the tier reads into ``out`` (:mod:`musacache.engine.tee`)."""
+        from musacache.codec import decode_chunk
 
         eng = self.eng
         obj = t.pending_obj(e)
@@ -298,7 +298,7 @@ class ColdPath:
                      ) -> list[bytes]:
         """Encode every item for ``t`` in one worker-thread hop and one codec call, the chunks
         spread over ``copy_threads`` (host data only)."""
-        from .codec import encode_chunks
+        from musacache.codec import encode_chunks
 
         eng = self.eng
         batch = [(ChunkMeta(e.key, e.parent, e.num_tokens, e.raw_bytes), d) for e, d in items]
@@ -737,7 +737,7 @@ def _drop_object(cold: ColdPath, t: StoreTier, e: Entry, *, check_shared: bool =
 async def _delete_if_still_corrupt(cold: ColdPath, t: StoreTier, meta: ChunkMeta) -> None:
     """Delete the object of ``meta`` on the shared tier ``t`` if a second read finds it
     unreadable too (see ``ColdPath._unreadable``)."""
-    from .codec import decode_chunk
+    from musacache.codec import decode_chunk
 
     eng = cold.eng
     try:

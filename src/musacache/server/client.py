@@ -24,10 +24,9 @@ from typing import Any
 import anyio
 import torch
 
-from . import devices, ipc, transfer
-from ._api import TokensLike
-from ._engine import Hit, _new_hit
-from ._errors import (
+from musacache import devices, ipc, transfer
+from musacache._api import TokensLike
+from musacache._errors import (
     CacheClosedError,
     CacheUnavailableError,
     InvalidInputError,
@@ -35,12 +34,13 @@ from ._errors import (
     MusaCacheError,
     ShapeError,
 )
-from ._fastpath import token_bytes
-from ._keys import as_tokens
-from ._pages import check_pages
-from ._spec import KVSpec, check_writable, may_overlap
-from ._validate import positive_float
-from .ipc._memory import shared_segment
+from musacache._keys import as_tokens
+from musacache._spec import KVSpec, check_writable, may_overlap
+from musacache._validate import positive_float
+from musacache.cache import Hit, _new_hit
+from musacache.engine.fastpath import token_bytes
+from musacache.engine.pages import check_pages
+from musacache.ipc._memory import shared_segment
 
 __all__ = ["Client", "connect"]
 

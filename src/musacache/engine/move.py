@@ -22,11 +22,11 @@ from typing import Any
 import anyio
 import torch
 
-from . import devices
-from ._errors import CacheClosedError
-from ._relay import queue_copies
-from ._tasks import outlive
-from .transfer import gather_chunks, scatter_chunks
+from musacache import devices
+from musacache._errors import CacheClosedError
+from musacache.engine.tasks import outlive
+from musacache.transfer import gather_chunks, scatter_chunks
+from musacache.transfer.relay import queue_copies
 
 __all__ = ["Mover", "accelerator_of", "gather_chunks", "scatter_chunks"]
 

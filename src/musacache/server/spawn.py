@@ -17,7 +17,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from ._errors import CacheUnavailableError, ConfigError
+from musacache._errors import CacheUnavailableError, ConfigError
 
 __all__ = ["SpawnedServer", "is_listening", "spawn"]
 

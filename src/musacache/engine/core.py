@@ -26,18 +26,18 @@ import anyio.lowlevel
 import numpy as np
 import torch
 
-from ._coldpath import ColdPath
-from ._config import CacheConfig
-from ._directory import Directory, Entry, Match
-from ._keys import Fingerprint, KeyChain
-from ._move import Mover, accelerator_of
-from ._placement import victims
-from ._reads import Flight, Reads
-from ._staging import STAGE_KEEP_BYTES, StagePool
-from ._tasks import MustFinish, TaskOwner
-from ._tierstate import MemTier, StoreTier, Tier, counters
-from .tiers.memory import MemoryPool, Slot
-from .transfer import DenseAt, Pages, _gather_checked
+from musacache._config import CacheConfig
+from musacache._keys import Fingerprint, KeyChain
+from musacache.engine.directory import Directory, Entry, Match
+from musacache.engine.move import Mover, accelerator_of
+from musacache.engine.placement import victims
+from musacache.engine.reads import Flight, Reads
+from musacache.engine.staging import STAGE_KEEP_BYTES, StagePool
+from musacache.engine.storage import ColdPath
+from musacache.engine.tasks import MustFinish, TaskOwner
+from musacache.engine.tierstate import MemTier, StoreTier, Tier, counters
+from musacache.tiers.memory import MemoryPool, Slot
+from musacache.transfer import DenseAt, Pages, _gather_checked
 
 __all__ = ["ChunkSource", "DenseSource", "Engine", "PagedSource"]
 

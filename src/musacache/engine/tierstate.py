@@ -14,13 +14,13 @@ from typing import Any
 import anyio
 import torch
 
-from . import devices
-from ._config import DeviceTier, HostTier
-from ._directory import Entry
-from ._errors import ConfigError
-from ._lru import KeyLRU, SlotLRU
-from .tiers.base import ChunkMeta, StorageTier
-from .tiers.memory import MemoryPool, Slot
+from musacache import devices
+from musacache._config import DeviceTier, HostTier
+from musacache._errors import ConfigError
+from musacache.engine.directory import Entry
+from musacache.engine.lru import KeyLRU, SlotLRU
+from musacache.tiers.base import ChunkMeta, StorageTier
+from musacache.tiers.memory import MemoryPool, Slot
 
 __all__ = ["MemTier", "StoreTier", "Tier", "holds"]
 

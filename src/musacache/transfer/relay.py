@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from . import devices
+from musacache import devices
 
 __all__ = ["DEPTH", "buffers", "host_side", "queue_copies", "relay", "runs", "words"]
 

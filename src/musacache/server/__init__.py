@@ -42,10 +42,9 @@ import anyio
 import numpy as np
 import torch
 
-from . import ipc, transfer
-from ._config import CacheConfig
-from ._engine import Cache
-from ._errors import (
+from musacache import ipc, transfer
+from musacache._config import CacheConfig
+from musacache._errors import (
     CacheUnavailableError,
     ConfigError,
     FingerprintMismatchError,
@@ -55,13 +54,14 @@ from ._errors import (
     ProtocolError,
     ServerLimitError,
 )
-from ._keys import Fingerprint
-from ._spawn import SpawnedServer, spawn
-from ._spec import KVSpec
-from ._tasks import outlive
-from ._version import __version__
-from .ipc import _messages as msgs
-from .ipc._protocol import encode_reply_packed, pack
+from musacache._keys import Fingerprint
+from musacache._spec import KVSpec
+from musacache._version import __version__
+from musacache.cache import Cache
+from musacache.engine.tasks import outlive
+from musacache.ipc import _messages as msgs
+from musacache.ipc._protocol import encode_reply_packed, pack
+from musacache.server.spawn import SpawnedServer, spawn
 
 __all__ = ["OPS", "Server", "ServerConfig", "SpawnedServer", "main", "spawn"]
 

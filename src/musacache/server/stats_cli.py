@@ -14,8 +14,8 @@ from typing import Any
 
 import anyio
 
-from . import ipc
-from ._errors import CacheUnavailableError, MusaCacheError
+from musacache import ipc
+from musacache._errors import CacheUnavailableError, MusaCacheError
 
 
 def _size(n: float | None) -> str:

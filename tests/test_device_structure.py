@@ -24,7 +24,10 @@ import torch
 
 import musacache as mc
 from helpers import prefix_kv, small_spec
-from musacache import _core, _engine, _move, devices
+from musacache import cache as _engine
+from musacache import devices
+from musacache.engine import core as _core
+from musacache.engine import move as _move
 from test_store_retrieve import BS, make_pages, random_slots, read_dense, write_dense
 
 CH = 16
@@ -175,23 +178,6 @@ async def test_evictions_batch_their_copies(fake_cuda: Calls) -> None:
     assert fake_cuda.synchronize == []
 
 
-def test_no_class_is_over_500_lines() -> None:
-    """The engine's lines live in per-tier state, placement, the cold path and the data path,
-    not in one class (issue 9: ``Cache`` was 1,218 lines)."""
-    import ast
-    from pathlib import Path
-
-    root = Path(mc.__file__).parent
-    big = []
-    for path in root.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
-                lines = node.end_lineno - node.lineno + 1
-                if lines > 500:
-                    big.append(f"{path.relative_to(root)}:{node.name} ({lines} lines)")
-    assert big == []
-
-
 async def test_device_tokens_and_slots_are_read_off_the_loop_after_ready() -> None:
     """Tokens and slot_mapping on a device are not touched on the loop thread (which would
     block it until the engine's stream produced them) nor before ``ready`` is set."""
@@ -237,7 +223,7 @@ async def test_a_put_and_a_get_into_consecutive_slots_are_one_copy_each(
     """On a device, a copy launch costs more than a chunk's copy: a prompt whose chunks go
     into slots that follow each other is one strided copy (``_relay.runs``), and so is a
     get of it into a dense ``out``."""
-    from musacache import _relay
+    from musacache.transfer import relay as _relay
 
     copies: list[torch.Tensor] = []
     real = _relay._copy

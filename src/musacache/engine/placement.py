@@ -10,9 +10,9 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from ._children import Siblings
-from ._directory import Directory, Entry
-from ._tierstate import MemTier, StoreTier, Tier
+from musacache.engine.children import Siblings
+from musacache.engine.directory import Directory, Entry
+from musacache.engine.tierstate import MemTier, StoreTier, Tier
 
 __all__ = ["EntryQueue", "delete_roots", "memory_only_batches", "reserve_slot", "subtree_batches",
            "victims"]

@@ -62,8 +62,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from . import _kernels, _native, _relay, devices
-from ._errors import (
+from musacache import _native, devices
+from musacache._errors import (
     ConfigError,
     DeviceError,
     DTypeError,
@@ -72,7 +72,9 @@ from ._errors import (
     ShapeError,
     SlotRangeError,
 )
-from ._spec import KVSpec, check_has_data, check_plain_values, dtype_from_name, dtype_name
+from musacache._spec import KVSpec, check_has_data, check_plain_values, dtype_from_name, dtype_name
+from musacache.transfer import relay as _relay
+from musacache.transfer import triton as _kernels
 
 __all__ = [
     "LAYOUTS",
@@ -1098,7 +1100,7 @@ def _piped_host_chunks(request: _Chunks, to_dense: bool, stream: Any | None,
                        kind: str) -> bool:
     """Device pages and chunks in host memory: the request in windows of whole chunks, each
     gathered into (or scattered from) dense device buffers on the side stream while the copy
-    engine moves the window before (or after) it over the bus (``musacache._relay``).
+    engine moves the window before (or after) it over the bus (``musacache.transfer.relay``).
 
     A kernel that reaches pinned host memory through its device address moves 42 to 46 GB/s
     on an H200 where the copy engine moves 55; gathering into device memory first costs a

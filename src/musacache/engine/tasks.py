@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 
-from ._errors import CacheClosedError
+from musacache._errors import CacheClosedError
 
 __all__ = ["MustFinish", "TaskOwner", "outlive", "run_steps"]
 

@@ -30,16 +30,18 @@ import anyio
 import numpy as np
 import torch
 
-from . import _core, _move, _native
-from ._reads import VIEW_RUN
-from ._spec import KVSpec, may_overlap, storage_short
-from ._tasks import MustFinish
-from ._tierstate import MemTier
-from .transfer import DenseAt, Pages, _native_rows, backend_for
+from musacache import _native
+from musacache._spec import KVSpec, may_overlap, storage_short
+from musacache.engine import core as _core
+from musacache.engine import move as _move
+from musacache.engine.reads import VIEW_RUN
+from musacache.engine.tasks import MustFinish
+from musacache.engine.tierstate import MemTier
+from musacache.transfer import DenseAt, Pages, _native_rows, backend_for
 
 if TYPE_CHECKING:
-    from ._core import Engine
-    from ._directory import Entry, Match
+    from musacache.engine.core import Engine
+    from musacache.engine.directory import Entry, Match
 
 __all__ = ["MIN_CHUNKS", "OutRows", "Resident", "out_rows", "read_resident", "release",
            "retrieve_resident"]

@@ -18,33 +18,34 @@ import anyio
 import numpy as np
 import torch
 
-from . import _removal, _validate, devices, transfer
-from ._completed import Completed, failed
-from ._config import CacheConfig, DeviceTier, HostTier
-from ._core import BATCH, DenseSource, Engine, PagedSource
-from ._directory import Match
-from ._errors import (
+from musacache import _validate, devices, transfer
+from musacache._config import CacheConfig, DeviceTier, HostTier
+from musacache._errors import (
     CacheClosedError,
     ConfigError,
     DeviceError,
     InvalidInputError,
     ShapeError,
 )
-from ._fastpath import FastPath
-from ._gcfreeze import full_collections_held, long_read
-from ._keys import Fingerprint, KeyChain, as_tokens, check_token_memory
-from ._move import Mover, accelerator_of
-from ._pages import PageSource, check_pages, page_keys
-from ._reads import VIEW_RUN
-from ._resident import MIN_CHUNKS as RESIDENT_MIN
-from ._resident import read_resident, retrieve_resident
-from ._resident import release as release_resident
-from ._spec import KVSpec, check_has_data
-from ._tasks import MustFinish, TaskOwner, outlive
-from ._tee import Tee
-from ._tierstate import MemTier, StoreTier, Tier
-from .tiers.base import StorageTier, TierContext
-from .transfer import _scatter_own
+from musacache._gcfreeze import full_collections_held, long_read
+from musacache._keys import Fingerprint, KeyChain, as_tokens, check_token_memory
+from musacache._spec import KVSpec, check_has_data
+from musacache.engine import removal as _removal
+from musacache.engine.completed import Completed, failed
+from musacache.engine.core import BATCH, DenseSource, Engine, PagedSource
+from musacache.engine.directory import Match
+from musacache.engine.fastpath import FastPath
+from musacache.engine.move import Mover, accelerator_of
+from musacache.engine.pages import PageSource, check_pages, page_keys
+from musacache.engine.reads import VIEW_RUN
+from musacache.engine.resident import MIN_CHUNKS as RESIDENT_MIN
+from musacache.engine.resident import read_resident, retrieve_resident
+from musacache.engine.resident import release as release_resident
+from musacache.engine.tasks import MustFinish, TaskOwner, outlive
+from musacache.engine.tee import Tee
+from musacache.engine.tierstate import MemTier, StoreTier, Tier
+from musacache.tiers.base import StorageTier, TierContext
+from musacache.transfer import _scatter_own
 
 log = logging.getLogger("musacache")
 
@@ -129,7 +130,7 @@ async def _read_into(eng: Engine, matches: list[Match],
 
     ``dest(match)`` is the caller's tensor for a whole chunk (its elements in the chunk's
     order), or None: a chunk promoted from disk is written there by its read, block by block
-    (:mod:`musacache._tee`), and left out of the move."""
+    (:mod:`musacache.engine.tee`), and left out of the move."""
     # A tee only for a chunk fetched from below the top tier (the only reads that write the
     # caller's tensor), made when ``sources`` starts that fetch: one costs 15 to 20 µs, too
     # much to make for every chunk of a get served from memory.
@@ -529,7 +530,7 @@ class Cache:
         ``spec.nbytes(chunk_size)`` bytes in any shape and strides, stored in its logical
         (row-major) element order. ``after`` names the page before ``keys[0]`` in the
         engine's sequence (eviction drops a sequence's tail before its head). Pages share the
-        tiers, eviction, codec and storage of token chunks; see :mod:`musacache._pages`.
+        tiers, eviction, codec and storage of token chunks; see :mod:`musacache.engine.pages`.
         """
         eng = self._check_open()
         cs = self.config.chunk_size

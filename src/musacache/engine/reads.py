@@ -2,7 +2,7 @@
 fetched concurrently from below it, and their promotion into it (single-flight per key; a get's
 own tensor written by the same read, or read into straight from disk and promoted after the get).
 
-A mixin of :class:`~musacache._core.Engine`, kept apart so that each class stays small: it
+A mixin of :class:`~musacache.engine.core.Engine`, kept apart so that each class stays small: it
 uses only the engine state declared below.
 """
 
@@ -14,17 +14,17 @@ from typing import TYPE_CHECKING
 import anyio
 import torch
 
-from ._errors import CacheClosedError
-from ._tierstate import MemTier, StoreTier, Tier
+from musacache._errors import CacheClosedError
+from musacache.engine.tierstate import MemTier, StoreTier, Tier
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
-    from ._coldpath import ColdPath
-    from ._config import CacheConfig
-    from ._directory import Entry, Match
-    from ._tasks import TaskOwner
-    from ._tee import Tee
+    from musacache._config import CacheConfig
+    from musacache.engine.directory import Entry, Match
+    from musacache.engine.storage import ColdPath
+    from musacache.engine.tasks import TaskOwner
+    from musacache.engine.tee import Tee
 
 __all__ = ["VIEW_RUN", "Flight", "Reads"]
 
