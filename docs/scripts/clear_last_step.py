@@ -13,7 +13,7 @@ import anyio.lowlevel
 import numpy as np
 import torch
 
-import musacache._removal as removal
+import musacache.engine.removal as removal
 from musacache.bench.scale import CH, TINY, _prompts, _tiny_cache
 
 turns: list[float] = []

@@ -44,7 +44,7 @@ async def main() -> None:
 
     kinds: dict[str, Callable[[], asyncio.Future[Any]]] = {"asyncio.Future": plain}
     try:
-        from musacache._completed import Completed
+        from musacache.engine.completed import Completed
     except ImportError:
         pass
     else:

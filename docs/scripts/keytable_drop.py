@@ -9,7 +9,7 @@ import os
 import statistics
 import time
 
-from musacache._directory import KeyTable
+from musacache.engine.directory import KeyTable
 
 table = KeyTable()
 for i in range(1_250_000):

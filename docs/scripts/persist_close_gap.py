@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from musacache import Cache, CacheConfig, HostTier
-from musacache._listing import ListingBuilder
+from musacache.tiers.listing import ListingBuilder
 from musacache.bench import scale as S
 
 

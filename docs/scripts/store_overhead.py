@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-import musacache._core as core
+import musacache.engine.core as core
 from musacache import Cache, transfer
 from musacache.bench.scale import paged_setup
 
