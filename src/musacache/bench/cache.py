@@ -15,9 +15,7 @@ from typing import Any
 
 import torch
 
-from .._config import CacheConfig, HostTier
-from .._engine import Cache
-from .._spec import KVSpec
+from musacache import Cache, CacheConfig, HostTier, KVSpec
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -88,6 +86,30 @@ async def run(tokens: int, lookup_tokens: int, gap_mib: int, repeats: int) -> di
         "alloc_copy_GBps": _gbps(nbytes, alloc_copy_s),
         "get_alloc_ratio": alloc_copy_s / get_alloc_s,
     })
+
+    # Short gets at the same spec: one full chunk, and a tail of 16 tokens, each against a
+    # copy_ of its own bytes. Here the per-request cost shows, not the bus.
+    for n in (256, 16):
+        part = kv[:, :, :n].clone()
+        part_out = torch.empty_like(part)
+        part_toks = torch.arange(10_000_000, 10_000_000 + n)
+        part_cfg = CacheConfig(spec, f"bench-{n}", tiers=(HostTier(capacity_bytes="64MiB"),))
+        async with Cache(part_cfg) as cache:
+            await cache.put(part_toks, part)
+            gets, copies = [], []
+            for _ in range(max(50, repeats * 20)):
+                t0 = time.perf_counter()
+                hit = await cache.get(part_toks, out=part_out)
+                t1 = time.perf_counter()
+                part_out.copy_(part)
+                copies.append(time.perf_counter() - t1)
+                gets.append(t1 - t0)
+                if hit.num_tokens != n:
+                    raise RuntimeError("bench: the short prompt should be fully cached")
+        res.update({f"get{n}_us_min": min(gets) * 1e6,
+                    f"get{n}_us_median": statistics.median(gets) * 1e6,
+                    f"copy{n}_us_min": min(copies) * 1e6,
+                    f"get{n}_time_ratio": min(gets) / min(copies)})
 
     # lookup cost does not depend on the spec: use a tiny one to fit 131072 tokens.
     small = KVSpec(1, 1, 8, torch.float16)
@@ -172,11 +194,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"host tier, {res['tokens']} tokens = {mib:.0f} MiB, torch threads={res['threads']}")
     print(f"  torch copy_ (preallocated)  {res['copy_GBps']:7.2f} GB/s")
     print(f"  cache.put                   {res['put_GBps']:7.2f} GB/s   ratio "
-          f"{res['put_ratio']:.2f}  (goal >= 0.8)")
+          f"{res['put_ratio']:.2f}  (goal >= 0.9)")
     print(f"  cache.get(out=...)          {res['get_out_GBps']:7.2f} GB/s   ratio "
-          f"{res['get_out_ratio']:.2f}  (goal >= 0.8)")
+          f"{res['get_out_ratio']:.2f}  (goal >= 0.9)")
     print(f"  cache.get() allocating      {res['get_alloc_GBps']:7.2f} GB/s   ratio "
           f"{res['get_alloc_ratio']:.2f} vs empty_like+copy_ {res['alloc_copy_GBps']:.2f} GB/s")
+    for n, goal in ((256, "<= 1.18x, i.e. >= 0.85 of copy_ speed"), (16, "<= 1.5x")):
+        print(f"  get(out=) of {n:3d} tokens   min {res[f'get{n}_us_min']:7.1f} us, median "
+              f"{res[f'get{n}_us_median']:7.1f} us; copy_ {res[f'copy{n}_us_min']:7.1f} us; "
+              f"time ratio {res[f'get{n}_time_ratio']:.2f}x  (goal {goal})")
     print(f"lookup, {res['lookup_tokens']} tokens cached: min {res['lookup_ms_min']:.2f} ms, "
           f"median {res['lookup_ms_median']:.2f} ms (goal < 2 ms); "
           f"miss {res['lookup_miss_ms']:.2f} ms")
