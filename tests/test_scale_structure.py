@@ -260,7 +260,7 @@ def test_bench_scale_runs_small_and_prints_every_goal(capsys, tmp_path):
     out = capsys.readouterr().out
     for line in ("lookup miss among siblings", "evicting put vs the same put with room",
                  "largest event-loop gap", "restart from a 3000-object listing",
-                 "small ops", "1000 gets gathered", "paged store vs a bare native gather",
+                 "paged store vs a bare native gather",
                  "warm disk get", "codec raw", "codec lz4", "curves over the directory size",
                  "memory at"):
         assert line in out, line
@@ -358,11 +358,11 @@ async def test_a_reader_who_pins_a_chunk_during_its_demotion_keeps_its_slot(spec
 
 
 def test_bench_scale_refuses_an_unknown_part(capsys):
-    # A misspelt part ("small_ops" for "small") ran nothing and printed only the title.
+    # A misspelt part ("stall" for "stalls") ran nothing and printed only the title.
     from musacache.bench import scale
 
     with pytest.raises(SystemExit) as exited:
-        scale.main(["--only", "small_ops"])
+        scale.main(["--only", "stall"])
     assert exited.value.code == 2
     err = capsys.readouterr().err
-    assert "small_ops" in err and "small" in err
+    assert "stall" in err and "stalls" in err

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import struct
-import sys
 import threading
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import msgpack
@@ -28,10 +26,8 @@ from hypothesis import strategies as st
 import musacache as mc
 from helpers import prefix_kv, small_spec
 from musacache import ipc
-from musacache.ipc import _protocol
 from musacache.server import Server, ServerConfig
 from musacache.server import client as client_mod
-from test_server_hardening import RawPeer
 
 CH = 16
 HEADER = struct.Struct(">2sBBI")
@@ -70,7 +66,6 @@ def test_frames_are_byte_for_byte_what_msgpack_writes(rid: int, op: str, args: A
     reply = msgpack.packb({"id": rid, "result": result}, use_bin_type=True)
     expected = HEADER.pack(b"MK", ipc.PROTOCOL_VERSION, 0, len(reply)) + reply
     assert ipc.encode_reply(rid, result) == expected
-    assert _protocol.encode_reply_packed(rid, _protocol.pack(result)) == expected
     decoder = ipc.FrameDecoder()
     if nfds == 0:  # (a frame that declares fds needs them to decode)
         decoder.feed(frame)
@@ -118,95 +113,6 @@ def test_frames_made_on_several_threads_at_once_are_whole() -> None:
     for t in threads:
         t.join()
     assert failures == []
-
-
-# -- the server: Python calls per request on the callback path ------------------------------
-
-_SRC = Path(mc.__file__).parent
-# The cache's own direct read path is counted apart (its cost is the cache's, not the
-# server's): only the server, the protocol, msgpack and generated dataclass code count.
-_OURS = (str(_SRC / "server"), str(_SRC / "ipc"), str(Path(msgpack.__file__).parent),
-         "<string>")
-
-
-class _Calls:
-    """A profile hook counting the Python-level calls (a frame set up and torn down each) of
-    the server's request path, and the C functions they call by name, on its thread."""
-
-    def __init__(self) -> None:
-        self.calls: dict[str, int] = {}
-        self.c_calls: dict[str, int] = {}
-
-    def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
-        if event == "call":
-            name = frame.f_code.co_filename
-            if name.startswith(_OURS):
-                key = f"{Path(name).name}:{frame.f_code.co_name}"
-                self.calls[key] = self.calls.get(key, 0) + 1
-        elif event == "c_call" and frame.f_code.co_filename.startswith(_OURS):
-            key = str(getattr(arg, "__qualname__", arg))
-            self.c_calls[key] = self.c_calls.get(key, 0) + 1
-
-
-async def _kept_buffer_peer(srv: Server, cfg: ServerConfig, spec: mc.KVSpec
-                            ) -> tuple[RawPeer, torch.Tensor, bytes]:
-    """A raw peer that said hello, put one chunk, and got it once into a buffer the server
-    now keeps as id 1."""
-    peer = await asyncio.to_thread(RawPeer, cfg.socket_path)
-    assert (await asyncio.to_thread(peer.hello, spec)).ok
-    toks = list(range(CH))
-    async with mc.connect(cfg.socket_path, spec=spec, namespace="srv", chunk_size=CH) as c:
-        assert await c.put(toks, ipc.to_shared(prefix_kv(spec, toks))) == CH
-    out = ipc.empty_shared(spec.shape(CH), spec.dtype)
-    handle = ipc.share(out)
-    raw = torch.tensor(toks, dtype=torch.int32).numpy().tobytes()
-    reply = await asyncio.to_thread(peer.call, "get", {"tokens": raw, "out": handle.to_wire(),
-                                                        "buf": 1}, list(handle.fds))
-    assert reply.ok and reply.result["num_tokens"] == CH
-    return peer, out, raw
-
-
-def _batch(peer: RawPeer, args: dict[str, Any], op: str = "get") -> list[ipc.Reply]:
-    """BATCH requests in one send, then their replies (on a worker thread)."""
-    rids = [next(peer.ids) for _ in range(BATCH)]
-    peer.send_raw(b"".join(ipc.encode_request(r, op, args) for r in rids))
-    replies = [peer.recv() for _ in rids]
-    assert [r.id for r in replies] == rids
-    return replies
-
-
-async def test_a_kept_buffer_get_costs_the_server_few_python_calls(tmp_path):
-    """A batch of gets into a kept buffer, answered from the reader callback: the server's
-    own Python work per get (decoding the frame, the checks, the reply's encoding, the
-    batched send) is a bounded few calls. Before: a Packer and its 1 MiB buffer per reply
-    (msgpack.packb), the frozen dataclass's __init__ per frame, a closure per decoded body,
-    the limit check as a method call, the fds claimed by a call: 14.4 Python calls per get
-    (9.4 now)."""
-    spec = small_spec()
-    cfg = _config(tmp_path, spec)
-    async with Server(cfg) as srv:
-        serving = asyncio.create_task(srv.serve_forever())
-        peer, out, raw = await _kept_buffer_peer(srv, cfg, spec)
-        args = {"tokens": raw, "buf": 1}
-        for _ in range(3):  # warm: every cache and Packer made
-            await asyncio.to_thread(_batch, peer, args)
-        hook = _Calls()
-        sys.setprofile(hook)
-        try:
-            replies = await asyncio.to_thread(_batch, peer, args)
-        finally:
-            sys.setprofile(None)
-        assert all(r.ok and r.result == {"num_tokens": CH, "tiers": {"host": CH}}
-                   for r in replies)
-        assert torch.equal(out, prefix_kv(spec, list(range(CH))))
-        per_get = sum(hook.calls.values()) / BATCH
-        assert per_get <= 12, (per_get, sorted(hook.calls.items(), key=lambda kv: -kv[1]))
-        # no Packer (and its 1 MiB buffer) per frame: msgpack.packb makes one per call
-        assert not any("packb" in k or "Packer" in k for k in hook.calls), hook.calls
-        assert hook.c_calls.get("Packer", 0) == 0, hook.c_calls
-        peer.sock.close()
-        srv.stop()
-        await serving
 
 
 # -- the client: a buffer the server keeps is found by the tensor object ---------------------
@@ -294,47 +200,3 @@ def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-async def test_a_kept_buffer_get_is_one_direct_serve_and_a_reply_packed_before(tmp_path):
-    """Each get of a batch into a kept buffer is one ``FastPath.serve`` (the count written,
-    no view of ``out``, no tiers dict, no ``Hit``), never ``FastPath.get`` nor the cache's
-    ``Cache.get``; and its reply body, the same for every get that served the same count
-    from the same tier, is packed once, not per get. Before: ``FastPath.get`` per get, its
-    ``{tier: n}`` dict, and a msgpack ``pack`` of the reply dict per get."""
-    spec = small_spec()
-    cfg = _config(tmp_path, spec)
-    ours = (*_OURS, str(_SRC / "engine" / "fastpath.py"), str(_SRC / "cache.py"))
-    async with Server(cfg) as srv:
-        serving = asyncio.create_task(srv.serve_forever())
-        peer, out, raw = await _kept_buffer_peer(srv, cfg, spec)
-        args = {"tokens": raw, "buf": 1}
-        await asyncio.to_thread(_batch, peer, args)  # warm: the reply body packed
-        calls: dict[str, int] = {}
-        packs = {"n": 0}
-
-        def hook(frame: FrameType, event: str, arg: Any) -> None:
-            name = frame.f_code.co_filename
-            if not name.startswith(ours):
-                return
-            if event == "call":
-                key = f"{Path(name).name}:{frame.f_code.co_name}"
-                calls[key] = calls.get(key, 0) + 1
-            elif event == "c_call" and (
-                    isinstance(getattr(arg, "__self__", None), msgpack.Packer)
-                    or getattr(arg, "__name__", "") == "packb"):
-                packs["n"] += 1  # (a Struct's pack, the frame header, is not one)
-
-        sys.setprofile(hook)
-        try:
-            replies = await asyncio.to_thread(_batch, peer, args)
-        finally:
-            sys.setprofile(None)
-        assert all(r.ok and r.result == {"num_tokens": CH, "tiers": {"host": CH}}
-                   for r in replies)
-        assert torch.equal(out, prefix_kv(spec, list(range(CH))))
-        assert calls.get("fastpath.py:serve") == BATCH, calls
-        assert "fastpath.py:get" not in calls and "cache.py:get" not in calls, calls
-        assert "cache.py:_new_hit" not in calls, calls
-        assert packs["n"] == 0, (packs, calls)
-        peer.sock.close()
-        srv.stop()
-        await serving

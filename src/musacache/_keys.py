@@ -135,3 +135,11 @@ def as_tokens(tokens: Any) -> np.ndarray:
         lo, hi = int(arr.min()), int(arr.max())
         raise TokensError(f"token ids must fit in int32, found {lo if lo < _INT32_MIN else hi}")
     return out
+
+
+def token_bytes(tokens: Any) -> bytes:
+    """``as_tokens(tokens)`` as int32 little-endian bytes, as the wire protocol carries them.
+    A 1-D int32 numpy array (the common case) skips the general conversion."""
+    if type(tokens) is np.ndarray and tokens.dtype == np.dtype("<i4") and tokens.ndim == 1:
+        return tokens.tobytes()  # C order whatever the strides
+    return as_tokens(tokens).tobytes()

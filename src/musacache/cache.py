@@ -7,10 +7,8 @@ data path (``_move``).
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
-from asyncio import _get_running_loop as _running_loop
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,10 +29,8 @@ from musacache._gcfreeze import full_collections_held, long_read
 from musacache._keys import Fingerprint, KeyChain, as_tokens, check_token_memory
 from musacache._spec import KVSpec, check_has_data
 from musacache.engine import removal as _removal
-from musacache.engine.completed import Completed, failed
 from musacache.engine.core import BATCH, DenseSource, Engine, PagedSource
 from musacache.engine.directory import Match
-from musacache.engine.fastpath import FastPath
 from musacache.engine.move import Mover, accelerator_of
 from musacache.engine.pages import PageSource, check_pages, page_keys
 from musacache.engine.reads import VIEW_RUN
@@ -182,8 +178,7 @@ async def _read_into(eng: Engine, matches: list[Match],
 class Cache:
     """The embedded KV cache. Use as ``async with Cache(config) as cache:``.
 
-    Every method is awaited (``get`` and ``lookup`` return a coroutine, or an answer already
-    completed: see :meth:`get`) and safe to call concurrently from many tasks of one event
+    Every method is a coroutine, safe to call concurrently from many tasks of one event
     loop. Misses are values, failures are :class:`~musacache.MusaCacheError`.
     """
 
@@ -200,7 +195,6 @@ class Cache:
         self._closed_stores: set[int] = set()  # storage tiers aclose has closed (by idx)
         self._tasks = TaskOwner()
         self._eng: Engine | None = None
-        self._fast: FastPath | None = None  # the direct read path, while open (_fastpath)
         self._ops = dict.fromkeys(("puts", "gets", "lookups", "prefetches", "deletes"), 0)
         self._close = dict.fromkeys(("to_persist", "persisted", "not_persisted",
                                      "writes_abandoned", "timed_out"), 0)
@@ -289,7 +283,6 @@ class Cache:
             self._state = "closed"
             raise
         self._eng = eng
-        self._fast = FastPath(eng, self._ops, self._device)
         self._state = "open"
 
     async def aclose(self) -> None:
@@ -303,7 +296,6 @@ class Cache:
             self._state = "closed"
             return
         self._state = "closing"
-        self._fast = None
         eng = self._eng
         with anyio.CancelScope(shield=True):
             try:
@@ -351,24 +343,8 @@ class Cache:
         finally:
             eng.inflight["puts"] -= 1
 
-    def lookup(self, tokens: Any) -> Coroutine[Any, Any, int]:
-        """The length of the longest prefix of ``tokens`` cached in any tier. Moves no data.
-
-        Await it. When the direct path answers (see :meth:`get`), the answer is found at
-        the call and returned as an already-completed awaitable."""
-        fast = self._fast
-        if fast is not None and (loop := _running_loop()) is not None:
-            try:
-                n = fast.lookup(tokens)
-            except Exception as e:
-                return failed(loop, e)
-            if n is not None:
-                done: Completed[int] = Completed(loop=loop)
-                done.set_result(n)
-                return done
-        return self._lookup(tokens)
-
-    async def _lookup(self, tokens: Any) -> int:
+    async def lookup(self, tokens: Any) -> int:
+        """The length of the longest prefix of ``tokens`` cached in any tier. Moves no data."""
         eng = self._check_open()
         toks = as_tokens(tokens)
         self._ops["lookups"] += 1
@@ -378,34 +354,14 @@ class Cache:
         finally:
             eng.inflight["lookups"] -= 1
 
-    def get(self, tokens: Any, out: torch.Tensor | None = None) -> Coroutine[Any, Any, Hit]:
+    async def get(self, tokens: Any, out: torch.Tensor | None = None) -> Hit:
         """The KV of the longest cached prefix of ``tokens``.
 
         With ``out`` (any strided tensor of ``spec.shape(len(tokens))``), the KV is written
         into it and ``hit.kv`` is a view of it. Without it, ``hit.kv`` is on
         :attr:`device`. A miss is ``hit.num_tokens == 0``. ``out`` past ``hit.num_tokens``
         is unspecified (a damaged chunk, which ends the hit, or a later one may be there).
-
-        Await it (or hand it to ``asyncio.gather``, ``create_task``, a task group). A small
-        request served from a host top tier (the direct path) is answered at the call,
-        ``out`` written before it returns, and comes back as an already-completed awaitable
-        (an ``asyncio.Future`` that is also a coroutine), so that ``gather`` needs no Task
-        for it; any error is still raised at ``await``. Anything else is a coroutine that
-        does the work when awaited.
         """
-        fast = self._fast
-        if fast is not None and (loop := _running_loop()) is not None:
-            try:
-                got = fast.get(tokens, out)
-            except Exception as e:
-                return failed(loop, e)
-            if got is not None:
-                done: Completed[Hit] = Completed(loop=loop)
-                done.set_result(_new_hit(*got))
-                return done
-        return self._get(tokens, out)
-
-    async def _get(self, tokens: Any, out: torch.Tensor | None) -> Hit:
         eng = self._check_open()
         toks = as_tokens(tokens)
         if out is not None:
@@ -844,14 +800,6 @@ async def _paged_args(cache: Cache, tokens: Any, kv_caches: Any, slot_mapping: A
         await devices.wait_ready(ready, ready_timeout)
     return toks, slots, paged, holes
 
-
-
-# Frameworks that ask whether a callable is a coroutine function (to await it, or else to run
-# it in a worker thread) must await these two: they return awaitables, a coroutine or an
-# already-completed one. Python 3.12 lets a plain function say so; 3.11 has no such mark.
-if hasattr(inspect, "markcoroutinefunction"):
-    inspect.markcoroutinefunction(Cache.get)
-    inspect.markcoroutinefunction(Cache.lookup)
 
 
 def _check_kv(spec: KVSpec, kv: torch.Tensor, toks: np.ndarray, what: str,

@@ -6,7 +6,6 @@ Each goal is printed as measured and as a ratio to its baseline, taken in the sa
 * an evicting put vs the same put with room;
 * the largest event-loop gap during put, lookup, eviction, delete, clear and a restart from
   a large listing (directory work only: a tiny spec, so no byte copy hides it);
-* small ops: a one-chunk get and lookup with a tiny spec, 1000 concurrent gets vs sequential;
 * paged store vs a bare native gather of the same pages;
 * a warm disk get vs a raw read of the same encoded bytes;
 * directory memory per entry.
@@ -542,106 +541,6 @@ async def stalls(entries: int, siblings_n: int, listing_n: int) -> dict[str, Any
             for k, g in out.items()}
 
 
-# -- small ops ------------------------------------------------------------------------------
-
-async def small_ops(repeats: int) -> dict[str, Any]:
-    """A tiny spec and one 16-token chunk: musacache's own cost per small get and lookup.
-
-    Each part is timed by the wall clock and by this thread's CPU clock in the same run. All
-    of it runs on the loop's thread (no copy here is large enough for a worker thread), so
-    the CPU time is the work itself; on a shared machine the wall time also counts the turns
-    of other processes.
-
-    A get the direct path answers comes back already completed (``_completed``), so a
-    ``gather`` of them makes no Task; what asyncio still costs per gathered future is shown
-    by gathering futures that are already done (``done_gather``), next to what it costs per
-    coroutine (``bare_gather``: a Task each), and the Tasks made by one gather of the gets
-    are counted.
-    """
-    from musacache.engine.completed import Completed
-
-    rng = np.random.default_rng(6)
-    n = 1000
-    prompts = _prompts(rng, n, 1)
-    one = torch.zeros(TINY.shape(CH), dtype=TINY.dtype)
-    loop = asyncio.get_running_loop()
-    async with _tiny_cache(2 * n) as c:
-        for p in prompts:
-            await c.put(p, one)
-        out = torch.empty(TINY.shape(CH), dtype=TINY.dtype)
-
-        async def gets() -> None:
-            for p in prompts:
-                await c.get(p, out=out)
-
-        async def gets_alloc() -> None:
-            for p in prompts:
-                await c.get(p)
-
-        async def lookups() -> None:
-            for p in prompts:
-                await c.lookup(p)
-
-        async def concurrent() -> None:
-            await asyncio.gather(*(c.get(p) for p in prompts))
-
-        async def nothing(p: np.ndarray) -> None:
-            return None
-
-        async def bare_gather() -> None:  # what asyncio costs per coroutine: a Task each
-            await asyncio.gather(*(nothing(p) for p in prompts))
-
-        def done(p: np.ndarray) -> Completed[None]:
-            f: Completed[None] = Completed(loop=loop)
-            f.set_result(None)
-            return f
-
-        async def done_gather() -> None:  # what asyncio costs per future already done
-            await asyncio.gather(*(done(p) for p in prompts))
-
-        async def copies() -> None:
-            for _p in prompts:
-                out.copy_(one)
-
-        parts = {"get_out": gets, "get": gets_alloc, "lookup": lookups,
-                 "concurrent_get": concurrent, "bare_gather": bare_gather,
-                 "done_gather": done_gather, "copy_only": copies}
-        wall: dict[str, list[float]] = {k: [] for k in parts}
-        cpu: dict[str, list[float]] = {k: [] for k in parts}
-        for _ in range(repeats):
-            for k, fn in parts.items():
-                w0, c0 = time.perf_counter(), time.thread_time()
-                await fn()
-                cpu[k].append(time.thread_time() - c0)
-                wall[k].append(time.perf_counter() - w0)
-        made: list[object] = []
-
-        def counting(lp: asyncio.AbstractEventLoop, coro: Any, **kw: Any) -> asyncio.Task[Any]:
-            made.append(coro)
-            return asyncio.Task(coro, loop=lp, **kw)
-
-        loop.set_task_factory(counting)
-        try:
-            await concurrent()
-        finally:
-            loop.set_task_factory(None)
-    us = {k: {s: v / n * 1e6 for s, v in _stats(xs).items()} for k, xs in wall.items()}
-    cpu_us = {k: {s: v / n * 1e6 for s, v in _stats(xs).items()} for k, xs in cpu.items()}
-
-    def less_asyncio(d: dict[str, dict[str, float]]) -> float:
-        # The cache's own cost under concurrency: the gathered get less what gather costs per
-        # future that is already done.
-        return (d["concurrent_get"]["min"] - d["done_gather"]["min"]) / d["get"]["min"]
-
-    return {**us, "cpu": cpu_us, "copy_only_us": us["copy_only"]["min"],
-            "tasks_per_gathered_get": len(made) / n,
-            "concurrent_vs_sequential": us["concurrent_get"]["min"] / us["get"]["min"],
-            "cpu_concurrent_vs_sequential": cpu_us["concurrent_get"]["min"]
-            / cpu_us["get"]["min"],
-            "concurrent_less_asyncio_vs_sequential": less_asyncio(us),
-            "cpu_concurrent_less_asyncio_vs_sequential": less_asyncio(cpu_us)}
-
-
 # -- paged store vs a bare native gather --------------------------------------------------------
 
 def paged_setup(tokens: int) -> tuple[KVSpec, list[torch.Tensor], torch.Tensor, torch.Tensor,
@@ -941,32 +840,6 @@ def report(res: dict[str, Any]) -> None:
                   f" ms; waiting for a core {v['gap_run_delay_ms']:.2f} ms; stolen"
                   f" {v['gap_steal_ms']:.0f} ms; {v['gap_major_faults']} major faults;"
                   f" GC {v['gc_ms']:.2f} / {v['gc_cpu_ms']:.2f} ms)")
-    so = res.get("small_ops")
-    if so:
-        cpu = so["cpu"]
-        print("\nsmall ops, tiny spec, one 16-token chunk (goals: get <= 8 us, lookup <= 3 us,"
-              " concurrent <= sequential); wall clock, then this thread's CPU time")
-        for key, label, goal in (("get_out", "get(out=)", 8), ("get", "get()", 8),
-                                 ("lookup", "lookup", 3)):
-            print(f"  {label:<18} {_fmt_stats(so[key], ' us')}   ratio to goal "
-                  f"{so[key]['min'] / goal:.2f}   (CPU {_fmt_stats(cpu[key], ' us')}, ratio "
-                  f"{cpu[key]['min'] / goal:.2f})")
-        print(f"  1000 gets gathered {_fmt_stats(so['concurrent_get'], ' us/op')}   ratio to "
-              f"sequential get() {so['concurrent_vs_sequential']:.2f}   (CPU "
-              f"{_fmt_stats(cpu['concurrent_get'], ' us/op')}, ratio "
-              f"{so['cpu_concurrent_vs_sequential']:.2f}); Tasks made per gathered get: "
-              f"{so['tasks_per_gathered_get']:g}")
-        print(f"  1000 done futures gathered (asyncio's own cost per future) "
-              f"{_fmt_stats(so['done_gather'], ' us/op')}   (CPU "
-              f"{_fmt_stats(cpu['done_gather'], ' us/op')})")
-        print(f"  1000 no-op coroutines gathered (asyncio's cost per Task) "
-              f"{_fmt_stats(so['bare_gather'], ' us/op')}   (CPU "
-              f"{_fmt_stats(cpu['bare_gather'], ' us/op')})")
-        print(f"  gathered get less asyncio's cost per done future, to sequential: "
-              f"{so['concurrent_less_asyncio_vs_sequential']:.2f}   (CPU "
-              f"{so['cpu_concurrent_less_asyncio_vs_sequential']:.2f})")
-        print(f"  (a bare copy_ of the chunk: {so['copy_only_us']:.2f} us, CPU "
-              f"{cpu['copy_only']['min']:.2f} us)")
     pg = res.get("paged")
     if pg:
         print(f"\npaged store vs a bare native gather of the same pages ({pg['tokens']} tokens,"
@@ -1049,7 +922,7 @@ def plot(res: dict[str, Any], path: str) -> None:
 
 
 #: The parts of a run, in the order they run (``--only`` picks some).
-PARTS = ("siblings", "eviction", "stalls", "small", "paged", "disk", "curve", "server")
+PARTS = ("siblings", "eviction", "stalls", "paged", "disk", "curve", "server")
 
 
 def _ints(s: str) -> list[int]:
@@ -1070,8 +943,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     if want("stalls"):
         res["stalls"] = await stalls(args.stall_entries, max(_ints(args.siblings)),
                                      args.listing)
-    if want("small"):
-        res["small_ops"] = await small_ops(args.repeats)
     if want("paged"):
         res["paged"] = await paged(args.paged_tokens, args.repeats)
     if want("disk"):

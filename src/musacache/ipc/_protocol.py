@@ -42,7 +42,6 @@ __all__ = [
     "Request",
     "encode_error",
     "encode_reply",
-    "encode_reply_packed",
     "encode_request",
     "pack",
     "error_from_wire",
@@ -316,14 +315,6 @@ def encode_reply(request_id: int, result: Any = None, *, nfds: int = 0,
     except (TypeError, ValueError, OverflowError) as exc:
         raise ProtocolError(f"cannot encode frame body: {exc}") from exc
     return _framed_with_id(_REPLY_HEAD, request_id, _RESULT_KEY + packed, nfds, max_frame_size)
-
-
-def encode_reply_packed(request_id: int, packed_result: bytes) -> bytes:
-    """``encode_reply(request_id, result)`` from ``pack(result)``, byte for byte: a server
-    that answers the same result often packs it once (a small frame, no fds)."""
-    _check_request_id(request_id)
-    return _framed_with_id(_REPLY_HEAD, request_id, _RESULT_KEY + packed_result, 0,
-                           DEFAULT_MAX_FRAME_SIZE)
 
 
 def encode_error(request_id: int | None, exc: BaseException) -> bytes:

@@ -60,7 +60,6 @@ from musacache._version import __version__
 from musacache.cache import Cache
 from musacache.engine.tasks import outlive
 from musacache.ipc import _messages as msgs
-from musacache.ipc._protocol import encode_reply_packed, pack
 from musacache.server.spawn import SpawnedServer, spawn
 
 __all__ = ["OPS", "Server", "ServerConfig", "SpawnedServer", "main", "spawn"]
@@ -1038,27 +1037,6 @@ class Server:
         refusals: collections.deque[tuple[int | None, MusaCacheError]] = collections.deque()
         wake = asyncio.Event()
         ended = False
-        budget = _NOW_PER_TURN
-        held: list[bytes] = []  # replies made in the reader callback, not yet sent
-
-        def send_held() -> None:
-            if not held:
-                return
-            data = held[0] if len(held) == 1 else b"".join(held)
-            held.clear()
-            try:
-                if conn.send_nowait(data):
-                    return
-            except (CacheUnavailableError, OSError):
-                return  # the peer went away; on_end is called
-            peer.in_flight += 1  # the socket is full: a task sends them
-            ops[loop.create_task(self._send_later(conn, peer, data, ops))] = []
-
-        def take_turn() -> None:
-            nonlocal budget
-            budget = _NOW_PER_TURN
-            if not refusals:  # (else the loop below resumes once they are answered)
-                conn.resume_reading()
 
         def refuse(rid: int | None, error: MusaCacheError) -> None:
             refusals.append((rid, error))
@@ -1094,7 +1072,6 @@ class Server:
                     f"{cfg.max_buffered_bytes} (staging and incomplete frames together)"))
 
         def on_frame(frame: ipc.Frame | ipc.FrameError) -> None:
-            nonlocal budget
             peer.partial_since = 0.0  # (the next frame's clock: see _overdue)
             if peer.parked_fds:  # (fds that waited for their frame: taken now, or closed)
                 self._sync_parked(peer, conn)
@@ -1117,26 +1094,6 @@ class Server:
                     ipc.close_fds(frame.fds)
                     self.counters["limited"] += 1
                     refuse(frame.id, limit)
-                    return
-            elif frame.op in _NOW_OPS:
-                reply = _answer_now(self, peer, frame)
-                if reply is not None:
-                    # Replies of the frames that came in one read go out in one send: a
-                    # syscall on this side and a wakeup on the client's per read, not per
-                    # request (the last frame of the read sends them at once, so a lone
-                    # request waits for nothing; the call_soon is a backstop).
-                    held.append(reply)
-                    budget -= 1
-                    if budget == 0:
-                        # A peer that keeps its socket full would hold the loop for as long
-                        # as it likes: others get a turn every _NOW_PER_TURN requests.
-                        conn.pause_reading()
-                        loop.call_soon(take_turn)
-                        send_held()
-                    elif not conn.buffered:
-                        send_held()
-                    elif len(held) == 1:
-                        loop.call_soon(send_held)
                     return
             peer.in_flight += 1
             peer.held_fds += nfds
@@ -1236,18 +1193,6 @@ class Server:
         try:
             await self._run(conn, peer, req, fds)
         finally:
-            ops.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
-
-    async def _send_later(self, conn: ipc.Connection, peer: _Peer, frame: bytes,
-                          ops: dict[asyncio.Task[None], list[int]]) -> None:
-        """Send replies that :func:`_answer_now` made while the socket was full (they count
-        as one request in flight until they are out)."""
-        try:
-            await conn.send_frame(frame)
-        except (CacheUnavailableError, OSError):
-            pass  # the peer went away; its cleanup runs in _serve_peer
-        finally:
-            peer.in_flight -= 1
             ops.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
 
     async def _run(self, conn: ipc.Connection, peer: _Peer, req: ipc.Request,
@@ -1369,94 +1314,6 @@ class Server:
                         "tenant": _tenant_tag(k[3]), "uid": k[4], **(await c.stats())}
                        for k, c in self.caches.items()],
         }
-
-
-#: Ops that :func:`_answer_now` may answer in the connection's reader callback.
-_NOW_OPS: Final = frozenset({"lookup", "get"})
-_MAX_TOKEN_BYTES: Final = msgs.MAX_TOKENS * 4
-#: Requests one connection may have answered from its reader callback before the loop
-#: runs anything else (a few ms of the loop at most).
-_NOW_PER_TURN: Final = 64
-_I4: Final = np.dtype("<i4")
-_frombuffer: Final = np.frombuffer  # (the dtype passed by position: 0.2 µs less than by name)
-
-
-#: Packed reply bodies of gets answered by :func:`_answer_now`, by (top tier's name, count).
-_GET_REPLIES: Final[dict[tuple[str, int], bytes]] = {}
-_MAX_GET_REPLIES: Final = 4096
-
-
-def _get_reply(tier: str, n: int) -> bytes:
-    """The packed result of a get that served ``n`` tokens from ``tier`` (the task path's
-    ``{"num_tokens", "tiers"}``), kept for the next get of that count (a bounded set)."""
-    body = pack({"num_tokens": n, "tiers": {tier: n} if n else {}})
-    if len(_GET_REPLIES) < _MAX_GET_REPLIES:
-        _GET_REPLIES[tier, n] = body
-    return body
-
-
-def _answer_now(server: Server, peer: _Peer, req: ipc.Request) -> bytes | None:
-    """The reply frame to a ``lookup``, or a ``get`` into a buffer the connection keeps, from the
-    connection's reader callback, when its arguments have the usual shape and the cache's
-    direct read path (``_fastpath``) serves it. That path never awaits, so the request has
-    nothing to cancel, no other request runs in the middle of it, and it costs no task: the
-    task, its coroutines and the loop's turn to start it were half of a small request's
-    server CPU.
-
-    None, having changed nothing: the request takes the task path (:meth:`Server._run`),
-    which decodes its arguments in full and raises the typed error of anything malformed.
-    Only well-formed arguments are accepted here: ``tokens`` int32 bytes within
-    ``MAX_TOKENS``; for ``get``, a kept ``buf`` and no ``out`` handle nor ``release``
-    (other fields are ignored, as the typed messages ignore them).
-    """
-    cache = peer.cache
-    if cache is None or peer.monitor:
-        return None  # before hello (or a monitor): the task path says what is wrong
-    fast = cache._fast  # None once the cache is closing: Cache.get/lookup would refuse
-    if fast is None:
-        return None
-    args = req.args
-    raw = args.get("tokens")
-    if type(raw) is not bytes or len(raw) & 3 or len(raw) > _MAX_TOKEN_BYTES:
-        return None
-    counters = server.counters
-    result: Any
-    try:
-        if req.op == "lookup":
-            result = fast.lookup(_frombuffer(raw, _I4))
-            if result is None:
-                return None
-        else:
-            buf = args.get("buf")
-            if type(buf) is not int or (len(args) > 2 and (
-                    args.get("out") is not None or args.get("release") is not None)):
-                return None
-            kept = peer.buffers.get(buf)
-            if kept is None:
-                return None
-            n = fast.serve(raw, kept.tensor)  # (the checks above: int32 bytes, as it takes)
-            if n is None:
-                return None
-            counters["bytes_copied"] += n * fast.bpt  # (spec.nbytes, without the call)
-            # The reply is one of few bodies (a count, and the top tier's name with it): each
-            # packed once, 0.4 µs less than packing the dict per get.
-            top = fast.top  # (serve answered: the cache has a host top tier)
-            name = "" if top is None else top.name
-            reply = encode_reply_packed(req.id, _GET_REPLIES.get((name, n))
-                                        or _get_reply(name, n))
-            counters["requests"] += 1
-            return reply
-        counters["requests"] += 1
-        return ipc.encode_reply(req.id, result)
-    except MusaCacheError as e:  # as in Server._run: answered, not logged
-        counters["requests"] += 1
-        counters["errors"] += 1
-        return ipc.encode_error(req.id, e)
-    except Exception as e:
-        counters["requests"] += 1
-        counters["errors"] += 1
-        log.exception("op %s failed", req.op)
-        return ipc.encode_error(req.id, e)
 
 
 def _tenant_tag(tenant: str | None) -> str | None:

@@ -34,11 +34,10 @@ from musacache._errors import (
     MusaCacheError,
     ShapeError,
 )
-from musacache._keys import as_tokens
+from musacache._keys import as_tokens, token_bytes
 from musacache._spec import KVSpec, check_writable, may_overlap
 from musacache._validate import positive_float
 from musacache.cache import Hit, _new_hit
-from musacache.engine.fastpath import token_bytes
 from musacache.engine.pages import check_pages
 from musacache.ipc._memory import shared_segment
 
