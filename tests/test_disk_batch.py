@@ -161,11 +161,12 @@ async def test_a_hung_read_in_a_batch_is_abandoned_and_the_others_are_served(
         assert hit.num_tokens == CH and hit.tiers == {"disk": CH}
         td = spec.token_dim
         assert torch.equal(out.narrow(td, 0, CH), kv.narrow(td, 0, CH))
-        # The chunks after the hung one were read by the other lanes meanwhile, into out.
-        assert torch.equal(out.narrow(td, 2 * CH, 2 * CH), kv.narrow(td, 2 * CH, 2 * CH))
+        # The chunks after the hung one were read by the other lanes meanwhile, into their
+        # stage: out past the hit is left as it was.
+        assert _store(c).stats()["reads"] == 3
         await until_set(returned)
         await anyio.sleep(0.05)
-        assert not out.narrow(td, CH, CH).any()  # the abandoned read wrote nothing
+        assert not out.narrow(td, CH, 3 * CH).any()  # the abandoned read wrote nothing
         stats = (await c.stats())["tiers"]["disk"]
         assert stats["timeouts"] == 1
         store = _store(c).stats()
@@ -182,16 +183,15 @@ async def test_a_hung_first_read_abandons_the_lane_the_get_runs_itself(
     turn before it): a read there that hangs is abandoned within the timeout all the same,
     the other lane reads the rest, and the get is a miss from chunk 0 on."""
     async with _on_disk(tmp_path, 4, seed=13, timeout=0.3, max_concurrency=2) as (
-            c, spec, toks, kv):
+            c, _spec, toks, kv):
         hit, out, elapsed, returned = await _get_with_a_hung_file(
             c, tmp_path, toks, kv, monkeypatch, 0)
         assert elapsed < 5
         assert hit.num_tokens == 0
-        td = spec.token_dim
-        assert torch.equal(out.narrow(td, CH, 3 * CH), kv.narrow(td, CH, 3 * CH))
+        assert _store(c).stats()["reads"] == 3  # the rest, into their stage
         await until_set(returned)
         await anyio.sleep(0.05)
-        assert not out.narrow(td, 0, CH).any()  # the abandoned read wrote nothing
+        assert not out.any()  # the abandoned read wrote nothing, nor did the others
         store = _store(c).stats()
         assert store["read_timeouts"] == 1 and store["quarantined"] == 1
         assert store["stuck_reads"] == 0
@@ -298,7 +298,7 @@ async def test_one_hung_file_costs_a_batch_one_timeout_not_two(
     finished the rest (a watch over the batch's progress as a whole would wait a second
     timeout)."""
     timeout = 1.0
-    async with _on_disk(tmp_path, 4, seed=8, timeout=timeout) as (c, spec, toks, kv):
+    async with _on_disk(tmp_path, 4, seed=8, timeout=timeout) as (c, _spec, toks, kv):
         hit, out, elapsed, returned = await _get_with_a_hung_file(
             c, tmp_path, toks, kv, monkeypatch, 0)
         assert hit.num_tokens == 0
@@ -309,9 +309,10 @@ async def test_one_hung_file_costs_a_batch_one_timeout_not_two(
         assert store["stuck_reads"] == 0
         # The abandoned lane's thread token went back with it, the others' as they ended.
         assert _store(c)._limiter.borrowed_tokens == 0
-        # The other three were read meanwhile, into out, by the other lanes.
-        td = spec.token_dim
-        assert torch.equal(out.narrow(td, CH, 3 * CH), kv.narrow(td, CH, 3 * CH))
+        # The other three were read meanwhile by the other lanes, into their stage: out past
+        # the hit is left as it was.
+        assert store["reads"] >= 3  # (and their promotions' reads since)
+        assert not out.any()
 
 
 async def test_a_batch_whose_lanes_wait_for_threads_still_reads_with_one(

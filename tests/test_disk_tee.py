@@ -1,6 +1,6 @@
 """A get that promotes chunks from disk writes each chunk into its top-tier slot and into the
-caller's tensor in the same read, block by block (``musacache.engine.tee``): the later move copies
-only what that read did not write. That is ``promotion="sync"``; the default read straight
+get's own tensor in the same read, block by block (``musacache.engine.tee``): the later move copies
+only what that read did not write (a caller's ``out`` is written by the move alone). That is ``promotion="sync"``; the default read straight
 into the caller's tensor is tests/test_disk_direct.py's. Speed is shown by ``musacache bench scale --only disk``."""
 
 from __future__ import annotations
@@ -82,13 +82,33 @@ async def test_a_disk_promotion_writes_out_in_its_read_and_is_not_moved_again(
         await c.put(toks, kv)
         await on_disk_only(c)
         moves = _spy_moves(c)
-        # A strided destination (a permuted view): the tee writes it in its logical order.
+        # The get's own tensor (no ``out``: a caller's ``out`` is written by the move alone,
+        # so that a chunk that fails part-way leaves nothing in it past the hit).
+        hit = await c.get(toks)
+        assert hit.num_tokens == len(toks) and hit.tiers == {"disk": len(toks)}
+        assert torch.equal(hit.kv, kv)
+        assert hit.kv.untyped_storage().data_ptr() not in moves  # written once
+
+
+async def test_a_sync_get_into_out_is_written_by_the_move_from_the_slots(
+        tmp_path: Path) -> None:
+    """Into a caller's ``out`` a chunk from disk is staged in its top-tier slot (its
+    promotion), with no tee: ``out`` gets only chunks all read, by the one move."""
+    spec = small_spec()
+    toks = random_tokens(4 * CH, seed=2)
+    kv = prefix_kv(spec, toks)
+    disk = mc.DiskTier(path=str(tmp_path), capacity_bytes="64MiB")
+    async with mc.Cache(_cfg(spec, disk)) as c:
+        await c.put(toks, kv)
+        await on_disk_only(c)
+        moves = _spy_moves(c)
+        # A strided destination (a permuted view): the move writes it in its logical order.
         base = torch.zeros(spec.shape(len(toks))[::-1])
         out = base.permute(*reversed(range(base.dim())))
         hit = await c.get(toks, out=out)
         assert hit.num_tokens == len(toks) and hit.tiers == {"disk": len(toks)}
         assert torch.equal(out, kv)
-        assert base.untyped_storage().data_ptr() not in moves  # out written once
+        assert moves.count(base.untyped_storage().data_ptr()) == 4
 
 
 async def test_chunks_served_from_memory_still_go_through_the_move(
@@ -103,15 +123,14 @@ async def test_chunks_served_from_memory_still_go_through_the_move(
         await c.get(toks[: 2 * CH])  # the first two chunks back in host memory
         moves = _spy_moves(c)
         by_address = _spy_resident(monkeypatch)
-        out = torch.zeros_like(kv)
-        hit = await c.get(toks, out=out)
+        hit = await c.get(toks)
         assert hit.num_tokens == len(toks)
         assert hit.tiers == {"host": 2 * CH, "disk": 4 * CH}
-        assert torch.equal(out, kv)
+        assert torch.equal(hit.kv, kv)
         # exactly the two chunks the disk read did not write: the leading ones, which the
         # host tier holds, copied by slot address (musacache.engine.resident), none by the move
         assert by_address == [2]
-        assert moves.count(out.untyped_storage().data_ptr()) == 0
+        assert moves.count(hit.kv.untyped_storage().data_ptr()) == 0
 
 
 async def test_a_tee_is_made_only_for_the_chunks_read_from_below(
@@ -137,13 +156,12 @@ async def test_a_tee_is_made_only_for_the_chunks_read_from_below(
         await on_disk_only(c)
         await c.get(toks[: 2 * CH])  # the first two chunks back in host memory
         made.clear()
-        out = torch.zeros_like(kv)
-        hit = await c.get(toks, out=out)
+        hit = await c.get(toks)
         assert hit.tiers == {"host": 2 * CH, "disk": 4 * CH}
-        assert torch.equal(out, kv)
+        assert torch.equal(hit.kv, kv)
         assert len(made) == 4
         made.clear()
-        hit = await c.get(toks, out=torch.zeros_like(kv))  # all in memory now
+        hit = await c.get(toks)  # all in memory now
         assert hit.tiers == {"host": len(toks)}
         assert made == []
 

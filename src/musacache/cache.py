@@ -118,25 +118,39 @@ async def _drop_in_runs(items: list[Any]) -> None:
 
 async def _read_into(eng: Engine, matches: list[Match],
                      pair: Callable[[Match, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-                     dest: Callable[[Match], torch.Tensor | None] | None = None,
-                     ) -> list[tuple[Match, torch.Tensor, str]]:
+                     dest: Callable[[Match], torch.Tensor | None] | None = None, *,
+                     staged: bool = False) -> list[tuple[Match, torch.Tensor, str]]:
     """The read of ``get`` and ``get_pages``: pin ``matches``, take each from the hottest tier
     holding it (promoting from below), copy it where ``pair(match, source)`` says in one
     move, and touch what was served. Returns the contiguous run served.
 
-    ``dest(match)`` is the caller's tensor for a whole chunk (its elements in the chunk's
-    order), or None: a chunk promoted from disk is written there by its read, block by block
-    (:mod:`musacache.engine.tee`), and left out of the move."""
+    ``dest(match)`` is the tensor for a whole chunk (its elements in the chunk's order), or
+    None: a chunk promoted from disk is written there by its read, block by block
+    (:mod:`musacache.engine.tee`), and left out of the move. ``staged``: ``dest`` is the caller's
+    memory, which must hold nothing past the run served; a read from storage then writes a
+    tensor of its own instead, and the move copies it on only once every chunk before it
+    was read (a chunk in memory is copied once, from its slot)."""
     # A tee only for a chunk fetched from below the top tier (the only reads that write the
     # caller's tensor), made when ``sources`` starts that fetch: one costs 15 to 20 µs, too
     # much to make for every chunk of a get served from memory.
     tees: dict[int, Tee] = {}
+    direct = eng.config.promotion == "background"
 
     def tee_for(i: int) -> Tee | None:
         d = dest(matches[i]) if dest is not None else None
         if d is None or d.device.type != "cpu":
             return None
-        tee = tees[i] = Tee(d)
+        if not staged:
+            tee = tees[i] = Tee(d)
+            return tee
+        # Staged, only a read straight from storage gets a tee (into a stage): a read
+        # through a top-tier slot is staged there already, and a tee would copy it twice.
+        if not direct:
+            return None
+        tee = Tee(torch.empty(d.shape, dtype=d.dtype))
+        if eng.cold.direct.direct_source(matches[i].entry, tee) is None:
+            return None
+        tees[i] = tee
         return tee
 
     pinned = 0
@@ -153,7 +167,7 @@ async def _read_into(eng: Engine, matches: list[Match],
         for i, (m, src, _name) in enumerate(found):
             if i and not i % VIEW_RUN:  # a long read's views, a run per turn of the loop
                 await anyio.lowlevel.checkpoint()
-            if not ((tee := tees.get(i)) is not None and tee.complete):
+            if staged or not ((tee := tees.get(i)) is not None and tee.complete):
                 pairs.append(pair(m, src))
         await eng.mover.copy(pairs)
         await _drop_in_runs(pairs)
@@ -360,7 +374,8 @@ class Cache:
         With ``out`` (any strided tensor of ``spec.shape(len(tokens))``), the KV is written
         into it and ``hit.kv`` is a view of it. Without it, ``hit.kv`` is on
         :attr:`device`. A miss is ``hit.num_tokens == 0``. ``out`` past ``hit.num_tokens``
-        is unspecified (a damaged chunk, which ends the hit, or a later one may be there).
+        is left as it was: a chunk that cannot be read ends the hit, and neither it nor any
+        chunk after it writes a byte of ``out``.
         """
         eng = self._check_open()
         toks = as_tokens(tokens)
@@ -462,7 +477,9 @@ class Cache:
         Tokens before ``skip_prefix`` (the engine holds them) are neither read nor overwritten;
         slots of -1 are skipped. ``ready`` is awaited before the pages are written. Returns the
         number of tokens written: the cached prefix length minus ``skip_prefix`` (0 if the
-        cached prefix is shorter). Every argument is checked before any page is touched.
+        cached prefix is shorter). Every argument is checked before any page is touched. The
+        slots of tokens past those written are left as they were: a chunk that cannot be read
+        ends the retrieve, and neither it nor any chunk after it writes a slot.
         """
         eng = self._check_open()
         self._ops["gets"] += 1
@@ -682,7 +699,10 @@ async def _get_matched(cache: Cache, eng: Engine, toks: np.ndarray,
     first = 0 if res is None else res.count
     read = False
     try:
-        found = await _read_into(eng, matches[first:], *_dense_dest(dst, td)) \
+        # A read from storage can fail part-way, or fail while a later chunk reads well: into
+        # the caller's ``out`` it is staged, so that ``out`` past the hit is left as it was.
+        found = await _read_into(eng, matches[first:], *_dense_dest(dst, td),
+                                 staged=out is not None) \
             if first < len(matches) else []
         read = True
     finally:

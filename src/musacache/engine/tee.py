@@ -1,11 +1,13 @@
-"""A second destination for a chunk read from storage: the caller's tensor, written from the
+"""A second destination for a chunk read from storage: the get's tensor, written from the
 read's own worker thread block by block, while each verified block is still in the CPU cache.
 
 A get that promotes a chunk from disk reads it into a top-tier slot; without a tee it then
-copies the whole slot into the caller's ``out`` in a second pass after every chunk is read.
+copies the whole slot into the get's tensor in a second pass after every chunk is read.
 With a tee, the codec hands each block to :meth:`Tee.put` right after the block's checksum
-passed, and the tee copies it on into the caller's view of the chunk. The later copy of the
-get skips a chunk whose tee is :attr:`complete`.
+passed, and the tee copies it on into the get's view of the chunk. The later copy of the
+get skips a chunk whose tee is :attr:`complete`. A caller's ``out`` is never a tee's
+destination: a read can fail after some of its blocks were written, and ``out`` past the hit
+must be left as it was, so a get into ``out`` tees into a stage of its own (``_engine``).
 
 Where the destination's elements lie in runs of at least :data:`MIN_RUN_BYTES` contiguous bytes
 (any tensor whose innermost dimension is contiguous: a slice of a dense ``out``, a permuted
