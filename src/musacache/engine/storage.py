@@ -311,22 +311,22 @@ class ColdPath:
         """Queue ``obj`` for ``t`` (capacity made first, then room in the queue). False if
         ``t`` cannot take it: too big, full of pinned chunks, or shed by a failing tier. An
         entry no longer in the directory (deleted, or of one a clear swapped out and takes
-        apart meanwhile) is not written: True, nothing to do. Written, such an entry's
-        object could land after that of the same key put again since, and be served as its
-        KV."""
+        apart meanwhile) is not written: True, nothing to do. Written, such an entry's object
+        could land after that of the same key put again since, and be served as its KV."""
         if self._stale(e):
             return True
         size = len(obj)
         if t.capacity is not None and (size > t.capacity or not await self.make_room(t, size)):
             t.c["write_drops"] += 1
             return False
-        if not await t.admit(size):
-            return False
-        if t.holds(e) or self._stale(e):
-            return True  # written by another task while we waited, or gone: nothing to do
-        if not self.eng.tasks.running_group():
-            raise CacheClosedError("the cache closed while a write waited for room")
-        t.enqueue(e, obj)
+        with t.reserve(e, obj):  # the room made above, held through the wait for the queue
+            if not await t.admit(size):
+                return False
+            if t.holds(e) or self._stale(e):
+                return True  # written by another task while we waited, or gone: nothing to do
+            if not self.eng.tasks.running_group():
+                raise CacheClosedError("the cache closed while a write waited for room")
+            t.enqueue(e, obj)
         before, mine = t.chain_link(e.key)
         self.eng.tasks.spawn(self._write_job, t, e, obj, before, mine)
         return True

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import anyio
@@ -235,8 +237,22 @@ class StoreTier:
                 await self.drained.wait()
         return True
 
-    def enqueue(self, e: Entry, obj: bytes) -> None:
+    @contextmanager
+    def reserve(self, e: Entry, obj: bytes) -> Iterator[None]:
+        """Count ``obj``'s bytes in ``used`` from now on, in the step its room was made:
+        writes that wait for the queue meanwhile would otherwise all count the same free
+        bytes, and together go over the capacity. Given back on leaving, unless ``obj``
+        was queued for ``e`` (:meth:`enqueue`) within."""
         self.used += len(obj)
+        try:
+            yield
+        finally:
+            queued = self.pending.get((e.key, e.gen))
+            if queued is None or queued[0] is not obj:
+                self.used -= len(obj)
+
+    def enqueue(self, e: Entry, obj: bytes) -> None:
+        """Queue ``obj`` for ``e``, within :meth:`reserve`, which counted its bytes."""
         self.pending[(e.key, e.gen)] = (obj, time.monotonic())
         self.pending_bytes += len(obj)
         e.set_pending(self.idx, True)
