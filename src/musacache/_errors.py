@@ -19,6 +19,7 @@ __all__ = [
     "SlotRangeError",
     "LayoutError",
     "CacheClosedError",
+    "EventLoopError",
     "TierError",
     "TierTimeoutError",
     "CorruptChunkError",
@@ -83,6 +84,17 @@ class LayoutError(InvalidInputError):
 
 class CacheClosedError(MusaCacheError, RuntimeError):
     """The cache (or client) was used after ``aclose()`` or outside ``async with``."""
+
+
+class EventLoopError(MusaCacheError, RuntimeError):
+    """A cache was closed from an event loop other than the one that opened it.
+
+    A cache belongs to the event loop that opened it: open, use and close it under one
+    ``asyncio.run`` (or one loop). When that loop has closed already, ``aclose()`` releases
+    what needs no loop (memory, copy threads, storage tiers it can close) and then raises
+    this; the cache is closed, and writes still queued in the old loop were lost with it.
+    When that loop is still open, nothing is released: close the cache in its own loop.
+    """
 
 
 class TierError(MusaCacheError):

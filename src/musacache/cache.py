@@ -22,6 +22,7 @@ from musacache._errors import (
     CacheClosedError,
     ConfigError,
     DeviceError,
+    EventLoopError,
     InvalidInputError,
     ShapeError,
 )
@@ -206,6 +207,7 @@ class Cache:
         self._chain = KeyChain(self.fingerprint, salt)
         self._state = "new"
         self._release_task: asyncio.Task[None] | None = None  # the end of aclose
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop open() ran in
         self._closed_stores: set[int] = set()  # storage tiers aclose has closed (by idx)
         self._tasks = TaskOwner()
         self._eng: Engine | None = None
@@ -246,6 +248,7 @@ class Cache:
         if self._state != "new":
             raise CacheClosedError(f"Cache.open() called on a cache that is {self._state}")
         self._state = "opening"
+        self._loop = asyncio.get_running_loop()
         cfg = self.config
         slot_bytes = self.spec.nbytes(cfg.chunk_size)
         started: list[StorageTier] = []
@@ -302,13 +305,17 @@ class Cache:
     async def aclose(self) -> None:
         """Persist (``persist_on_close``) and finish queued writes, within ``close_timeout``
         seconds; then release every tier. What did not make it is counted in
-        ``stats()["close"]``. Idempotent."""
+        ``stats()["close"]``. Idempotent. Call it in the event loop that opened the cache:
+        from any other it raises :class:`~musacache.EventLoopError` (after releasing what
+        it can, when that loop has closed)."""
         if self._state == "closing" and self._release_task is not None:
             await _release_to_end(self)  # one that a cancellation of every task cut short
             return
         if self._state in ("closed", "closing", "new") or self._eng is None:
             self._state = "closed"
             return
+        if self._loop is not None and self._loop is not asyncio.get_running_loop():
+            await _close_from_other_loop(self, self._loop)
         self._state = "closing"
         eng = self._eng
         with anyio.CancelScope(shield=True):
@@ -635,6 +642,44 @@ async def _release_to_end(cache: Cache) -> None:
         raise came
 
 
+async def _close_from_other_loop(cache: Cache, opened: asyncio.AbstractEventLoop) -> None:
+    """``aclose`` called in a loop other than ``opened``, the one the cache was opened in:
+    its tasks, events and connections are that loop's and cannot be awaited from this one.
+    A loop still open keeps the cache open (close it there); a closed one took the tasks with
+    it, so what needs no loop is released here before the error is raised."""
+    rule = ("a cache is used and closed in the event loop that opened it (one asyncio.run): "
+            "aclose() was called in another")
+    if not opened.is_closed():
+        raise EventLoopError(f"{rule}, while the cache's own loop is still open; nothing was "
+                             "released: close the cache in its own loop")
+    eng = cache._eng
+    assert eng is not None
+    cache._state = "closing"
+    cache._fast = None
+    cache._tasks.abandon()
+    cache._close["writes_abandoned"] = sum(len(st.pending) for st in eng.stores)
+    with anyio.CancelScope(shield=True):
+        for st in eng.stores:
+            if st.idx in cache._closed_stores:
+                continue
+            cache._closed_stores.add(st.idx)
+            try:
+                # A tier whose connections belong to the closed loop fails or hangs here:
+                # what it could not release goes with its objects.
+                with anyio.move_on_after(float(st.store.timeout)):
+                    await st.store.aclose()
+            except Exception as e:
+                eng.cold.errlog.warn(st.name, "close", repr(e))
+        # The old loop's moves never finish in this one: instead of waiting for them, the
+        # copy threads are let go of and waited for, so none writes memory freed below.
+        await anyio.to_thread.run_sync(eng.mover.shut_down)
+        await _release(eng, moves_done=True)
+    cache._state = "closed"
+    raise EventLoopError(f"{rule}, after the cache's own loop had closed; its memory, copy "
+                         "threads and storage tiers were released here, and writes still "
+                         f"queued ({cache._close['writes_abandoned']}) were lost")
+
+
 async def _close_rest(cache: Cache, eng: Engine) -> None:
     """Stop the cache's own tasks, close each storage tier (once, even when this is run
     again), then :func:`_release`."""
@@ -650,11 +695,13 @@ async def _close_rest(cache: Cache, eng: Engine) -> None:
     await _release(eng)
 
 
-async def _release(eng: Engine) -> None:
-    """The end of ``Cache.aclose``: let go of every tier's memory and the directory."""
+async def _release(eng: Engine, moves_done: bool = False) -> None:
+    """The end of ``Cache.aclose``: let go of every tier's memory and the directory.
+    ``moves_done``: the copy threads have ended already (no move to wait for)."""
     # No move may write a slot (by address: that keeps no memory alive) once its segment is
     # freed: new ones fail, running ones finish first.
-    await eng.mover.quiesce()
+    if not moves_done:
+        await eng.mover.quiesce()
     for mt in eng.mem:
         await _removal.release_memory(mt)
     for st in eng.stores:

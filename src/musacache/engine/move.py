@@ -113,6 +113,12 @@ class Mover:
         self._closed = True
         self._pool.shutdown(wait=False)
 
+    def shut_down(self) -> None:
+        """Refuse new moves and wait (blocking) until every copy thread has ended: for a
+        cache whose event loop is gone, whose running moves can no longer be awaited."""
+        self._closed = True
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
     async def run(self, work: Callable[[Any], None], *, device: torch.device | None,
                   nbytes: int) -> None:
         """Run ``work(stream)``: on the host in a worker thread (inline when tiny), or

@@ -109,6 +109,15 @@ class TaskOwner:
             self._supervisor = None
 
 
+    def abandon(self) -> None:
+        """Let go of the group of an event loop that has closed: its tasks ended with that
+        loop (or never will run again), and its events can no longer be set or awaited
+        from any other loop. Nothing can be spawned from now on."""
+        self._tg = None
+        self._supervisor = None
+        self.running = 0
+
+
 async def outlive(fut: asyncio.Future[Any]) -> BaseException | None:
     """Wait until ``fut`` is done, whatever cancels the caller meanwhile (anyio's scopes and
     a plain ``task.cancel()`` alike); the first cancellation that came, for the caller to
