@@ -1,11 +1,10 @@
 """A closed cache is freed by reference counting alone, with everything it held.
 
-The cache freezes the process's heap at its first entry (``_gcfreeze``), and the collector
-never frees a frozen reference cycle: a cycle among a cache's own objects (the engine and
-its cold path named each other) kept the engine, its tiers, the directory's skeleton, the
-recency arrays and every entry a storage tier's recency order still named, for the life of
-the process (two million objects after the stall bench's caches). Each test here runs with
-the collector off, so only reference counts free anything, as for a frozen cache."""
+A cycle among a cache's own objects (the engine and its cold path naming each other) would
+keep the engine, its tiers, the directory's skeleton, the recency arrays and every entry a
+storage tier's recency order still names until a full collection found it, and a full
+collection walks every tracked object of the process. Each test here runs with the
+collector off, so only reference counts free anything."""
 
 from __future__ import annotations
 

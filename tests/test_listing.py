@@ -125,15 +125,14 @@ async def test_a_restart_from_disk_keeps_no_object_per_listed_chunk_on_the_loop(
     running = True
 
     async def watch() -> None:
-        # gc.get_objects() leaves out frozen objects: sampled at every turn, before the
-        # restart freezes anything.
+        # Sampled at every turn: the most ChunkMeta alive at once.
         while running:
             alive = sum(1 for o in gc.get_objects() if type(o) is ChunkMeta)
             most[0] = max(most[0], alive)
             turns[0] += 1
             await asyncio.sleep(0)
 
-    cfg = mc.CacheConfig(TINY, "listing", chunk_size=CH, gc_freeze_every=0,
+    cfg = mc.CacheConfig(TINY, "listing", chunk_size=CH,
                          tiers=(mc.HostTier(capacity_bytes=TINY.nbytes(CH) * 64), tier))
     task = asyncio.create_task(watch())
     await asyncio.sleep(0)
@@ -216,36 +215,6 @@ async def test_a_list_of_chunk_metas_is_freed_a_batch_per_loop_turn():
         await c.aclose()
 
 
-async def test_no_full_collection_walks_a_listing_made_in_start():
-    """While a tier makes its listing as objects in ``start``, and until the cache has read
-    and freed them, the collector runs no full collection (each would walk every one of
-    them: 150 ms at a million); the young generations are still collected, and the
-    threshold is restored after. Before, full collections fired as the objects piled up."""
-    full: list[int] = []
-
-    def on_gc(phase: str, info: dict[str, int]) -> None:
-        if phase == "start" and info["generation"] == 2:
-            full.append(1)
-
-    n = 200_000  # far more than a quarter of what survived the collection below
-    tier = _MadeInStart(_listing(n, 64))
-    before = gc.get_threshold()
-    gc.collect()
-    c = mc.Cache(mc.CacheConfig(TINY, "bench-scale", chunk_size=CH,
-                                tiers=(mc.HostTier(capacity_bytes=TINY.nbytes(CH) * 64), tier)))
-    gc.callbacks.append(on_gc)
-    try:
-        await c.open()
-    finally:
-        gc.callbacks.remove(on_gc)
-    try:
-        assert len(c._engine.dir) == n
-        assert gc.get_threshold() == before
-        assert full == []
-    finally:
-        await c.aclose()
-
-
 def test_a_listing_builder_never_grows_one_buffer_past_a_block(monkeypatch):
     """Rows are kept in blocks of at most ``_BLOCK_ROWS``, so appending a row never copies
     more than one block (a flat buffer of a million rows grows by copying all of it, with
@@ -264,72 +233,6 @@ def test_a_listing_builder_never_grows_one_buffer_past_a_block(monkeypatch):
     # Built, the rows left the builder (each block was let go of as it was copied).
     assert len(b) == 0 and not b._done and len(b.build()) == 0
     assert list(ListingBuilder().build()) == []
-
-
-def test_release_pages_gives_back_only_arrays_that_own_their_memory():
-    """Through ``madvise``: an owned array's pages go (it reads as zeros after); a view,
-    an array that does not own its memory and a small array are left as they are."""
-    from musacache.tiers import listing as listing_mod
-
-    assert listing_mod._MADVISE is not None  # Linux: madvise is there to call
-    size = 4 * listing_mod._RELEASE_MIN_BYTES
-    owned = np.full(size, 7, np.uint8)
-    base = np.full(size, 7, np.uint8)
-    view = base[1:]
-    borrowed = np.frombuffer(bytearray(b"\x07" * size), np.uint8)
-    small = np.full(1000, 7, np.uint8)
-    listing_mod.release_pages([owned, view, borrowed, small])
-    page = listing_mod._PAGE
-    first = -(-owned.ctypes.data // page) * page - owned.ctypes.data
-    assert not owned[first : first + size - 2 * page].any()  # its whole pages are gone
-    for kept in (base, borrowed, small):
-        assert (kept == 7).all()
-
-
-async def test_a_restart_gives_back_the_arrays_it_made_and_never_a_tiers(monkeypatch):
-    """A restart sorts a listing into new arrays, and a list of ``ChunkMeta`` into a form
-    of its own first: both are its own, and their pages go back in a worker thread before
-    they are dropped (freed on the loop, their pages were unmapped there: 6 ms for a million
-    rows on small pages). A listing a tier returned is the tier's: never touched."""
-    import threading
-
-    from musacache.tiers import listing as listing_mod
-
-    released: list[tuple[int, str]] = []
-    real = listing_mod._MADVISE
-    assert real is not None
-
-    def recording(at: int, length: int, advice: int) -> int:
-        released.append((length, threading.current_thread().name))
-        return real(at, length, advice)
-
-    monkeypatch.setattr(listing_mod, "_RELEASE_MIN_BYTES", 4096)
-    monkeypatch.setattr(listing_mod, "_MADVISE", recording)
-    n = 40 * BATCH  # 2,560 rows: the key arrays are 80 KiB
-    listing = ChunkListing.from_metas(_shuffled_metas(n))
-    copy = ChunkListing(*(getattr(listing, f).copy() for f in ChunkListing.FIELDS))
-    main = threading.current_thread().name
-
-    class Giving(_Listing):
-        """A tier that hands its listing over (``give``): a fresh one at each start."""
-
-        async def start(self, ctx: TierContext) -> ChunkListing:
-            return ChunkListing(*(getattr(self.listing, f).copy()
-                                  for f in ChunkListing.FIELDS)).give()
-
-    for tier in (_Listing(listing), _Listing(listing, as_list=True), Giving(listing)):
-        released.clear()
-        cfg = mc.CacheConfig(TINY, "bench-scale", chunk_size=CH,
-                             tiers=(mc.HostTier(capacity_bytes=TINY.nbytes(CH) * 64), tier))
-        async with mc.Cache(cfg) as c:
-            assert len(c._engine.dir) > n // 2
-        assert listing == copy  # the tier's listing read as it was
-        keys = n * KEY_BYTES
-        # The sorted arrays' keys and parents, and those of a list's own form or of a
-        # listing handed over; never those of a listing the tier may still hold.
-        big = [length for length, _ in released if length >= keys - 2 * 4096]
-        assert len(big) == (2 if type(tier) is _Listing and not tier.as_list else 4), released
-        assert all(name != main for _, name in released)  # never on the loop
 
 
 async def test_the_disk_and_s3_tiers_hand_their_listings_over(tmp_path: Path,

@@ -14,11 +14,8 @@ import pytest
 import torch
 
 import musacache as mc
-import musacache.cache as engine_mod
 from helpers import StepMemory, most_per_turn, on_every_turn
-from musacache import _gcfreeze
-from musacache._errors import ConfigError
-from musacache.bench.scale import _Listing, _listing
+from musacache.bench.scale import _listing
 from musacache.engine.core import BATCH
 from musacache.engine.directory import Entry, KeyTable
 from musacache.tiers.listing import ChunkListing
@@ -177,11 +174,11 @@ def test_a_key_table_taken_apart_lets_go_of_each_shard_as_it_empties():
     assert all(sys.getsizeof(d) == empty for d in t._shards)
 
 
-async def test_closing_a_large_cache_frees_its_directory_a_batch_per_step():
+async def test_closing_a_large_cache_frees_its_directory_a_batch_per_step(entries_listed):
     """``aclose`` takes the directory apart a batch of entries per loop turn. Before, it
     cleared the key table in one step: a million entries freed at once (35 ms)."""
     n = 32 * BATCH
-    c = mc.Cache(_cfg(n + 64, gc_freeze_every=0))  # gc.get_objects() misses frozen ones
+    c = mc.Cache(_cfg(n + 64))
     await c.open()
     kv = torch.zeros(TINY.shape(64 * CH), dtype=TINY.dtype)
     for p in np.random.default_rng(3).integers(0, 128000, (n // 64, 64 * CH)):
@@ -271,9 +268,18 @@ def _live_entries() -> int:
     return sum(1 for o in gc.get_objects() if type(o) is Entry)
 
 
-async def test_deleted_entries_are_freed_by_reference_counts_alone():
-    """Frozen objects are never collected, so entries must form no reference cycles: with
-    the collector off, every entry of a deleted prompt, its descendants and a cleared cache
+@pytest.fixture
+def entries_listed(monkeypatch):
+    """Entries left on the collector's lists, so that ``gc.get_objects()`` counts them (the
+    directory untracks its own objects: they form no cycles)."""
+    import musacache.engine.directory as directory_mod
+
+    monkeypatch.setattr(directory_mod, "untrack", lambda obj: None)
+
+
+async def test_deleted_entries_are_freed_by_reference_counts_alone(entries_listed):
+    """Entries form no reference cycles, so a large directory never waits for the
+    collector to be freed: with the collector off, every entry of a deleted prompt, its descendants and a cleared cache
     is gone as soon as the delete or clear returns."""
     gc.collect()
     was = gc.isenabled()
@@ -295,230 +301,6 @@ async def test_deleted_entries_are_freed_by_reference_counts_alone():
     finally:
         if was:
             gc.enable()
-
-
-async def test_a_growing_directory_keeps_the_collector_walk_short(monkeypatch):
-    """Learning a listing freezes the heap every ``gc_freeze_every`` new entries, so what a
-    full collection walks (the tracked objects not frozen) never grows with the directory.
-    Before: every entry stayed in the collector's oldest generation, and each full
-    collection walked them all (0.45 to 0.55 s at a million)."""
-    frozen: list[int] = []
-    freeze = gc.freeze
-
-    def spy() -> None:
-        frozen.append(len(gc.get_objects()))  # what was walkable right before the freeze
-        freeze()
-
-    monkeypatch.setattr(gc, "freeze", spy)
-    every = 2048
-    n = 8 * every
-    metas = _listing(n, 64)
-    cfg = mc.CacheConfig(TINY, "bench-scale", chunk_size=CH, gc_freeze_every=every,
-                         tiers=(mc.HostTier(capacity_bytes=TINY.nbytes(CH) * 64),
-                                _Listing(metas)))
-    was = gc.isenabled()
-    gc.enable()
-    try:
-        async with mc.Cache(cfg) as c:
-            assert len(c._engine.dir) == n
-            assert len(frozen) >= n // every
-            # After the first freeze (the heap as it was), each walks at most the entries
-            # learned since the last one and what came with them, whatever the directory's
-            # size.
-            assert max(frozen[1:]) < 2 * every, frozen
-            unfrozen = len(gc.get_objects())
-            assert unfrozen < 2 * every, unfrozen
-    finally:
-        gc.unfreeze()
-        if not was:
-            gc.disable()
-
-
-async def test_learning_a_listing_keeps_each_young_collection_small():
-    """A restart learns its listing a batch per loop turn and collects the young generations
-    every few turns itself: each collection walks a few turns' new entries. Left to the
-    collector's own schedule, about 7,000 objects piled up in the middle generation and one
-    collection walked them all (2 to 7 ms on the loop at a million, a cache miss per
-    reference)."""
-    seen: list[int] = []
-
-    def young(phase: str, info: dict[str, int]) -> None:
-        if phase == "start" and info["generation"] < 2:
-            seen.append(sum(len(gc.get_objects(g)) for g in range(info["generation"] + 1)))
-
-    n = 256 * BATCH
-    cfg = mc.CacheConfig(TINY, "bench-scale", chunk_size=CH,
-                         tiers=(mc.HostTier(capacity_bytes=TINY.nbytes(CH) * 64),
-                                _Listing(_listing(n, 64))))
-    was = gc.isenabled()
-    gc.enable()
-    gc.callbacks.append(young)
-    try:
-        async with mc.Cache(cfg) as c:
-            assert len(c._engine.dir) == n
-    finally:
-        gc.callbacks.remove(young)
-        gc.unfreeze()
-        if not was:
-            gc.disable()
-    assert len(seen) >= 256 // 8  # at least the cache's own, every 8 turns
-    assert max(seen) < 3000, max(seen)
-
-
-async def test_puts_growing_the_directory_keep_each_young_collection_small():
-    """Puts that add entries collect the young generations themselves, about 8 times per
-    freeze: each collection walks about 2,048 new entries' objects. Left to the collector's
-    own schedule, the middle generation held up to about 7,000 of them when it was walked
-    (7,400 objects here, against 2,500 with the cache's own)."""
-    seen: list[int] = []
-
-    def young(phase: str, info: dict[str, int]) -> None:
-        if phase == "start" and info["generation"] == 1:
-            seen.append(len(gc.get_objects(0)) + len(gc.get_objects(1)))
-
-    rng = np.random.default_rng(4)
-    n = 24 * 1024  # chunks: past the first freeze and a period and a half after it
-    kv = torch.zeros(TINY.shape(64 * CH), dtype=TINY.dtype)
-    was = gc.isenabled()
-    gc.enable()
-    try:
-        async with mc.Cache(_cfg(n + 64)) as c:
-            prompts = [rng.integers(0, 1 << 30, 64 * CH).astype(np.int32)
-                       for _ in range(n // 64)]
-            gc.callbacks.append(young)
-            try:
-                for p in prompts:
-                    await c.put(p, kv)
-            finally:
-                gc.callbacks.remove(young)
-            assert len(c._engine.dir) == n
-    finally:
-        gc.unfreeze()
-        if not was:
-            gc.disable()
-    assert len(seen) >= n // 2048 - 2  # the cache's own, every 2,048 new entries
-    assert max(seen) < 4000, max(seen)
-
-
-async def test_gc_freeze_every_zero_never_freezes(monkeypatch):
-    calls: list[int] = []
-    monkeypatch.setattr(_gcfreeze.gc, "freeze", lambda: calls.append(1))
-    async with mc.Cache(_cfg(64, gc_freeze_every=0)) as c:
-        toks = list(range(8 * CH))
-        await c.put(toks, torch.zeros(TINY.shape(len(toks)), dtype=TINY.dtype))
-    listed = mc.CacheConfig(TINY, "bench-scale", chunk_size=CH, gc_freeze_every=0,
-                            tiers=(mc.HostTier(capacity_bytes=TINY.nbytes(CH) * 64),
-                                   _Listing(_listing(4 * BATCH, 64))))
-    async with mc.Cache(listed) as c:
-        assert len(c._engine.dir) == 4 * BATCH
-    assert calls == []
-    async with mc.Cache(_cfg(64, gc_freeze_every=3)) as c:
-        toks = list(range(8 * CH))
-        await c.put(toks, torch.zeros(TINY.shape(len(toks)), dtype=TINY.dtype))
-    assert len(calls) == 3  # at the first new entry, then after every 3 more (4th, 7th)
-
-
-async def test_a_long_put_leaves_its_entries_frozen(monkeypatch):
-    """A put that added half a freeze period or more freezes at its end: the long operation
-    that follows on the same prompt (its get) then has no full collection walk the prompt's
-    entries. A short put keeps the period."""
-    every = 64
-    calls: list[int] = []
-    freeze = gc.freeze
-
-    def spy() -> None:
-        calls.append(1)
-        freeze()
-
-    monkeypatch.setattr(_gcfreeze.gc, "freeze", spy)
-    was = gc.isenabled()
-    gc.enable()
-    try:
-        async with mc.Cache(_cfg(256, gc_freeze_every=every)) as c:
-            long = list(range(100 * CH))  # froze at its 1st and 65th entries: 35 were not
-            await c.put(long, torch.zeros(TINY.shape(len(long)), dtype=TINY.dtype))
-            assert len(calls) == 3
-            live = {id(o) for o in gc.get_objects() if isinstance(o, Entry)}
-            assert live == set()  # every entry frozen: gc.get_objects() lists none
-            short = list(range(10**6, 10**6 + 10 * CH))
-            await c.put(short, torch.zeros(TINY.shape(len(short)), dtype=TINY.dtype))
-            assert len(calls) == 3
-            assert sum(isinstance(o, Entry) for o in gc.get_objects()) == 10
-    finally:
-        gc.unfreeze()
-        if not was:
-            gc.disable()
-
-
-def test_a_long_read_holds_full_collections_for_at_most_a_second_in_a_row(monkeypatch):
-    saved = gc.get_threshold()
-    with _gcfreeze.long_read(_gcfreeze.LONG_READ_CHUNKS - 1):
-        assert gc.get_threshold() == saved  # a short read holds nothing
-    with _gcfreeze.long_read(_gcfreeze.LONG_READ_CHUNKS):
-        assert gc.get_threshold()[2] == _gcfreeze._NEVER
-        with _gcfreeze.long_read(_gcfreeze.LONG_READ_CHUNKS):  # an overlapping one
-            assert _gcfreeze._held == 2
-        # Held for over a second in a row: a read that starts now does not hold them, and
-        # once those holding them end, full collections run again.
-        monkeypatch.setattr(_gcfreeze, "_held_since", _gcfreeze._held_since - 1.5)
-        with _gcfreeze.long_read(_gcfreeze.LONG_READ_CHUNKS):
-            assert _gcfreeze._held == 1
-    assert gc.get_threshold() == saved and _gcfreeze._held == 0
-
-
-async def test_long_gets_and_retrieves_run_without_full_collections(monkeypatch):
-    """A read of LONG_READ_CHUNKS chunks or more keeps the collector's full collections off
-    while its per-chunk objects are alive (a full collection inside one walked 63,000 of
-    them at 16,384 chunks: 8.8 ms of a 10.9 ms loop gap); a short one leaves them on."""
-    from musacache.engine.core import Engine
-
-    oldest: list[int] = []
-    sources = Engine.sources
-
-    async def spy(self, *args, **kwargs):
-        oldest.append(gc.get_threshold()[2])
-        return await sources(self, *args, **kwargs)
-
-    monkeypatch.setattr(Engine, "sources", spy)
-    resident = engine_mod.read_resident
-
-    async def spy_resident(*args, **kwargs):  # a get of chunks the host tier holds
-        oldest.append(gc.get_threshold()[2])
-        return await resident(*args, **kwargs)
-
-    monkeypatch.setattr(engine_mod, "read_resident", spy_resident)
-    resident_retrieve = engine_mod.retrieve_resident
-
-    async def spy_retrieve(*args, **kwargs):  # a retrieve of them into host pages
-        oldest.append(gc.get_threshold()[2])
-        return await resident_retrieve(*args, **kwargs)
-
-    monkeypatch.setattr(engine_mod, "retrieve_resident", spy_retrieve)
-    n = _gcfreeze.LONG_READ_CHUNKS
-    toks = np.arange(n * CH, dtype=np.int32)
-    saved = gc.get_threshold()[2]
-    async with mc.Cache(_cfg(2 * n + 8)) as c:
-        await c.put(toks, torch.zeros(TINY.shape(len(toks)), dtype=TINY.dtype))
-        assert (await c.get(toks)).num_tokens == len(toks)
-        pages = [torch.zeros(2, n, CH, 1, 8, dtype=TINY.dtype)]
-        slots = torch.arange(len(toks), dtype=torch.int64)
-        assert await c.retrieve(toks, pages, slots, layout="vllm") == len(toks)
-        keys = [f"page-{i}" for i in range(n)]
-        await c.put_pages(keys, [torch.ones(TINY.shape(CH), dtype=TINY.dtype)] * n)
-        outs = [torch.empty(TINY.shape(CH), dtype=TINY.dtype) for _ in range(n)]
-        assert all(await c.get_pages(keys, outs))
-        short = toks[: (n // 2) * CH]
-        got = await c.get(short, out=torch.empty(TINY.shape(len(short)), dtype=TINY.dtype))
-        assert got.num_tokens == len(short)
-    assert oldest[:3] == [_gcfreeze._NEVER] * 3
-    assert oldest[3:] in ([saved], [])  # the short get: held nothing (or took the direct path)
-    assert gc.get_threshold()[2] == saved
-
-
-@pytest.mark.parametrize("bad", [-1, 1.5, "many", True])
-def test_gc_freeze_every_is_validated(bad):
-    with pytest.raises(ConfigError, match="gc_freeze_every"):
-        _cfg(64, gc_freeze_every=bad)
 
 
 def test_oldest_first_matches_a_stable_sort():

@@ -26,7 +26,6 @@ from ._spec import KVSpec
 from ._validate import (
     boolean,
     non_negative_float,
-    non_negative_int,
     optional_str,
     parse_size,
     positive_int,
@@ -166,14 +165,6 @@ class CacheConfig:
     #: Seconds ``aclose()`` may spend persisting chunks and finishing queued writes; what is
     #: left after it is counted (``stats()["close"]``), not waited for.
     close_timeout: float = 10.0
-    #: Freeze the process's heap (``gc.freeze()``) at the directory's first new entry and
-    #: every this many new entries after it, and at the end of a put that added half that
-    #: many or more (0: never). Without it, Python's cyclic garbage
-    #: collector walks every directory entry whenever the process's long-lived objects grew
-    #: by a quarter: a pause of about 0.5 s on the event loop at a million entries. It is
-    #: process-wide: objects alive at a freeze that later become cyclic garbage are never
-    #: collected (see docs/architecture.md, "The directory and the garbage collector").
-    gc_freeze_every: int = 16384
     #: How a chunk that ``get`` reads from a local storage tier (disk) reaches a host top
     #: tier. ``"background"``: the read goes straight into the get's tensor (``out``, or the
     #: one it returns: one pass over the bytes, the get returns sooner), and the chunk is
@@ -229,8 +220,6 @@ class CacheConfig:
         _device_name(self.device, "device")
         object.__setattr__(self, "close_timeout",
                            non_negative_float(self.close_timeout, "close_timeout"))
-        object.__setattr__(self, "gc_freeze_every",
-                           non_negative_int(self.gc_freeze_every, "gc_freeze_every"))
         if self.promotion not in ("background", "sync"):
             raise ConfigError(f"promotion must be 'background' or 'sync', got "
                               f"{self.promotion!r}")

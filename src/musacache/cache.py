@@ -26,7 +26,6 @@ from musacache._errors import (
     InvalidInputError,
     ShapeError,
 )
-from musacache._gcfreeze import full_collections_held, long_read
 from musacache._keys import Fingerprint, KeyChain, as_tokens, check_token_memory
 from musacache._spec import KVSpec, check_has_data
 from musacache.engine import removal as _removal
@@ -273,13 +272,10 @@ class Cache:
             eng = Engine(cfg, self.fingerprint, self._chain, tiers, mover, self._tasks)
             ctx = TierContext(self.fingerprint, tenant=self.config.tenant)
             for st in eng.stores:
-                # A tier's listing made as a million objects: none walked by a full
-                # collection while it is made, read and freed (``_gcfreeze``).
-                with full_collections_held():
-                    listing = await st.store.start(ctx)
-                    started.append(st.store)
-                    await eng.cold.learn_all(st, listing, BATCH)
-                    del listing
+                listing = await st.store.start(ctx)
+                started.append(st.store)
+                await eng.cold.learn_all(st, listing, BATCH)
+                del listing
             for st in eng.stores:
                 if st.capacity is not None and st.used > st.capacity:
                     # Objects of a run with a larger capacity: the tier is brought within
@@ -393,8 +389,7 @@ class Cache:
         eng.inflight["gets"] += 1
         td = self.spec.token_dim
         try:
-            with long_read(-(-len(toks) // self.config.chunk_size)):
-                return await _get_matched(self, eng, toks, out, td)
+            return await _get_matched(self, eng, toks, out, td)
         finally:
             eng.inflight["gets"] -= 1
 
@@ -494,8 +489,7 @@ class Cache:
         try:
             toks, slots, paged, _holes = await _paged_args(
                 self, tokens, kv_caches, slot_mapping, layout, skip_prefix, ready, ready_timeout)
-            with long_read(-(-len(toks) // self.config.chunk_size)):
-                return await _retrieve_held(self, eng, toks, slots, paged, skip_prefix)
+            return await _retrieve_held(self, eng, toks, slots, paged, skip_prefix)
         finally:
             eng.inflight["gets"] -= 1
 
@@ -538,12 +532,11 @@ class Cache:
         self._ops["gets"] += 1
         eng.inflight["gets"] += 1
         try:
-            with long_read(len(ks)):
-                wanted = [Match(start, cs, e) for start, _end, _parent, key in ks
-                          if (e := eng.dir.get(key)) is not None]
-                found = await _read_into(eng, wanted, lambda m, src: (
-                    outs[m.start // cs], src.reshape(outs[m.start // cs].shape)),
-                    lambda m: outs[m.start // cs])
+            wanted = [Match(start, cs, e) for start, _end, _parent, key in ks
+                      if (e := eng.dir.get(key)) is not None]
+            found = await _read_into(eng, wanted, lambda m, src: (
+                outs[m.start // cs], src.reshape(outs[m.start // cs].shape)),
+                lambda m: outs[m.start // cs])
             hit = [False] * len(ks)
             for m, _src, _name in found:
                 hit[m.start // cs] = True

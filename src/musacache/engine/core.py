@@ -233,7 +233,7 @@ class Engine(Reads):
         self.spec = config.spec
         self.fingerprint = fingerprint
         self.chain = chain
-        self.dir = Directory(chain, config.gc_freeze_every)
+        self.dir = Directory(chain)
         self.tiers = tiers
         self.mem = [t for t in tiers if isinstance(t, MemTier)]
         self.tier_by_name = {t.name: t for t in tiers}
@@ -331,7 +331,6 @@ class Engine(Reads):
         held: list[Entry] = []
         stored_to = 0
         pos = 0
-        adds = self.dir.adds
         # A source on a device moves in rounds as large as a store's: each round is a hop
         # and an event wait, and between two rounds the bus idles (a 1 GiB put from a
         # device in rounds of 16 chunks was two moves).
@@ -380,7 +379,6 @@ class Engine(Reads):
                 if hi > BATCH:
                     await turns.turn()
             turns.done()
-        self.dir.freeze_after(self.dir.adds - adds)
         self.tok["stored_tokens"] += stored_to
         return stored_to
 

@@ -7,20 +7,48 @@ deleted one keeps its memory until the last reader unpins it (``dead``).
 
 from __future__ import annotations
 
-import gc
+import ctypes
 import hashlib
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from typing import NamedTuple
 
 import numpy as np
 
-from musacache._gcfreeze import collect_young, freeze_heap
 from musacache._keys import KEY_BYTES, KeyChain
 from musacache.engine.children import Siblings, common_tokens
 
-__all__ = ["Directory", "Entry", "KeyTable", "Match"]
+__all__ = ["Directory", "Entry", "KeyTable", "Match", "untrack"]
+
+
+def _c_untrack() -> Callable[[object], None] | None:
+    try:
+        fn = ctypes.pythonapi.PyObject_GC_UnTrack
+    except AttributeError:  # not CPython: no such call, and objects stay as they are
+        return None
+    fn.argtypes = (ctypes.py_object,)
+    fn.restype = None
+    return fn
+
+
+_UNTRACK = _c_untrack()
+
+
+def untrack(obj: object) -> None:
+    """Take one of the directory's own objects off the cyclic collector's lists.
+
+    A full collection walks every tracked object of the process and what each refers to: at
+    a million entries, and the tables that hold them, that is a pause of about half a second
+    on the event loop, every time the process's long-lived objects grew by a quarter. The
+    directory's objects form no reference cycles (an entry names its parent by key, and
+    holds only its children), so reference counting alone frees them, and the collector has
+    nothing to find among them. Only the object passed is affected: the process's collector
+    keeps its settings and still walks every other object. A dict is tracked again by the
+    interpreter when an entry is inserted into it, so a table holding entries is untracked
+    after each insert."""
+    if _UNTRACK is not None:
+        _UNTRACK(obj)
 
 
 # Residency is packed into ints: ``value << 8 | tier index`` (with a flag in the tier byte),
@@ -103,6 +131,7 @@ class Entry:
         self._gen = 0
         # This chunk's children, kept by the directory: the only one, or an index of them.
         self.kids: Entry | Siblings[Entry] | None = None
+        untrack(self)
 
     @property
     def gen(self) -> int:
@@ -266,6 +295,7 @@ class KeyTable:
         shard = self._shards[key[0]]
         n = len(shard)
         shard[key] = e
+        untrack(shard)
         self._n += len(shard) - n
 
     def __delitem__(self, key: bytes) -> None:
@@ -314,35 +344,9 @@ class KeyTable:
         self._cursor = 0
 
 
-# Puts that grow the directory also collect the young generations themselves, about 8 times
-# per freeze (gc_freeze_every), never more often than every _YOUNG_MIN new entries: left to
-# the collector's own schedule, about 7,000 objects piled up in the middle generation and one
-# collection walked them all (2.3 to 5.6 ms on the loop while puts grew a million entries by a
-# quarter; with these, the longest collection was 1.1 to 2.2 ms). Not more than 8 times: each
-# one also counts towards the next full collection, which walks everything since the last
-# freeze.
-_YOUNG_MIN = 256
-
-
-def _young_mask(gc_freeze_every: int) -> int:
-    """The mask of the countdown to the freeze at which a put collects the young
-    generations: a power of two of about gc_freeze_every / 8."""
-    every = _YOUNG_MIN
-    while every * 16 <= gc_freeze_every:
-        every *= 2
-    return every - 1
-
-
 class Directory:
-    def __init__(self, chain: KeyChain, gc_freeze_every: int = 0) -> None:
+    def __init__(self, chain: KeyChain) -> None:
         self.chain = chain
-        # The process's heap is frozen (``_gcfreeze``) at the first new entry and every
-        # ``gc_freeze_every`` after it; 0: never (a countdown from -1 never reaches 0).
-        self.gc_freeze_every = gc_freeze_every
-        self._freeze_in = 1 if gc_freeze_every else -1
-        self._young_mask = _young_mask(gc_freeze_every)
-        #: Entries added (or replaced) so far: an operation tells how many it added.
-        self.adds = 0
         self.entries = KeyTable()
         # The children of a parent are kept on the parent's entry (``Entry.kids``): a chain
         # of chunks needs no dict entry per link. Here only those of parents without an
@@ -382,45 +386,12 @@ class Directory:
 
     def emptied(self) -> Directory:
         """A new, empty directory with the same settings."""
-        fresh = Directory(self.chain, self.gc_freeze_every)
-        fresh._freeze_in = self._freeze_in
-        return fresh
-
-    def freeze_listing(self) -> None:
-        """A listing to learn was just read and sorted: freeze the heap now, without a
-        collection first, so the young collections while it is learned walk only the new
-        entries, not what the tier's ``start`` left alive. What is kept that a collection
-        would have freed: cyclic garbage of the process at this moment, once per listing
-        (see ``_gcfreeze.full_collections_held``)."""
-        if self.gc_freeze_every and gc.isenabled():
-            gc.freeze()
-
-    def freeze_after(self, added: int) -> None:
-        """An operation that added ``added`` entries ended. When that was at least half a
-        freeze period and at least half a period's entries are not frozen yet, freeze now.
-
-        A long prompt put in one go leaves up to a period's entries unfrozen (16,383 when
-        its first entry was a freeze), and the next full collections walk every one of them
-        (a get of the same prompt found 16,368 of its entries among the 32,477 objects its
-        full collection walked; the get itself now holds full collections off, see
-        ``_gcfreeze.long_read``). Only a long operation freezes early, so puts of short
-        prompts keep the period as it is."""
-        every = self.gc_freeze_every
-        if every and 2 * added >= every and 2 * (every - self._freeze_in) >= every:
-            freeze_heap()
-            self._freeze_in = every
+        return Directory(self.chain)
 
     def add(self, e: Entry) -> None:
         old = self.entries.get(e.key)
         if old is e:
             return
-        self.adds += 1
-        self._freeze_in -= 1
-        if not self._freeze_in:
-            freeze_heap()
-            self._freeze_in = self.gc_freeze_every
-        elif self._freeze_in > 0 and not self._freeze_in & self._young_mask:
-            collect_young()
         if old is not None:
             self._unlink(old)
             e.kids, old.kids = old.kids, None

@@ -13,6 +13,8 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from musacache.engine.directory import untrack
+
 if TYPE_CHECKING:
     from musacache.engine.directory import Entry
 
@@ -172,7 +174,9 @@ class KeyLRU:
     __slots__ = ("_gens", "_n", "_newest", "_where")
 
     def __init__(self) -> None:
-        # generation number -> its keys in order; a dict keeps the generations oldest first
+        # generation number -> its keys in order; a dict keeps the generations oldest first.
+        # Each generation is untracked after every insert, or a full collection would walk
+        # every entry the tier holds.
         self._gens: dict[int, OrderedDict[bytes, Entry]] = {0: OrderedDict()}
         self._newest = 0
         self._where: list[dict[bytes, int]] = [{} for _ in range(256)]
@@ -192,7 +196,9 @@ class KeyLRU:
         where = self._where[key[0]]
         g = where.get(key)
         if g is not None:
-            self._gens[g][key] = e
+            gen = self._gens[g]
+            gen[key] = e
+            untrack(gen)
             return
         self._append(key, e, where)
         self._n += 1
@@ -207,6 +213,7 @@ class KeyLRU:
             oldest = next(iter(self._gens))
             gen = self._gens[oldest]
             gen[key] = e
+            untrack(gen)
             gen.move_to_end(key, last=False)
             where[key] = oldest
 
@@ -250,4 +257,5 @@ class KeyLRU:
             self._newest += 1
             gen = self._gens[self._newest] = OrderedDict()
         gen[key] = e
+        untrack(gen)
         where[key] = self._newest

@@ -194,10 +194,8 @@ async def release_memory(mt: MemTier) -> None:
 
 async def release_store(st: StoreTier) -> None:
     """Let go of a storage tier's recency order on close, a generation of it per loop turn.
-    Dropped with the directory alone, its references kept every stored entry alive for as
-    long as the closed cache's own objects lived, and those are never freed by the
-    collector once frozen (``_gcfreeze``): a restart that learned a million-object listing
-    left two million objects behind at close."""
+    Dropped in one step, its references would free every stored entry at once: a stall
+    of the loop as long as the directory is large."""
     gens = st.lru.take_generations()
     while gens:
         gens.pop()

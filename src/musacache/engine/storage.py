@@ -21,7 +21,6 @@ import torch
 
 from musacache import _errors
 from musacache._errors import CacheClosedError, MusaCacheError, TierError
-from musacache._gcfreeze import collect_young
 from musacache._log import RateLimitedLog
 from musacache.engine.directory import Entry
 from musacache.engine.placement import EntryQueue, memory_only_batches, victims
@@ -74,8 +73,6 @@ _PERSIST_BATCH = 16
 # Pauses (s) between the tries of a storage delete that failed: a brief fault (a 503, a reset
 # connection) passes; past the last, the key is tombstoned for this process (delete_failed).
 _DELETE_RETRY_PAUSES = (0.2, 1.0)
-# Loop turns of a restart's learning between two collections of the young generations.
-_COLLECT_TURNS = 8
 # Evictions make_room makes per turn of the loop when none reads (no demotion between them).
 _TRIM_RUN = 256
 
@@ -94,10 +91,8 @@ _R = TypeVar("_R")
 class ColdPath:
     def __init__(self, engine: EngineServices) -> None:
         # The engine holds this cold path, which holds its direct reads; each names its
-        # owner by weak reference. The cache's objects are frozen with the heap at its first
-        # entry (``_gcfreeze``) and the collector never frees a frozen cycle: with strong
-        # back-references every closed cache kept its engine, tiers, recency arrays and
-        # entries for the life of the process.
+        # owner by weak reference, so that a closed cache is freed by reference counting
+        # alone, without waiting for a full collection to find the cycle.
         self._engine: weakref.ref[EngineServices] = weakref.ref(engine)
         self.errlog = RateLimitedLog(log)
         self.direct = DirectReads(self)
@@ -534,18 +529,11 @@ class ColdPath:
             make = partial(sorted_from, listing)
         if n > batch:
             compact = await self.eng.mover.in_thread(make)
-            self.eng.dir.freeze_listing()
         else:
             compact = make()  # a batch or less: no thread hop for it
-        for turn, i in enumerate(range(0, len(compact), batch)):
+        for i in range(0, len(compact), batch):
             self._learn_rows(st, compact.rows(i, i + batch))
-            if turn % _COLLECT_TURNS == _COLLECT_TURNS - 1:
-                collect_young()  # a short collection every few turns, not a long one
             await anyio.lowlevel.checkpoint()
-        if n > batch:
-            # Sorted into new arrays, read, and now dropped: their pages go back in a worker
-            # thread first (the free on the loop would unmap them, see ``release_pages``).
-            await self.eng.mover.in_thread(compact.release_pages)
 
     @staticmethod
     async def _take_list(metas: list[ChunkMeta], batch: int) -> ListingBuilder:

@@ -10,10 +10,8 @@ time (``rows``).
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -22,47 +20,7 @@ from musacache._chunkmeta import ChunkMeta
 from musacache._errors import InvalidInputError
 from musacache._keys import KEY_BYTES
 
-__all__ = ["ChunkListing", "ListingBuilder", "release_pages", "sorted_from"]
-
-
-def _madvise() -> Callable[[int, int, int], int] | None:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        mmap.MADV_DONTNEED  # noqa: B018 (where the platform has no madvise, there is none)
-    except (AttributeError, OSError):
-        return None
-    return fn
-
-
-_MADVISE = _madvise()
-_PAGE = mmap.PAGESIZE
-# Arrays smaller than this are freed as they are: a few pages.
-_RELEASE_MIN_BYTES = 1 << 20
-
-
-def release_pages(arrays: Iterable[np.ndarray]) -> None:
-    """Give the memory of ``arrays`` back to the OS now, with the GIL free; they read as
-    zeros after. Only for arrays that own their memory and that nothing else will read: the
-    caller's own, about to be dropped.
-
-    Why: freeing a large array unmaps its pages while the thread holds the GIL, 6 ms for the
-    96 MiB of a million-row listing where the kernel gave it small pages (no transparent huge
-    page was free), and the event loop waits that long, whichever thread freed it. This
-    drops the pages in a ``madvise`` made through ctypes, which runs without the GIL (in a
-    worker thread: the loop goes on meanwhile); the free that follows has nothing left to
-    unmap."""
-    if _MADVISE is None:
-        return
-    for arr in arrays:
-        if arr.nbytes < _RELEASE_MIN_BYTES or arr.base is not None or not arr.flags.owndata:
-            continue  # small, or a view: not the caller's to wipe
-        at = arr.ctypes.data
-        start = -(-at // _PAGE) * _PAGE  # whole pages inside the array only: the allocator's
-        end = (at + arr.nbytes) // _PAGE * _PAGE  # own bookkeeping sits around them
-        if end > start:
-            _MADVISE(start, end - start, mmap.MADV_DONTNEED)
+__all__ = ["ChunkListing", "ListingBuilder", "sorted_from"]
 
 
 class ChunkListing:
@@ -157,24 +115,14 @@ class ChunkListing:
         """By ``last_used``, oldest first (stable), in new arrays; numpy's sort, for a
         worker thread."""
         order = np.argsort(self.last_used, kind="stable")
-        out = self.take(order)
-        release_pages((order,))
-        return out
+        return self.take(order)
 
     def give(self) -> ChunkListing:
         """Hand this listing over with it: the tier returning it from ``start`` keeps no
-        reference to it nor to its arrays. The cache then gives their memory back once it
-        has sorted them (:meth:`release_pages`), where a listing the tier may still hold is
-        only dropped: at a million rows that drop frees 96 MiB wherever it happens, 6 ms
-        with the GIL held where the kernel had no huge page to give. Returns the listing."""
+        reference to it nor to its arrays, so the cache sorts it without keeping a copy of
+        the unsorted rows alive. Returns the listing."""
         self.given = True
         return self
-
-    def release_pages(self) -> None:
-        """Give this listing's memory back to the OS (:func:`release_pages`) before it is
-        dropped: only for a listing made by the caller, that nothing else reads (its rows
-        read as zeros after). In a worker thread: it runs without the GIL."""
-        release_pages(getattr(self, f) for f in self.FIELDS)
 
     def rows(self, start: int, stop: int) -> Iterator[tuple[bytes, bytes, int, int, int]]:
         """``(key, parent, num_tokens, raw_bytes, stored_bytes)`` of rows ``start:stop``:
@@ -204,14 +152,11 @@ class ChunkListing:
 def sorted_from(rows: ChunkListing | ListingBuilder | Iterable[ChunkMeta],
                 backwards: bool = False) -> ChunkListing:
     """Rows of the caller's own (a listing handed over to it, a builder it filled, last row
-    first if ``backwards``, or ``ChunkMeta``) as a listing sorted oldest first, in new arrays;
-    the form they were in gives its pages back (:func:`release_pages`). For a worker
-    thread."""
+    first if ``backwards``, or ``ChunkMeta``) as a listing sorted oldest first, in new arrays.
+    For a worker thread."""
     built = rows if isinstance(rows, ChunkListing) else rows.build() \
         if isinstance(rows, ListingBuilder) else ChunkListing.from_metas(rows)
-    out = (built.reversed() if backwards else built).oldest_first()
-    built.release_pages()
-    return out
+    return (built.reversed() if backwards else built).oldest_first()
 
 
 # Rows per block of a ListingBuilder: a block is never grown past this, so appending a row
