@@ -260,7 +260,7 @@ def test_bench_scale_runs_small_and_prints_every_goal(capsys, tmp_path):
     out = capsys.readouterr().out
     for line in ("lookup miss among siblings", "evicting put vs the same put with room",
                  "largest event-loop gap", "restart from a 3000-object listing",
-                 "paged store vs a bare native gather",
+                 "paged store vs a bare native gather", "paged retrieve vs a bare native scatter",
                  "warm disk get", "codec raw", "codec lz4", "curves over the directory size",
                  "memory at"):
         assert line in out, line

@@ -1,4 +1,4 @@
-"""``musacache bench scale``: the control plane at scale (issue 12), every goal in one run.
+"""``musacache bench scale``: the control plane at scale, every goal in one run.
 
 Each goal is printed as measured and as a ratio to its baseline, taken in the same run:
 
@@ -6,7 +6,7 @@ Each goal is printed as measured and as a ratio to its baseline, taken in the sa
 * an evicting put vs the same put with room;
 * the largest event-loop gap during put, lookup, eviction, delete, clear and a restart from
   a large listing (directory work only: a tiny spec, so no byte copy hides it);
-* paged store vs a bare native gather of the same pages;
+* paged store vs a bare native gather of the same pages, and retrieve vs scatter;
 * a warm disk get vs a raw read of the same encoded bytes;
 * directory memory per entry.
 
@@ -583,11 +583,28 @@ async def paged(tokens: int, repeats: int) -> dict[str, Any]:
             await c.store(toks, caches, slots)
             store_s.append(time.perf_counter() - t0)
         moves = c._engine.mover.moves
+        # The way back: a retrieve of the same prompt into the same pages, against a bare
+        # native scatter of the dense KV there.
+        scatter_s: list[float] = []
+        retrieve_s: list[float] = []
+        for _ in range(repeats * _PAGED_SAMPLES):
+            t0 = time.perf_counter()
+            await asyncio.to_thread(transfer.scatter, dense, caches, slots, "vllm")
+            scatter_s.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            got = await c.retrieve(toks, caches, slots)
+            retrieve_s.append(time.perf_counter() - t0)
+            if got != tokens:
+                raise RuntimeError("bench: the stored prompt should be retrieved whole")
     nbytes = spec.nbytes(tokens)
     return {"tokens": tokens, "bytes": nbytes, "gather": _stats(gather_s),
             "store": _stats(store_s), "moves": moves,
             "ratio": min(gather_s) / min(store_s),
-            "ratio_median": statistics.median(gather_s) / statistics.median(store_s)}
+            "ratio_median": statistics.median(gather_s) / statistics.median(store_s),
+            "scatter": _stats(scatter_s), "retrieve": _stats(retrieve_s),
+            "retrieve_ratio": min(scatter_s) / min(retrieve_s),
+            "retrieve_ratio_median": statistics.median(scatter_s)
+            / statistics.median(retrieve_s)}
 
 
 # -- disk: warm get vs a raw read ----------------------------------------------------------------
@@ -802,7 +819,7 @@ def _fmt_stats(d: dict[str, float], unit: str = "") -> str:
 
 
 def report(res: dict[str, Any]) -> None:
-    print("musacache bench scale (issue 12): measured, and the ratio to its baseline "
+    print("musacache bench scale: measured, and the ratio to its baseline "
           "in this run")
     sib = res.get("siblings")
     if sib:
@@ -847,6 +864,11 @@ def report(res: dict[str, Any]) -> None:
         print(f"  gather {_fmt_stats({k: v * 1e3 for k, v in pg['gather'].items()}, ' ms')}; "
               f"store {_fmt_stats({k: v * 1e3 for k, v in pg['store'].items()}, ' ms')}; "
               f"ratio {pg['ratio']:.2f} (min), {pg['ratio_median']:.2f} (median)")
+        print("paged retrieve vs a bare native scatter into the same pages (goal >= 0.9)")
+        print(f"  scatter {_fmt_stats({k: v * 1e3 for k, v in pg['scatter'].items()}, ' ms')}; "
+              f"retrieve {_fmt_stats({k: v * 1e3 for k, v in pg['retrieve'].items()}, ' ms')}; "
+              f"ratio {pg['retrieve_ratio']:.2f} (min), {pg['retrieve_ratio_median']:.2f} "
+              "(median)")
     for codec, dk in (res.get("disk") or {}).items():
         ms = {name: {k: v * 1e3 for k, v in d.items()} for name, d in dk["parts"].items()}
         print(f"\nwarm disk get vs a raw read of the encoded bytes, codec {codec} "
