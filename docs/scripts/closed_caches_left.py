@@ -1,8 +1,7 @@
-"""What the caches of ``bench scale``'s stall part leave behind once closed: the objects
-still frozen (``gc.freeze``, ``_gcfreeze``), how many of them were cyclic garbage (freed only
-once unfrozen and collected), and the process's RSS before and after that. A closed cache must
-leave nothing: frozen, a cycle is never collected. docs/benchmarks.md, "Closed caches
-(twelfth round)".
+"""What the caches of ``bench scale``'s stall part leave behind once closed: how many objects
+a full collection then finds to be cyclic garbage (a closed cache must leave none: it is freed
+by reference counts alone), and the process's RSS before and after that collection.
+docs/benchmarks.md, "Closed caches are freed".
 
     python docs/scripts/closed_caches_left.py [ENTRIES]
 """
@@ -23,12 +22,10 @@ def rss_mib() -> int:
 def main() -> None:
     entries = int(sys.argv[1]) if len(sys.argv) > 1 else 1_000_000
     asyncio.run(scale.stalls(entries, 2000, entries))
-    gc.collect()
-    frozen, rss = gc.get_freeze_count(), rss_mib()
-    gc.unfreeze()
+    rss = rss_mib()
     garbage = gc.collect()
-    print(f"after the stall part ({entries} entries): {frozen} objects frozen, RSS {rss} MiB; "
-          f"of them cyclic garbage: {garbage}; RSS once collected {rss_mib()} MiB")
+    print(f"after the stall part ({entries} entries): RSS {rss} MiB; cyclic garbage: "
+          f"{garbage}; RSS once collected {rss_mib()} MiB")
 
 
 main()

@@ -1,5 +1,5 @@
 """The cyclic collector's full collections during each operation on one long prompt: how
-many ran, the most objects one of them walked (those tracked and not frozen when it began),
+many ran, the most objects one of them walked (those tracked when it began),
 and its longest pause (the thread's CPU time), as in ``bench scale``'s stall rows: a put of
 N chunks into an empty cache of the bench's tiny spec, one that evicts all of it, then
 lookup, get and a put of it again (all cached). Each operation runs ``REPEATS`` times in a
@@ -27,7 +27,7 @@ def _watch(phase: str, info: dict[str, int]) -> None:
     if info["generation"] != 2:
         return
     if phase == "start":
-        _began[0] = len(gc.get_objects())  # every generation's, the frozen ones aside
+        _began[0] = len(gc.get_objects())  # every generation's
         _began[1] = time.thread_time()
     else:
         full.append((_began[0], (time.thread_time() - _began[1]) * 1e3))
@@ -50,7 +50,6 @@ async def main() -> None:
                 full.clear()
                 await op()
                 seen.setdefault(name, []).extend(full)
-        gc.unfreeze()
         gc.collect()
     gc.callbacks.remove(_watch)
     print(f"{n} chunks, {repeats} repeats: full collections inside each operation")
