@@ -1,6 +1,6 @@
 /* musacache native transfer module. See musacache_native.h for the contract.
  *
- * Design notes (the measurements behind them are in docs/bench_transfer.md):
+ * Design notes (docs/benchmarks.md has the figures behind them):
  *  - Consecutive slots whose rows are adjacent on both sides are merged into one copy ("runs").
  *    The run table is built once per call and shared by every plane and thread.
  *  - Copies larger than the last-level cache use non-temporal stores: the destination will not

@@ -547,7 +547,7 @@ def paged_setup(tokens: int) -> tuple[KVSpec, list[torch.Tensor], torch.Tensor, 
                                       np.ndarray, CacheConfig]:
     """The paged part's request: 8 layers of random vLLM pages with ``tokens`` in randomly
     chosen blocks, their slots, a dense tensor to gather them into, the tokens, and a cache
-    with room for them (``docs/scripts/store_overhead.py`` times the same)."""
+    with room for them."""
     spec = KVSpec(8, 8, 128, torch.bfloat16)
     block = 16
     nblocks = 2 * tokens // block

@@ -50,10 +50,8 @@ class Mover:
     """Runs the move step of every request: one worker-thread hop, one event wait.
 
     Its hops are submitted straight to the cache's own ``copy_threads`` worker threads (as
-    the loop's ``run_in_executor`` does): anyio's ``to_thread`` (its limiter, its cancel
-    scope, a thread picked per call) cost about 0.1 ms more per hop here
-    (``docs/scripts/thread_hop.py``), on every store, retrieve and large get, the CPU's
-    caches cold from the copy before."""
+    the loop's ``run_in_executor`` does): anyio's ``to_thread`` adds a limiter, a cancel
+    scope and a thread picked per call to every store, retrieve and large get."""
 
     def __init__(self, copy_threads: int, inline_bytes: int) -> None:
         self.copy_threads = copy_threads

@@ -123,7 +123,7 @@ class S3Tier:
     #: engine already spaces refreshes by ``CacheConfig.refresh_interval``).
     refresh_interval: float = 0.0
     #: Objects at least this big are uploaded in parts and read with ranged GETs in parallel;
-    #: 0 turns both off. Off by default: measured no faster here (docs/bench_cold.md).
+    #: 0 turns both off. Off by default: not faster against the servers we test.
     multipart_threshold: int | str = 0
     part_size: int | str = 8 * 1024**2
     #: SHA256-sign request bodies (hashes each body on the event loop; see module docstring).
