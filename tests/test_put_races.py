@@ -1,4 +1,4 @@
-"""A put racing a delete, a clear or its own cancellation (found by a probe): nothing deleted
+"""A put racing a delete, a clear or its own cancellation: nothing deleted
 or cleared is ever served afterwards, and nothing is left in the directory that no tier
 holds."""
 

@@ -1,4 +1,4 @@
-"""Structure of the control plane at scale (issue 12): what the bookkeeping holds per chunk,
+"""Structure of the control plane at scale: what the bookkeeping holds per chunk,
 and what a stats() call may touch. Speed itself is shown by ``musacache bench scale``."""
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ BENCHES = {
     "cache": ("musacache.bench.cache",
               "host-tier put/get vs copy_, lookup time, event-loop gap"),
     "gpu": ("musacache.bench.gpu", "the accelerator data path and TTFT, ratios vs torch copies"),
-    "scale": ("musacache.bench.scale", "the control plane at scale: every goal of issue 12"),
+    "scale": ("musacache.bench.scale", "the control plane at scale: every goal in one run"),
 }
 
 SUBCOMMANDS = {

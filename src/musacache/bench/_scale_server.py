@@ -1,4 +1,4 @@
-"""Part ``server`` of ``musacache bench scale``: the node server's goals of issue 12.
+"""Part ``server`` of ``musacache bench scale``: the node server's goals.
 
 One run starts the real ``musacache serve`` (:func:`musacache.server.spawn`) and a bare echo
 server, each in its own process on a Unix socket, and times from this process:

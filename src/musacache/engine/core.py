@@ -701,7 +701,7 @@ class Engine(Reads):
                     if newer is not None and newer is not e and st.holds(newer):
                         # Its object is (being) written over by the newer entry's, whose
                         # write came first in the key's chain: a delete now would remove
-                        # that one (found by a probe: a clear taking the old directory apart
+                        # that one (a clear taking the old directory apart
                         # deleted the files of chunks put again meanwhile).
                         continue
                     self.cold.schedule_delete(st, e.key)

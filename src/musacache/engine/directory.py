@@ -55,7 +55,7 @@ def untrack(obj: object) -> None:
 # where the value is the slot index in a memory tier, or the stored object's bytes in a storage
 # tier. Most chunks live in one tier of each kind, so each is one int (a tuple of them
 # otherwise), not a dict and a set per entry. A directory of a million chunks is a million of
-# these: every field counts (issue 12: at most 400 bytes per entry beyond its data).
+# these: every field counts (the goal: at most 400 bytes per entry beyond its data).
 _TIER_BITS = 8
 _TIER_MASK = (1 << _TIER_BITS) - 1
 # In ``_mem``, a slot dropped while readers still hold the entry (freed by the last unpin).
@@ -358,7 +358,7 @@ class Directory:
         # directory while it had children -> its own parent's key, and back. A delete that
         # reaches that parent reaches the orphans through it (take_lost): without it, a
         # delete of a prompt whose middle chunk had been evicted missed the chunks after it,
-        # and a later put of the middle chunk brought them back (found by a probe).
+        # and a later put of the middle chunk brought them back.
         self.lost_parent: dict[bytes, bytes] = {}
         self.lost_under: dict[bytes, set[bytes]] = {}
 

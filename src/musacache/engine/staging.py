@@ -44,8 +44,8 @@ class StagePool:
         for t in tensors:
             # The whole buffer the tensor is part of, kept and counted whole: the part last
             # used (a chunk's short tail) held all of it while counting only itself, and no
-            # longer served a whole chunk, which then allocated again (found by a probe:
-            # 402 MiB kept against a 64 MiB cap after 400 puts).
+            # longer served a whole chunk, which then allocated again (402 MiB kept against a 64
+            # MiB cap after 400 puts).
             storage = t.untyped_storage()
             size = storage.nbytes()
             if self._idle_bytes + size <= self.keep_bytes:

@@ -716,7 +716,7 @@ def _drop_object(cold: ColdPath, t: StoreTier, e: Entry, *, check_shared: bool =
     if check_shared and t.store.shared:
         # Over a network a body damaged on its way (a proxy's error page, a cut connection)
         # is not a damaged object, and the object is every node's: read it once more first
-        # (found by a probe: one bad pass deleted a bucket's good chunks).
+        # (one bad pass deleted a bucket's good chunks).
         cold.eng.tasks.spawn(_delete_if_still_corrupt, cold, t, meta)
     else:
         cold.schedule_delete(t, e.key)

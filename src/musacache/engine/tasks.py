@@ -54,8 +54,8 @@ class TaskOwner:
         """Run ``fn(*args)`` in the background; a failure is logged, never lost. Refused
         once :meth:`aclose` has begun: the group is being cancelled, and a task started in
         it then is never cancelled (anyio has delivered the group's cancellation already),
-        so its first checkpoint spun forever and the close waited for it (found by a
-        probe: a put still running at close queued a write)."""
+        so its first checkpoint spun forever and the close waited for it (a put still running at
+        close queued a write)."""
         if self._tg is None or self._stop.is_set():
             raise CacheClosedError("the cache is closed: no background work can start")
         self._begun()

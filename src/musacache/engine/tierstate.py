@@ -122,7 +122,7 @@ class StoreTier:
 
     Operations on one key (writes and deletes) run in the order they were scheduled, each
     after the previous one finished: a delete of an old generation of a chunk can then never
-    remove a newer one written after it (issue 10, item 1).
+    remove a newer one written after it.
     """
 
     kind = "storage"
@@ -148,7 +148,7 @@ class StoreTier:
         self.deleted: OrderedDict[bytes, float] = OrderedDict()
         # Keys whose delete failed for good (the object may still be there): no listing
         # brings them back while this process runs, until a new object is written under
-        # the key (found by a probe: a delete refused by the store was learned again at
+        # the key (a delete refused by the store was learned again at
         # the next miss, and served).
         self.undeleted: OrderedDict[bytes, None] = OrderedDict()
         self.last_write_failed = False

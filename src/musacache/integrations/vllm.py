@@ -271,7 +271,7 @@ class _Server:
                     await hook(client)
             except BaseException as e:
                 # A half-opened client is closed whatever ended the connect, a hook's time
-                # limit too (found by a probe: each cancel between hello and the staging
+                # limit too (each cancel between hello and the staging
                 # area's registration kept a socket on each side and a server mapping).
                 self._failed_at = time.monotonic()
                 if client is not None:
@@ -568,7 +568,7 @@ class _Worker:
     broke) may still be running on the server, reading or writing the memory it names. On
     CPU pages that memory is the staging area, so it is never used again: the next load or
     save closes the connection (the server cancels what it still runs for it) and registers
-    a fresh staging area on a new one (found by a probe: a timed-out load went on writing the
+    a fresh staging area on a new one (a timed-out load went on writing the
     staging area while the same step's save gathered into it, and the server stored the
     load's KV under the save's tokens). On device pages the server writes vLLM's blocks
     directly; the connection is closed the same way, but the server may still write the
@@ -730,7 +730,7 @@ class _Worker:
             await self._load_each(loads)
         finally:
             # Every exit frees the layers: a load that failed at once must not leave
-            # wait_for_layer_load waiting out the timeout (found by a probe).
+            # wait_for_layer_load waiting out the timeout.
             for ev in self._layer_events:
                 ev.set()
 
@@ -811,8 +811,8 @@ class _Worker:
 
     def _savable(self, ops: Sequence[RequestOp]) -> tuple[list[RequestOp], bool]:
         """This step's saves, less those of requests over a block whose load failed in this
-        step: vLLM drops what the step computed for them and computes it again (found by a
-        probe: KV computed over blocks never loaded was stored and served). And whether
+        step: vLLM drops what the step computed for them and computes it again (KV computed over
+        blocks never loaded was stored and served). And whether
         any was left out."""
         with self._errors_lock:
             failed = set(self._step_failed)

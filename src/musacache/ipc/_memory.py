@@ -523,7 +523,7 @@ def open_storage(handle: TensorHandle, fds: Sequence[int] = (), *,
     so a device handle that carries our pid from another peer is refused. The handle's
     ``pid`` is otherwise not compared with it: a worker in its own PID namespace (a
     container) sees another number for itself than the kernel gives us, and a CPU handle is
-    a memfd whose pid means nothing (found by a probe: such workers could not register).
+    a memfd whose pid means nothing (such workers could not register).
     """
     try:
         if handle.device_kind == "cpu":
@@ -634,7 +634,7 @@ _unchecked_warned: set[str] = set()
 def _check_allocation(kind: str, index: int, storage: Any, nbytes: int) -> None:
     """Refuse a device handle whose bytes run past the allocation the driver opened: torch
     maps the size and offset the peer claims as they are, and the memory past a peer's
-    allocation may be another peer's (found by a probe reading the code). Where the driver
+    allocation may be another peer's. Where the driver
     cannot say (no address-range call), the handle is taken as it is, and that is logged
     once."""
     start = int(storage.data_ptr())

@@ -563,7 +563,7 @@ class FrameDecoder:
             raise self._bad_header(magic, version, nfds, length)
         end = pos + HEADER_SIZE + length
         # The fds of a batch belong to the last frame that starts in it: a frame declaring
-        # none that covers the batch's end is that frame (found by a probe: its fds were held
+        # none that covers the batch's end is that frame (its fds were held
         # until the peer went away, outside every limit).
         if self._batches and self._batches[0].end <= self._base + (end if not nfds else pos):
             raise self._fail("fds arrived with a frame that declared none")

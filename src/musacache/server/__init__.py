@@ -351,10 +351,10 @@ class _DataOps:
         return sum(p.table.open_mappings + p.opening for p in self.peers if p is not peer)
 
     def _room_for_a_mapping(self, peer: _Peer, op: str) -> None:
-        """Refuse a mapping the connection would keep past its limit or the server's (found
-        by a probe: one client's 65k registrations filled vm.max_map_count, and every mmap of
-        the server failed for everyone). Mappings still being opened count (found by a
-        probe: registers of six connections at once all passed a limit of 8)."""
+        """Refuse a mapping the connection would keep past its limit or the server's (one client's
+        65k registrations filled vm.max_map_count, and every mmap of
+        the server failed for everyone). Mappings still being opened count (registers of six
+        connections at once all passed a limit of 8)."""
         elsewhere = self._mappings_elsewhere(peer)
         mine = peer.table.open_mappings + peer.opening
         if mine >= self.config.max_mappings_per_peer:
@@ -552,8 +552,8 @@ class _DataOps:
             self.unstage(peer)  # let go of the old buffer before the new one is allocated
             usage, most = self.usage, self.config.max_buffered_bytes
             if usage.staged + usage.partial + msg.total > most:
-                # Each connection's max_stage_bytes alone let a few idle ones take GiBs
-                # (found by a probe), and 512 of them would have the server OOM-killed.
+                # Each connection's max_stage_bytes alone let a few idle ones take GiBs,
+                # and 512 of them would have the server OOM-killed.
                 raise ServerLimitError(
                     f"stage_bytes: the server holds {usage.staged + usage.partial} bytes of "
                     f"staging and incomplete frames; {msg.total} more would pass "
@@ -635,7 +635,7 @@ def _fd_budget(cfg: ServerConfig) -> int:
     """How many fds the requests in flight may hold, all connections together: the
     process's soft ``RLIMIT_NOFILE`` less one per connection allowed and a reserve. Per-peer
     limits alone let a few connections of one uid hold every fd, and the server could then
-    accept nobody (found by a probe: 8 connections of never-set ready events reached 1024
+    accept nobody (8 connections of never-set ready events reached 1024
     of 1024)."""
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
@@ -708,7 +708,7 @@ class _Caches:
     names it, until a hello for another cache finds ``max_caches`` open: the cache unused the
     longest is then closed to make room (memory-only chunks written to a storage tier first,
     as at shutdown; without one they are gone). Before, caches were never closed: hellos with
-    made-up tenants held every slot until a restart (found by a probe). The cache of the
+    made-up tenants held every slot until a restart. The cache of the
     config's ``cache`` is never closed so."""
 
     def __init__(self, config: ServerConfig, counters: dict[str, int]) -> None:
@@ -727,8 +727,8 @@ class _Caches:
         (``pin``: the server's own, never closed before the server)."""
         cache = self.caches.get(key)
         if cache is not None:
-            # Open already: no wait behind a hello that opens or evicts another cache (found
-            # by a probe: every hello waited out an eviction's persist, up to close_timeout).
+            # Open already: no wait behind a hello that opens or evicts another cache (every hello
+            # waited out an eviction's persist, up to close_timeout).
             self._use(key, pin)
             return cache
         async with self.lock:
@@ -787,7 +787,7 @@ class _Caches:
         cache = self.caches.pop(key)
         # In a task of its own, waited for whatever cancels the hello: a plain cancel of the
         # hello's task (its peer went away) cut the persist short, and the evicted cache's
-        # memory-only chunks were lost (found by a probe).
+        # memory-only chunks were lost.
         closing = asyncio.ensure_future(self._close(key, cache))
         came = await outlive(closing)
         entry = closing.result()
@@ -825,8 +825,8 @@ def _overdue(cfg: ServerConfig, peer: _Peer, received: int, now: float,
 
     ``frame_timeout`` bounds the age of the frame being received (its clock restarts at each
     whole frame), not how long the connection has had some frame incomplete: a busy client
-    whose reads end inside frames was closed while every frame took milliseconds (found by a
-    probe). While the server reads nothing from the connection (``paused``: its turn went to
+    whose reads end inside frames was closed while every frame took milliseconds. While the server
+    reads nothing from the connection (``paused``: its turn went to
     others, a refusal is being answered) the frame's clock waits too."""
     if peer.partial_since and paused:
         peer.partial_since = now
@@ -845,8 +845,8 @@ def _overdue(cfg: ServerConfig, peer: _Peer, received: int, now: float,
     if received != peer.seen or peer.in_flight:
         peer.seen, peer.quiet_since = received, now
         return None
-    # Said hello, then nothing: such connections held every slot for ever (found by a
-    # probe); the client reconnects at its next call.
+    # Said hello, then nothing: such connections held every slot for ever; the client reconnects at
+    # its next call.
     return "idle_timeouts" if now - peer.quiet_since >= cfg.idle_timeout else None
 
 
@@ -858,7 +858,7 @@ def _watch_interval(cfg: ServerConfig) -> float:
 def _parking_refused(n: int, parked: int, fd_budget: int) -> ServerLimitError | None:
     """Why ``n`` more fds may not wait in a connection's decoder for their frame, or None.
     ``parked``: what all decoders hold now. They may hold half of ``fd_budget``, so the
-    requests in flight always have the other half (found by a probe: frames whose header
+    requests in flight always have the other half (frames whose header
     declared 253 fds and whose body never came held every fd of the server). One
     connection's decoder holds at most one frame's fds (253) anyway."""
     if parked + n > fd_budget // 2:
@@ -1246,7 +1246,7 @@ class Server:
         if peer.hello or peer.saying_hello:
             raise ProtocolError("hello was already said on this connection")
         # Taken before the first await: two hellos sent back to back were both accepted, the
-        # connection bound to whichever cache opened last (found by a probe).
+        # connection bound to whichever cache opened last.
         peer.saying_hello = True
         try:
             return await self._hello(peer, msg)

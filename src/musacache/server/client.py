@@ -101,8 +101,8 @@ class _Staging:
     def settle(self, buf: torch.Tensor, answered: bool) -> None:
         """The end of ``buf``'s request: kept for the next one only if the request was
         answered. A call cancelled or cut off after it was sent leaves the server reading or
-        writing the buffer still, so it is dropped, never handed to another call (found by
-        a probe: a put cancelled in flight had the next put's KV stored under its prompt)."""
+        writing the buffer still, so it is dropped, never handed to another call (a put cancelled in
+        flight had the next put's KV stored under its prompt)."""
         if answered:
             self.give(buf)
 
@@ -316,7 +316,7 @@ class Client:
             failed = self._connect_failed
             if failed is not None and failed[0] >= asked:
                 # An attempt that failed while this call waited answers it too: one after
-                # another, the k-th caller waited k timeouts (found by a probe).
+                # another, the k-th caller waited k timeouts.
                 raise CacheUnavailableError(str(failed[1])) from failed[1]
             try:
                 return await self._connect()
@@ -347,8 +347,8 @@ class Client:
             await conn.aclose()
             self._fail_pending("hello failed")
             raise
-        # Published only now, with hello answered and every registration made on it (found
-        # by a probe: calls went out before hello, stores with another connection's numbers).
+        # Published only now, with hello answered and every registration made on it (calls went out
+        # before hello, stores with another connection's numbers).
         if self._state != "open":  # closed meanwhile: aclose could not see this one
             await conn.aclose()
             raise CacheClosedError("the client was closed while it connected")
@@ -839,7 +839,7 @@ def _check_out(spec: KVSpec, shapes: dict[int, tuple[int, ...]], out: torch.Tens
             raise ShapeError(f"out holds {have} tokens, tokens has {n}: out must have shape "
                              f"{spec.shape(n)}")
     # What the final copy into it would refuse, refused here with the Cache's own errors
-    # (found by a probe: a requires-grad or expanded out raised torch's RuntimeError).
+    # (a requires-grad or expanded out raised torch's RuntimeError).
     if out.requires_grad or out.is_inference() or (
             not out.is_contiguous() and may_overlap(out)):
         check_writable(out, "out")

@@ -1,4 +1,4 @@
-"""ChunkListing: a storage tier's listing in compact form (issue 12).
+"""ChunkListing: a storage tier's listing in compact form.
 
 A restart learns every object a storage tier holds. As a list of ``ChunkMeta`` a listing of a
 million objects is a million young objects: each collection of the young generation walks them

@@ -237,7 +237,7 @@ class S3Store(StorageTier):
         self._known: dict[bytes, tuple[str, int]] = {}
         # Other names listed for a known key (the same key in another parent's folder: a
         # stray or forged object). The directory serves the first; a delete removes them all
-        # (it removed only the last listed, and the served one came back: found by a probe).
+        # (it removed only the last listed, and the served one came back).
         self._more_names: dict[bytes, set[str]] = {}
         self._order = KeyOrder()
         # prefix -> (when listed, what was there), least recently used first.
@@ -385,7 +385,7 @@ class S3Store(StorageTier):
     async def _list_all(self) -> ChunkListing:
         """Everything under this fingerprint (``start``), in compact form: each page's
         objects go into flat buffers as it arrives, so no step of the loop holds more than a
-        page of them, however big the bucket (issue 12). Not kept for reuse."""
+        page of them, however big the bucket. Not kept for reuse."""
         prefix = f"{self._base}/"
         found = ListingBuilder()
         try:

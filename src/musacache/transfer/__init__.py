@@ -340,8 +340,8 @@ def _shares_pages(tensors: Sequence[torch.Tensor]) -> bool:
 
 def _check_storage(tensors: Sequence[torch.Tensor], layout: str) -> None:
     """Host caches are reached by address alone: a storage resized or freed under its tensor
-    (``untyped_storage().resize_()``) would be read and written past its end (found by a
-    probe: a segfault, or 2 MiB written past a 64-byte storage)."""
+    (``untyped_storage().resize_()``) would be read and written past its end (a segfault, or 2 MiB
+    written past a 64-byte storage)."""
     for i, t in enumerate(tensors):
         KVSpec.check_memory(t, what=f"{layout} {_tensor_name(layout, i, len(tensors))}")
 
@@ -884,8 +884,8 @@ def _native_rows(pages: Pages, slots: torch.Tensor, denses: Sequence[torch.Tenso
         if not to_dense and _shares_pages(pages.tensors):
             # Layers that share their pages (vLLM's KV sharing across layers): the planes'
             # threads would race to write the same rows. One thread writes them in layer
-            # order, the last layer's values last, as per-layer copies would (found by a
-            # probe: the same tensor for two layers came out of either, or half of each).
+            # order, the last layer's values last, as per-layer copies would (the same tensor for
+            # two layers came out of either, or half of each).
             threads = 1
     info, cache_spans = pages.info, pages.spans
     itemsize = _itemsize(kept[0][0])
@@ -937,7 +937,7 @@ def _native_rows(pages: Pages, slots: torch.Tensor, denses: Sequence[torch.Tenso
     dims = np.array([(dl, dkv, dh) for dl, dkv, _, dh in strides], dtype=np.int64)
     # One group (a normal model) is checked by its own call before it copies; with several,
     # all are checked first: a later group's refusal must not come after an earlier copy
-    # (found by a probe: a permuted layer's pages after a plain one's).
+    # (a permuted layer's pages after a plain one's).
     passes = (True,) if check_only else (True, False) if len(groups) > 1 else (False,)
     for only in passes:
         for (row_bytes, block_stride, slot_stride), (paged, p_ext, which) in groups.items():
