@@ -94,7 +94,7 @@ async def test_a_get_of_many_disk_chunks_is_one_batch_on_a_few_threads(
         store = _store(c)
         calls = {"to": 0, "batches": 0, "items": 0, "threads": 0}
         read_to, read_to_many = store.read_to, store.read_to_many
-        submit = store._lanes.submit
+        submit = store._executor.submit
 
         async def spy_to(*a: Any, **kw: Any) -> Any:
             calls["to"] += 1
@@ -111,7 +111,7 @@ async def test_a_get_of_many_disk_chunks_is_one_batch_on_a_few_threads(
 
         monkeypatch.setattr(store, "read_to", spy_to)
         monkeypatch.setattr(store, "read_to_many", spy_many)
-        monkeypatch.setattr(store._lanes, "submit", spy_thread)
+        monkeypatch.setattr(store._executor, "submit", spy_thread)
         # One slice per lane however slow the machine (slices are tested below), and as
         # many lanes as max_concurrency however few its CPUs (lanes by CPUs: below).
         monkeypatch.setattr(disk_mod, "_LANE_SLICE", 60.0)
@@ -582,7 +582,7 @@ async def test_every_lane_of_a_batch_is_handed_its_first_read_before_a_turn_of_t
     monkeypatch.setattr(devices, "usable_cpus", lambda: 64)
     async with _on_disk(tmp_path, 6, seed=31, max_concurrency=3) as (c, _spec, toks, kv):
         store = _store(c)
-        submit = store._lanes.submit
+        submit = store._executor.submit
         turns = [0]
         at_submit: list[int] = []
 
@@ -595,7 +595,7 @@ async def test_every_lane_of_a_batch_is_handed_its_first_read_before_a_turn_of_t
             if turns[0] < 1000:
                 asyncio.get_running_loop().call_soon(turn)
 
-        monkeypatch.setattr(store._lanes, "submit", spy)
+        monkeypatch.setattr(store._executor, "submit", spy)
         asyncio.get_running_loop().call_soon(turn)
         out = torch.zeros_like(kv)
         hit = await c.get(toks, out=out)

@@ -643,8 +643,7 @@ async def test_a_multi_chunk_disk_put_encodes_in_one_hop_on_every_copy_thread(
 async def test_a_disk_promotion_is_one_worker_thread_call_per_chunk(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, codec: str) -> None:
     # Read, verify and decode of a chunk file happen in one worker-thread call, into the
-    # top-tier slot (before: a hop to read the file into fresh bytes, another to decode).
-    import anyio.to_thread
+    # top-tier slot, not a hop to read the file into fresh bytes and another to decode.
     import numpy as np
 
     import musacache as mc
@@ -662,24 +661,23 @@ async def test_a_disk_promotion_is_one_worker_thread_call_per_chunk(
         await cache._engine.evict(top, len(top.lru))
         await cache.flush()
         hops: list[str] = []
-        run_sync = anyio.to_thread.run_sync
+        store = cache._engine.stores[0].store
+        ex = store._executor
+        run, submit = ex.run, ex.submit
 
         async def counting(fn: Any, *args: Any, **kw: Any) -> Any:
             hops.append(getattr(fn, "__name__", repr(fn)))
-            return await run_sync(fn, *args, **kw)
+            return await run(fn, *args, **kw)
 
-        store = cache._engine.stores[0].store
-        submit = store._lanes.submit
-
-        def lane(fn: Any, *args: Any) -> Any:  # a batch's lanes: the store's own threads
+        def lane(fn: Any, *args: Any) -> Any:  # a batch's lanes
             hops.append(getattr(fn, "__name__", repr(fn)))
             return submit(fn, *args)
 
-        monkeypatch.setattr(anyio.to_thread, "run_sync", counting)
-        monkeypatch.setattr(store._lanes, "submit", lane)
+        monkeypatch.setattr(ex, "run", counting)
+        monkeypatch.setattr(ex, "submit", lane)
         out = torch.empty_like(kv)
         hit = await cache.get(toks, out=out)
-        monkeypatch.setattr(anyio.to_thread, "run_sync", run_sync)
+        monkeypatch.undo()
         assert hit.tiers == {"disk": len(toks)}
         assert torch.equal(out.view(torch.uint8), kv.view(torch.uint8))
         # At most one call per chunk (a batch's lanes each read several in one call), plus

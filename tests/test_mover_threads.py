@@ -11,7 +11,13 @@ import time
 import anyio
 import pytest
 
+from musacache._executor import Executor
 from musacache.engine.move import Mover
+
+
+def _mover(copy_threads: int, inline_bytes: int) -> Mover:
+    """A mover on a copy lane of its own executor, as a cache makes one."""
+    return Mover(Executor("t").lane(copy_threads), inline_bytes)
 
 
 class _Slow:
@@ -29,7 +35,7 @@ class _Slow:
 
 @pytest.mark.asyncio
 async def test_result_and_error_come_back() -> None:
-    m = Mover(2, 0)
+    m = _mover(2, 0)
     try:
         assert await m.in_thread(lambda: threading.current_thread().name) != \
             threading.current_thread().name
@@ -41,7 +47,7 @@ async def test_result_and_error_come_back() -> None:
 
 @pytest.mark.asyncio
 async def test_task_cancel_waits_for_the_thread() -> None:
-    m, slow = Mover(1, 0), _Slow()
+    m, slow = _mover(1, 0), _Slow()
     try:
         task = asyncio.ensure_future(m.in_thread(slow))
         await anyio.to_thread.run_sync(slow.started.wait)
@@ -57,7 +63,7 @@ async def test_task_cancel_waits_for_the_thread() -> None:
 
 @pytest.mark.asyncio
 async def test_cancel_scope_waits_for_the_thread() -> None:
-    m, slow = Mover(1, 0), _Slow()
+    m, slow = _mover(1, 0), _Slow()
     try:
         t0 = time.monotonic()
         with anyio.move_on_after(0.02) as scope:
@@ -71,7 +77,7 @@ async def test_cancel_scope_waits_for_the_thread() -> None:
 
 @pytest.mark.asyncio
 async def test_threads_bounded_by_copy_threads() -> None:
-    m = Mover(2, 0)
+    m = _mover(2, 0)
     running = 0
     most = 0
     lock = threading.Lock()
@@ -95,7 +101,7 @@ async def test_threads_bounded_by_copy_threads() -> None:
 async def test_cancel_while_queued_takes_it_off_the_queue() -> None:
     """A caller cancelled while its function still waits for a busy thread does not wait for
     the queue to drain, and its function never runs."""
-    m, slow = Mover(1, 0), _Slow()
+    m, slow = _mover(1, 0), _Slow()
     ran = threading.Event()
     try:
         busy = asyncio.ensure_future(m.in_thread(slow))
@@ -119,7 +125,7 @@ async def test_quiesce_waits_for_running_moves_and_refuses_new_ones() -> None:
     frees next), and a move asked for afterwards is a typed error, before it runs."""
     from musacache import CacheClosedError
 
-    m, slow = Mover(2, 1 << 20), _Slow()
+    m, slow = _mover(2, 1 << 20), _Slow()
     wrote = []
     try:
         running = asyncio.ensure_future(m.in_thread(slow))
@@ -189,7 +195,7 @@ async def test_a_cancelled_device_move_waits_for_its_copies(monkeypatch, cancel_
     import torch
 
     fake = _FakeDevice(monkeypatch)
-    m = Mover(2, 0)
+    m = _mover(2, 0)
     try:
         task = asyncio.ensure_future(m.run(lambda _s: time.sleep(0.2),
                                            device=torch.device("cuda", 0), nbytes=1 << 20))
@@ -213,7 +219,7 @@ async def test_a_split_host_copy_after_close_is_one_typed_error() -> None:
 
     from musacache import CacheClosedError
 
-    m = Mover(4, 0)
+    m = _mover(4, 0)
     await m.quiesce()
     with pytest.raises(CacheClosedError):
         await m.copy([(torch.empty(1024), torch.ones(1024)) for _ in range(8)])
@@ -227,7 +233,7 @@ async def test_a_device_fault_in_the_copies_event_reaches_the_caller(monkeypatch
     import torch
 
     fake = _FakeDevice(monkeypatch, fault="CUDA error: an illegal memory access")
-    m = Mover(2, 0)
+    m = _mover(2, 0)
     try:
         with pytest.raises(RuntimeError, match="illegal memory access"):
             await m.run(lambda _s: None, device=torch.device("cuda", 0), nbytes=1 << 20)

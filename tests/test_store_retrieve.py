@@ -448,7 +448,7 @@ async def test_aclose_cancelled_by_wait_for_still_releases_everything(monkeypatc
         pass
     assert c._state == "closed"
     assert pool.bytes_allocated == 0
-    assert eng.mover._pool._shutdown
+    assert eng.executor.closed
     with pytest.raises(mc.CacheClosedError):
         await pool.ensure_segment(0)
     assert pool.bytes_allocated == 0
@@ -472,4 +472,4 @@ async def test_a_close_cut_short_by_cancelling_every_task_still_releases(monkeyp
     assert closer.cancelled()
     assert c._state == "closed"
     assert eng.mem[0].pool.bytes_allocated == 0
-    assert eng.mover._pool._shutdown
+    assert eng.executor.closed

@@ -26,6 +26,7 @@ from musacache._errors import (
     InvalidInputError,
     ShapeError,
 )
+from musacache._executor import Executor, outlive
 from musacache._keys import Fingerprint, KeyChain, as_tokens, check_token_memory
 from musacache._spec import KVSpec, check_has_data
 from musacache.engine import removal as _removal
@@ -37,7 +38,7 @@ from musacache.engine.reads import VIEW_RUN
 from musacache.engine.resident import MIN_CHUNKS as RESIDENT_MIN
 from musacache.engine.resident import read_resident, retrieve_resident
 from musacache.engine.resident import release as release_resident
-from musacache.engine.tasks import MustFinish, TaskOwner, outlive
+from musacache.engine.tasks import TaskOwner
 from musacache.engine.tee import Tee
 from musacache.engine.tierstate import MemTier, StoreTier, Tier
 from musacache.tiers.base import StorageTier, TierContext
@@ -181,12 +182,7 @@ async def _read_into(eng: Engine, matches: list[Match],
     finally:
         for tee in tees.values():
             tee.close()  # an abandoned read writes nothing into the caller's tensor now
-        turns = MustFinish()  # every pin is let go of, even when cancelled meanwhile
-        for i in range(pinned):
-            if i and not i % VIEW_RUN:
-                await turns.turn()
-            eng.unpin(matches[i].entry)
-        turns.done()
+        await eng.let_go([m.entry for m in matches[:pinned]])
 
 
 class Cache:
@@ -252,11 +248,12 @@ class Cache:
         slot_bytes = self.spec.nbytes(cfg.chunk_size)
         started: list[StorageTier] = []
         mover: Mover | None = None
+        executor = Executor("musacache")
         try:
             tiers: list[Tier] = []
             for idx, tc in enumerate(cfg.tiers):
                 if isinstance(tc, (HostTier, DeviceTier)):
-                    tiers.append(MemTier(idx, tc, slot_bytes))
+                    tiers.append(MemTier(idx, tc, slot_bytes, executor))
                     continue
                 store = tc.build() if hasattr(tc, "build") else tc
                 if not isinstance(store, StorageTier):
@@ -267,10 +264,10 @@ class Cache:
             mem = [t for t in tiers if isinstance(t, MemTier)]
             self._device = (mem[0].device if mem else torch.device("cpu")) \
                 if cfg.device == "auto" else devices.resolve(cfg.device)
-            mover = Mover(cfg.copy_threads, int(cfg.inline_copy_bytes))
+            mover = Mover(executor.lane(cfg.copy_threads), int(cfg.inline_copy_bytes))
             await self._tasks.start()
             eng = Engine(cfg, self.fingerprint, self._chain, tiers, mover, self._tasks)
-            ctx = TierContext(self.fingerprint, tenant=self.config.tenant)
+            ctx = TierContext(self.fingerprint, tenant=self.config.tenant, executor=executor)
             for st in eng.stores:
                 listing = await st.store.start(ctx)
                 started.append(st.store)
@@ -293,6 +290,7 @@ class Cache:
                 await self._tasks.aclose()
             if mover is not None:
                 mover.close()
+            executor.close()
             self._state = "closed"
             raise
         self._eng = eng
@@ -648,7 +646,6 @@ async def _close_from_other_loop(cache: Cache, opened: asyncio.AbstractEventLoop
     eng = cache._eng
     assert eng is not None
     cache._state = "closing"
-    cache._fast = None
     cache._tasks.abandon()
     cache._close["writes_abandoned"] = sum(len(st.pending) for st in eng.stores)
     with anyio.CancelScope(shield=True):
@@ -703,6 +700,7 @@ async def _release(eng: Engine, moves_done: bool = False) -> None:
     old, eng.dir = eng.dir, eng.dir.emptied()
     await _removal.dismantle(old, BATCH)
     eng.mover.close()
+    eng.executor.close()  # its threads end once idle (a hung read's, when it returns)
 
 
 def _check_room(cfg: CacheConfig, slot_bytes: int) -> None:

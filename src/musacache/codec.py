@@ -68,7 +68,7 @@ import struct
 import threading
 import zlib
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -85,6 +85,7 @@ from ._errors import (
     InvalidInputError,
     ShapeError,
 )
+from ._executor import Executor
 from ._keys import FORMAT_VERSION, KEY_BYTES, Fingerprint
 from ._spec import dtype_name
 
@@ -321,23 +322,26 @@ def _give_scratch(buf: np.ndarray) -> None:
 
 # -- block fan-out -------------------------------------------------------------------------------
 
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
+_default: Executor | None = None
+_default_lock = threading.Lock()
 
 
-def _get_pool() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 2,
-                                       thread_name_prefix="musacache-codec")
-        return _pool
+def _fan_out() -> Executor:
+    """Threads for a codec call made outside a cache with ``threads > 1`` (a cache passes its
+    own ``executor``)."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Executor("musacache-codec")
+        return _default
 
 
-def _run_blocks(fn: Callable[[int], Any], num_blocks: int, threads: int) -> list[Any]:
+def _run_blocks(fn: Callable[[int], Any], num_blocks: int, threads: int,
+                executor: Executor | None) -> list[Any]:
     """``[fn(i) for i in range(num_blocks)]``, split into up to ``threads`` contiguous groups.
 
-    The calling thread runs the first group itself, so ``threads=2`` costs one pool thread.
+    The calling thread runs the first group itself, the others run on ``executor``'s
+    threads, so ``threads=2`` costs one more thread.
     """
     groups = max(1, min(threads, num_blocks))
     if groups == 1:
@@ -347,8 +351,8 @@ def _run_blocks(fn: Callable[[int], Any], num_blocks: int, threads: int) -> list
     def run(g: int) -> list[Any]:
         return [fn(i) for i in range(bounds[g], bounds[g + 1])]
 
-    pool = _get_pool()
-    futures: list[Future[list[Any]]] = [pool.submit(run, g) for g in range(1, groups)]
+    ex = executor if executor is not None else _fan_out()
+    futures: list[Future[list[Any]]] = [ex.submit_blocking(run, g) for g in range(1, groups)]
     results = run(0)
     # Wait for every group even if one failed, so no worker still touches our buffers.
     errors: list[BaseException] = []
@@ -384,7 +388,8 @@ def _as_bytes(t: torch.Tensor) -> np.ndarray:
 
 
 def encode_chunk(fp: Fingerprint, meta: ChunkMeta, data: torch.Tensor, codec: str = "lz4", *,
-                 threads: int = 1, block_size: int = DEFAULT_BLOCK_SIZE) -> bytes:
+                 threads: int = 1, block_size: int = DEFAULT_BLOCK_SIZE,
+                 executor: Executor | None = None) -> bytes:
     """Encode one chunk's dense KV as a self-describing object.
 
     ``data`` is a CPU tensor of ``fp.spec.shape(meta.num_tokens)`` and ``fp.spec.dtype``
@@ -410,7 +415,7 @@ def encode_chunk(fp: Fingerprint, meta: ChunkMeta, data: torch.Tensor, codec: st
     itemsize = spec.itemsize
     if codec == "raw":
         return _encode_blocks(fp, meta, memoryview(raw.data), codec=codec, itemsize=itemsize,
-                              block_size=block_size, threads=threads)
+                              block_size=block_size, threads=threads, executor=executor)
     # Tagged blocks: shuffled planes (one per byte of an element) cut into blocks, each
     # nibble-coded, lz4-compressed or stored raw, whichever is smallest by a cheap test.
     shuffled: np.ndarray | None = None
@@ -421,7 +426,7 @@ def encode_chunk(fp: Fingerprint, meta: ChunkMeta, data: torch.Tensor, codec: st
     coded = _take_scratch(raw_len)  # nibble-coded blocks land at their raw block's offset
     try:
         return _encode_tagged(fp, meta, raw, coded, itemsize=itemsize, block_size=block_size,
-                              threads=threads)
+                              threads=threads, executor=executor)
     finally:
         _give_scratch(coded)
         if shuffled is not None:
@@ -430,7 +435,8 @@ def encode_chunk(fp: Fingerprint, meta: ChunkMeta, data: torch.Tensor, codec: st
 
 def encode_chunks(fp: Fingerprint, items: Sequence[tuple[ChunkMeta, torch.Tensor]],
                   codec: str = "lz4", *, threads: int = 1,
-                  block_size: int = DEFAULT_BLOCK_SIZE) -> list[bytes]:
+                  block_size: int = DEFAULT_BLOCK_SIZE,
+                  executor: Executor | None = None) -> list[bytes]:
     """:func:`encode_chunk` for a batch, in one call: up to ``threads`` chunks are encoded at
     once (the calling thread takes the first share), so a multi-chunk put or demotion makes
     one worker-thread hop and uses every core it is given. Every item is checked before any
@@ -447,7 +453,7 @@ def encode_chunks(fp: Fingerprint, items: Sequence[tuple[ChunkMeta, torch.Tensor
                              f"ChunkMeta says {meta.num_tokens}")
     out: list[bytes] = _run_blocks(
         lambda i: encode_chunk(fp, items[i][0], items[i][1], codec, block_size=block_size),
-        len(items), threads)
+        len(items), threads, executor)
     return out
 
 
@@ -459,7 +465,8 @@ def _tag_crc(tag: int) -> int:
 
 
 def _encode_tagged(fp: Fingerprint, meta: ChunkMeta, raw: np.ndarray, coded: np.ndarray, *,
-                   itemsize: int, block_size: int, threads: int) -> bytes:
+                   itemsize: int, block_size: int, threads: int,
+                   executor: Executor | None) -> bytes:
     native = _native()
     raw_len = raw.size
     num_blocks = -(-raw_len // block_size)
@@ -481,7 +488,7 @@ def _encode_tagged(fp: Fingerprint, meta: ChunkMeta, raw: np.ndarray, coded: np.
                 tag, body = _TAG_LZ4, packed
         return tag, body, native.crc32c(body, _tag_crc(tag))
 
-    blocks = _run_blocks(encode_block, num_blocks, threads)
+    blocks = _run_blocks(encode_block, num_blocks, threads, executor)
     table = b"".join(_BLOCK_ENTRY.pack(1 + len(body), crc) for _tag, body, crc in blocks)
     payload_len = sum(1 + len(body) for _tag, body, _crc in blocks)
     header = _pack_header(fp, meta, codec="lz4", itemsize=itemsize, block_size=block_size,
@@ -495,7 +502,8 @@ def _encode_tagged(fp: Fingerprint, meta: ChunkMeta, raw: np.ndarray, coded: np.
 
 
 def _encode_blocks(fp: Fingerprint, meta: ChunkMeta, view: memoryview, *, codec: str,
-                   itemsize: int, block_size: int, threads: int) -> bytes:
+                   itemsize: int, block_size: int, threads: int,
+                   executor: Executor | None) -> bytes:
     raw_len = len(view)
     num_blocks = -(-raw_len // block_size)
 
@@ -505,7 +513,7 @@ def _encode_blocks(fp: Fingerprint, meta: ChunkMeta, view: memoryview, *, codec:
         stored = view[i * block_size : (i + 1) * block_size]
         return stored, crc(stored)
 
-    blocks = _run_blocks(encode_block, num_blocks, threads)
+    blocks = _run_blocks(encode_block, num_blocks, threads, executor)
     table = b"".join(_BLOCK_ENTRY.pack(len(stored), crc) for stored, crc in blocks)
     payload_len = sum(len(stored) for stored, _ in blocks)
     header = _pack_header(fp, meta, codec=codec, itemsize=itemsize, block_size=block_size,
@@ -589,7 +597,8 @@ def _block_crc(hdr: ChunkHeader) -> Callable[[Any], int]:
 
 def decode_chunk(fp: Fingerprint, obj: bytes | bytearray | memoryview, *,
                  expect: ChunkMeta | None = None, out: torch.Tensor | None = None,
-                 threads: int = 1) -> tuple[ChunkMeta, torch.Tensor]:
+                 threads: int = 1, executor: Executor | None = None,
+                 ) -> tuple[ChunkMeta, torch.Tensor]:
     """Verify and decode a chunk object written by :func:`encode_chunk`.
 
     Returns the chunk's :class:`ChunkMeta` (``stored_bytes`` = ``len(obj)``) and its dense KV,
@@ -634,7 +643,7 @@ def decode_chunk(fp: Fingerprint, obj: bytes | bytearray | memoryview, *,
     verify_first = out is not None and not staged
     try:
         _decode_blocks(view, hdr, offsets, entries, target, verify_first=verify_first,
-                       threads=threads)
+                       threads=threads, executor=executor)
         if shuffled:
             _unshuffle(target, hdr.itemsize, out=dst_bytes)
         elif staged:
@@ -665,7 +674,8 @@ def _pread_into(fd: int, buf: memoryview, offset: int, *more: memoryview) -> Non
 
 def read_chunk_into(fp: Fingerprint, fd: int, size: int, out: torch.Tensor, *,
                     expect: ChunkMeta | None = None, threads: int = 1,
-                    on_block: Callable[[int, int], None] | None = None) -> ChunkMeta:
+                    on_block: Callable[[int, int], None] | None = None,
+                    executor: Executor | None = None) -> ChunkMeta:
     """Read, verify and decode the chunk object in the open file ``fd`` (``size`` bytes, as
     its ``fstat`` says) into ``out``, a contiguous CPU tensor of the chunk's shape.
 
@@ -696,7 +706,8 @@ def read_chunk_into(fp: Fingerprint, fd: int, size: int, out: torch.Tensor, *,
         try:
             obj = memoryview(buf.data)
             _pread_into(fd, obj, 0)
-            meta, _ = decode_chunk(fp, obj, expect=expect, out=out, threads=threads)
+            meta, _ = decode_chunk(fp, obj, expect=expect, out=out, threads=threads,
+                                   executor=executor)
         finally:
             _give_scratch(buf)
         _ranges_done(on_range, hdr.raw_len, hdr.block_size)
@@ -725,7 +736,7 @@ def read_chunk_into(fp: Fingerprint, fd: int, size: int, out: torch.Tensor, *,
         if on_range is not None:
             on_range(start, start + entries[i][0])
 
-    _run_blocks(read_block, hdr.num_blocks, threads)
+    _run_blocks(read_block, hdr.num_blocks, threads, executor)
     return hdr.meta(stored_bytes=size)
 
 
@@ -842,7 +853,8 @@ def _tagged_from_file(fd: int, hdr: ChunkHeader, table: bytearray, payload_at: i
 
 def _decode_blocks(view: memoryview, hdr: ChunkHeader, offsets: list[int],
                    entries: Sequence[tuple[int, int]], target: np.ndarray, *,
-                   verify_first: bool, threads: int) -> None:
+                   verify_first: bool, threads: int,
+                   executor: Executor | None) -> None:
     crc = _block_crc(hdr)
 
     def check_block(i: int) -> memoryview:
@@ -864,5 +876,5 @@ def _decode_blocks(view: memoryview, hdr: ChunkHeader, offsets: list[int],
             raise CorruptChunkError(f"chunk block {i} does not decompress: {e}") from e
 
     if verify_first:
-        _run_blocks(check_block, hdr.num_blocks, threads)
-    _run_blocks(decode_block, hdr.num_blocks, threads)
+        _run_blocks(check_block, hdr.num_blocks, threads, executor)
+    _run_blocks(decode_block, hdr.num_blocks, threads, executor)

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from musacache._config import CacheConfig
+from musacache._executor import finish
 from musacache._keys import Fingerprint, KeyChain
 from musacache.engine.directory import Directory, Entry, Match
 from musacache.engine.move import Mover, accelerator_of
@@ -34,7 +35,7 @@ from musacache.engine.placement import victims
 from musacache.engine.reads import Flight, Reads
 from musacache.engine.staging import STAGE_KEEP_BYTES, StagePool
 from musacache.engine.storage import ColdPath
-from musacache.engine.tasks import MustFinish, TaskOwner
+from musacache.engine.tasks import TaskOwner
 from musacache.engine.tierstate import MemTier, StoreTier, Tier, counters
 from musacache.tiers.memory import MemoryPool, Slot
 from musacache.transfer import DenseAt, Pages, _gather_checked
@@ -244,6 +245,7 @@ class Engine(Reads):
         lead = next((i for i, t in enumerate(tiers) if isinstance(t, StoreTier)), len(tiers))
         self.put_mem = [t for t in tiers[:lead] if isinstance(t, MemTier)]
         self.mover = mover
+        self.executor = mover.executor
         self.tasks = tasks
         self.cold = ColdPath(self)
         self.stage = StagePool(STAGE_KEEP_BYTES)  # host buffers of chunks put to storage
@@ -282,6 +284,27 @@ class Engine(Reads):
         self.pins_held -= 1
         if e.pins == 0 and e.owes_memory:
             self._free_detached(e)
+
+    async def let_go(self, entries: Sequence[Entry], *, touch: bool = False) -> None:
+        """Unpin ``entries`` (touched first when ``touch``: leaf first, root last, so every
+        prefix ends up more recent than what extends it), a run per turn of the loop. Every
+        pin is let go of, once, even when the caller is cancelled meanwhile."""
+        if len(entries) <= BATCH:  # one run: no turn of the loop, nothing to outlive
+            self._let_go_run(entries, touch)
+            return
+
+        async def runs() -> None:
+            for hi in range(len(entries), 0, -BATCH):
+                self._let_go_run(entries[max(0, hi - BATCH) : hi], touch)
+                if hi > BATCH:
+                    await anyio.lowlevel.checkpoint()
+        await finish(runs())
+
+    def _let_go_run(self, entries: Sequence[Entry], touch: bool) -> None:
+        if touch:
+            self.touch(entries)
+        for e in entries:
+            self.unpin(e)
 
     def _free_detached(self, e: Entry) -> None:
         for idx, index in e.take_detached():
@@ -364,21 +387,9 @@ class Engine(Reads):
                 if pos < len(plan_keys):
                     await anyio.lowlevel.checkpoint()  # between rounds of a long prompt
         finally:
-            # Once, for the whole prompt, leaf first and root last: every prefix ends up more
-            # recent than what extends it, so eviction finds leaves at the old end (touching
-            # round by round would leave each round's parents older than the next round).
-            # In batches, each unpinned with its touch, the loop free in between (this must
-            # finish, even when cancelled meanwhile): unpinning a 16,384-chunk prompt at
-            # once was a step of 11 to 19 ms.
-            turns = MustFinish()
-            for hi in range(len(held), 0, -BATCH):
-                part = held[max(0, hi - BATCH) : hi]
-                self.touch(part)
-                for e in part:
-                    self.unpin(e)
-                if hi > BATCH:
-                    await turns.turn()
-            turns.done()
+            # Touched once for the whole prompt: touching round by round would leave each
+            # round's parents older than the next round's chunks.
+            await self.let_go(held, touch=True)
         self.tok["stored_tokens"] += stored_to
         return stored_to
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anyio
@@ -24,7 +23,7 @@ import torch
 
 from musacache import devices
 from musacache._errors import CacheClosedError
-from musacache.engine.tasks import outlive
+from musacache._executor import Lane, outlive
 from musacache.transfer import gather_chunks, scatter_chunks
 from musacache.transfer.relay import queue_copies
 
@@ -49,14 +48,14 @@ def accelerator_of(tensors: Sequence[torch.Tensor]) -> torch.device | None:
 class Mover:
     """Runs the move step of every request: one worker-thread hop, one event wait.
 
-    Its hops are submitted straight to the cache's own ``copy_threads`` worker threads (as
-    the loop's ``run_in_executor`` does): anyio's ``to_thread`` adds a limiter, a cancel
-    scope and a thread picked per call to every store, retrieve and large get."""
+    Its hops run in ``lane``, the cache executor's copy lane (``copy_threads`` at once)."""
 
-    def __init__(self, copy_threads: int, inline_bytes: int) -> None:
-        self.copy_threads = copy_threads
+    def __init__(self, lane: Lane, inline_bytes: int) -> None:
+        self.copy_threads = lane.limit
         self.inline_bytes = inline_bytes
-        self._pool = ThreadPoolExecutor(copy_threads, thread_name_prefix="musacache-copy")
+        self._lane = lane
+        #: The cache's worker threads, whose copy lane this is.
+        self.executor = lane.executor
         #: Moves run, and event waits made (one per device move): structure tests read them.
         self.moves = 0
         self.event_waits = 0
@@ -81,16 +80,9 @@ class Mover:
         to end, then is cancelled: ``fn`` reads and writes memory the caller owns and frees.
         One cancelled while ``fn`` still waits for a thread takes it off the queue instead."""
         self._check_open()
-        cf = self._pool.submit(fn)
         self._running += 1
         try:
-            fut = asyncio.wrap_future(cf)
-            try:
-                return await asyncio.shield(fut)
-            except asyncio.CancelledError:
-                if not cf.cancel():  # it has started: wait for it
-                    await outlive(fut)
-                raise
+            return await self._lane.run(fn)
         finally:
             self._done()
 
@@ -107,15 +99,14 @@ class Mover:
             raise came
 
     def close(self) -> None:
-        """Let the copy threads end once idle (the cache is closed: nothing hops any more)."""
+        """Refuse new moves (the cache is closed: nothing hops any more)."""
         self._closed = True
-        self._pool.shutdown(wait=False)
 
     def shut_down(self) -> None:
-        """Refuse new moves and wait (blocking) until every copy thread has ended: for a
-        cache whose event loop is gone, whose running moves can no longer be awaited."""
+        """Refuse new moves and wait (blocking) until no copy runs: for a cache whose event
+        loop is gone, whose running moves can no longer be awaited."""
         self._closed = True
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._lane.wait_idle()
 
     async def run(self, work: Callable[[Any], None], *, device: torch.device | None,
                   nbytes: int) -> None:

@@ -35,7 +35,6 @@ from musacache._spec import KVSpec, may_overlap, storage_short
 from musacache.engine import core as _core
 from musacache.engine import move as _move
 from musacache.engine.reads import VIEW_RUN
-from musacache.engine.tasks import MustFinish
 from musacache.engine.tierstate import MemTier
 from musacache.transfer import DenseAt, Pages, _native_rows, backend_for
 
@@ -267,16 +266,4 @@ async def release(eng: Engine, res: Resident, *, served: bool = True) -> None:
     general path does) and let go of their pins, a run per turn of the loop. Every pin is
     let go of, once, even when cancelled meanwhile."""
     entries, res.entries = res.entries, []
-    try:
-        if served:
-            for hi in range(len(entries), 0, -VIEW_RUN):
-                eng.touch(entries[max(0, hi - VIEW_RUN) : hi])
-                if hi > VIEW_RUN:
-                    await anyio.lowlevel.checkpoint()
-    finally:
-        turns = MustFinish()
-        for i, e in enumerate(entries):
-            if i and not i % VIEW_RUN:
-                await turns.turn()
-            eng.unpin(e)
-        turns.done()
+    await eng.let_go(entries, touch=served)

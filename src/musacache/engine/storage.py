@@ -21,6 +21,7 @@ import torch
 
 from musacache import _errors
 from musacache._errors import CacheClosedError, MusaCacheError, TierError
+from musacache._executor import Executor
 from musacache._log import RateLimitedLog
 from musacache.engine.directory import Entry
 from musacache.engine.placement import EntryQueue, memory_only_batches, victims
@@ -51,6 +52,7 @@ class EngineServices(Protocol):
     tiers: list[Tier]
     stores: list[StoreTier]
     mover: Mover
+    executor: Executor
     tasks: TaskOwner
     inflight: dict[str, int]
     wt_sem: anyio.Semaphore
@@ -299,7 +301,7 @@ class ColdPath:
         batch = [(ChunkMeta(e.key, e.parent, e.num_tokens, e.raw_bytes), d) for e, d in items]
         out: list[bytes] = await eng.mover.in_thread(
             lambda: encode_chunks(eng.fingerprint, batch, t.store.codec,
-                                  threads=eng.config.copy_threads))
+                                  threads=eng.config.copy_threads, executor=eng.executor))
         return out
 
     async def place(self, t: StoreTier, e: Entry, obj: bytes) -> bool:

@@ -18,7 +18,7 @@ from anyio.abc import TaskGroup
 
 from musacache._errors import CacheClosedError
 
-__all__ = ["MustFinish", "TaskOwner", "outlive", "run_steps"]
+__all__ = ["TaskOwner", "run_steps"]
 
 log = logging.getLogger("musacache")
 
@@ -116,46 +116,6 @@ class TaskOwner:
         self._tg = None
         self._supervisor = None
         self.running = 0
-
-
-async def outlive(fut: asyncio.Future[Any]) -> BaseException | None:
-    """Wait until ``fut`` is done, whatever cancels the caller meanwhile (anyio's scopes and
-    a plain ``task.cancel()`` alike); the first cancellation that came, for the caller to
-    raise once it may."""
-    came: BaseException | None = None
-    with anyio.CancelScope(shield=True):  # anyio's scopes would re-cancel every turn
-        while not fut.done():
-            try:
-                await asyncio.wait((fut,))
-            except asyncio.CancelledError as e:
-                came = came or e
-    if not fut.cancelled():
-        fut.exception()  # seen: asyncio would log it as never retrieved
-    return came
-
-
-class MustFinish:
-    """Turns of the loop inside work that must finish (letting go of pins): a cancellation
-    delivered at one is kept, the rest of the work runs without yielding, and :meth:`done`
-    raises it. anyio's shield holds off anyio's own cancel scopes, not a plain
-    ``task.cancel()`` (the node server's for a peer that went away, ``asyncio.wait_for``),
-    which lands at the next turn even inside it."""
-
-    __slots__ = ("error",)
-
-    def __init__(self) -> None:
-        self.error: BaseException | None = None
-
-    async def turn(self) -> None:
-        if self.error is None:
-            try:
-                await anyio.lowlevel.cancel_shielded_checkpoint()
-            except BaseException as e:  # (re-raised by done)
-                self.error = e
-
-    def done(self) -> None:
-        if self.error is not None:
-            raise self.error
 
 
 async def run_steps(steps: Iterator[object], tasks: TaskOwner | None) -> None:

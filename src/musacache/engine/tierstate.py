@@ -19,6 +19,7 @@ import torch
 from musacache import devices
 from musacache._config import DeviceTier, HostTier
 from musacache._errors import ConfigError
+from musacache._executor import Executor
 from musacache.engine.directory import Entry
 from musacache.engine.lru import KeyLRU, SlotLRU
 from musacache.tiers.base import ChunkMeta, StorageTier
@@ -40,7 +41,8 @@ class MemTier:
 
     kind = "memory"
 
-    def __init__(self, idx: int, cfg: HostTier | DeviceTier, slot_bytes: int) -> None:
+    def __init__(self, idx: int, cfg: HostTier | DeviceTier, slot_bytes: int,
+                 executor: Executor | None = None) -> None:
         self.idx = idx
         self.name = cfg.name
         prealloc = 0
@@ -56,7 +58,7 @@ class MemTier:
             pinned = False
         self.pool = MemoryPool(capacity_bytes=int(cfg.capacity_bytes), slot_bytes=slot_bytes,
                                device=self.device, pinned=pinned,
-                               segment_bytes=int(cfg.segment_bytes))
+                               segment_bytes=int(cfg.segment_bytes), executor=executor)
         self.prealloc_bytes = prealloc
         self.growing: set[int] = set()  # segments being allocated ahead of need
         self.capacity_bytes = int(cfg.capacity_bytes)

@@ -54,11 +54,11 @@ from musacache._errors import (
     ProtocolError,
     ServerLimitError,
 )
+from musacache._executor import outlive
 from musacache._keys import Fingerprint
 from musacache._spec import KVSpec
 from musacache._version import __version__
 from musacache.cache import Cache
-from musacache.engine.tasks import outlive
 from musacache.ipc import _messages as msgs
 from musacache.server.spawn import SpawnedServer, spawn
 

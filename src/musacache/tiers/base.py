@@ -28,6 +28,7 @@ from musacache.tiers.listing import ChunkListing, ListingBuilder
 
 from .._chunkmeta import ChunkMeta
 from .._errors import TierError
+from .._executor import Executor
 from .._keys import Fingerprint
 from .._spec import KVSpec
 
@@ -35,7 +36,19 @@ if TYPE_CHECKING:
     from .._native import ChunkCopy
 
 __all__ = ["NOT_TRIED", "ChunkListing", "ChunkMeta", "ListingBuilder", "QuarantinedError",
-           "StorageTier", "TierConfig", "TierContext"]
+           "StorageTier", "TierConfig", "TierContext", "own_executor"]
+
+
+def own_executor(ctx: TierContext, have: Executor | None, owned: bool,
+                 name: str) -> tuple[Executor, bool]:
+    """The executor a storage tier starting under ``ctx`` runs its blocking calls on, and
+    whether the tier owns it (closes it at ``aclose``): the cache's, or else one of the
+    tier's own (``have`` again, while it is open)."""
+    if ctx.executor is not None:
+        return ctx.executor, False
+    if have is not None and owned and not have.closed:
+        return have, True
+    return Executor(f"musacache-{name}"), True
 
 
 @dataclass(frozen=True)
@@ -50,6 +63,9 @@ class TierContext:
     fingerprint: Fingerprint
     #: The cache's tenant salt (``CacheConfig.tenant``); ``None`` or ``""`` for no tenant.
     tenant: str | None = None
+    #: The cache's worker threads, for the tier's blocking calls (file I/O, listings): a
+    #: tier started without one makes its own.
+    executor: Executor | None = field(default=None, compare=False, repr=False)
     spec: KVSpec = field(init=False)
     chunk_size: int = field(init=False)
 

@@ -71,7 +71,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import anyio
-import anyio.to_thread
 import torch
 
 from .. import devices
@@ -82,11 +81,11 @@ from .._errors import (
     TierError,
     TierTimeoutError,
 )
+from .._executor import Executor
 from .._keys import KEY_BYTES, Fingerprint
 from .._validate import boolean, parse_size, positive_float, positive_int
 from ..codec import CODECS, HEADER_SIZE, read_chunk_into, read_chunk_to, read_header
 from ._ordering import KeyOrder
-from ._workers import WorkerThreads
 from .base import (
     NOT_TRIED,
     ChunkListing,
@@ -95,6 +94,7 @@ from .base import (
     QuarantinedError,
     StorageTier,
     TierContext,
+    own_executor,
 )
 
 if TYPE_CHECKING:
@@ -311,9 +311,12 @@ class DiskStore(StorageTier):
         self.codec = config.codec
         self.timeout = config.timeout
         self.max_concurrency = config.max_concurrency
+        # Bounds the file calls running at once; the lanes of a batch of reads
+        # (_read_batch) each run under one of its tokens.
         self._limiter = anyio.CapacityLimiter(config.max_concurrency)
-        # The lanes of a batch of reads (_read_batch), each under one of _limiter's tokens.
-        self._lanes = WorkerThreads("musacache-disk-lane")
+        # The cache's worker threads (given at start), or the tier's own when started alone.
+        self._executor: Executor | None = None
+        self._owns_executor = False
         self._root: Path | None = None
         self._root_text: str | None = None  # str(_root): what a read's path is made from
         self._fp: Fingerprint | None = None
@@ -349,25 +352,33 @@ class DiskStore(StorageTier):
             raise TierError(f"disk tier {self.name!r} is not started")
         return self._root
 
+    async def _blocking(self, fn: Callable[..., _T], *args: Any, abandon: bool = False) -> _T:
+        """``fn(*args)`` on a worker thread, under one of the tier's ``max_concurrency``
+        tokens; ``abandon``: a caller cancelled meanwhile (a read past its timeout on a hung
+        disk) does not wait for it."""
+        assert self._executor is not None, "the tier is started"
+        async with self._limiter:
+            return await self._executor.run(fn, *args, abandon=abandon)
+
     async def start(self, ctx: TierContext) -> ChunkListing:
         self._fp = ctx.fingerprint
+        self._executor, self._owns_executor = own_executor(ctx, self._executor,
+                                                           self._owns_executor, self.name)
         root = Path(self.config.path) / ctx.storage_name
         try:
-            await anyio.to_thread.run_sync(self._open_root, root, limiter=self._limiter)
+            await self._blocking(self._open_root, root)
         except OSError as e:
             raise TierError(f"disk tier {self.name!r}: cannot use {root}: {e}") from e
         self._root, self._root_text = root, str(root)
         try:
-            subdirs, error = await anyio.to_thread.run_sync(_list_subdirs, root,
-                                                            limiter=self._limiter)
+            subdirs, error = await self._blocking(_list_subdirs, root)
             if error is not None:
                 self._c["scan_errors"] += 1
                 self._c["last_error"] = error
             parts: list[ChunkListing] = []
 
             async def scan(sub: Path) -> None:
-                found, names, counts = await anyio.to_thread.run_sync(
-                    self._scan_dir, sub, limiter=self._limiter)
+                found, names, counts = await self._blocking(self._scan_dir, sub)
                 parts.append(found)
                 self._names.update(names)  # one fan-out folder: 1/256 of the files
                 for k, v in counts.items():
@@ -379,8 +390,7 @@ class DiskStore(StorageTier):
             async with anyio.create_task_group() as tg:
                 for sub in subdirs:
                     tg.start_soon(scan, sub)
-            listing = await anyio.to_thread.run_sync(ChunkListing.concat, parts,
-                                                     limiter=self._limiter)
+            listing = await self._blocking(ChunkListing.concat, parts)
             return listing.give()  # (the parts are dropped: nothing here keeps it)
         except BaseException:
             self._release_lock()
@@ -407,7 +417,8 @@ class DiskStore(StorageTier):
             self._lock_fd = None
 
     async def aclose(self) -> None:
-        self._lanes.close()
+        if self._owns_executor and self._executor is not None:
+            self._executor.close()
         self._release_lock()
         self._root = self._root_text = None
 
@@ -517,8 +528,7 @@ class DiskStore(StorageTier):
         path = self._path(meta.key, meta.parent, meta.num_tokens)
         async with self._order.hold(meta.key):
             try:
-                await anyio.to_thread.run_sync(self._write_file, path, obj,
-                                               limiter=self._limiter)
+                await self._blocking(self._write_file, path, obj)
             except OSError as e:
                 self._c["write_failures"] += 1
                 self._c["last_error"] = f"write {path.name}: {e}"
@@ -626,9 +636,7 @@ class DiskStore(StorageTier):
         try:
             with anyio.fail_after(self.timeout):
                 # abandon_on_cancel: a hung disk (NFS) must not hold the caller past timeout.
-                obj = await anyio.to_thread.run_sync(self._read_file, path, read, call,
-                                                     limiter=self._limiter,
-                                                     abandon_on_cancel=True)
+                obj = await self._blocking(self._read_file, path, read, call, abandon=True)
         except TimeoutError as e:
             self._c["read_faults"] += 1
             self._c["read_timeouts"] += 1
@@ -662,8 +670,7 @@ class DiskStore(StorageTier):
             # Removed under the key's lock, so that a write renaming a new file into place
             # at this moment cannot be the one removed.
             async with self._order.hold(meta.key):
-                removed = await anyio.to_thread.run_sync(self._remove_not_file, path,
-                                                         limiter=self._limiter)
+                removed = await self._blocking(self._remove_not_file, path)
                 if isinstance(removed, OSError):
                     self._c["read_faults"] += 1
                     self._c["last_error"] = f"read {path.name}: {removed}"
@@ -757,8 +764,7 @@ class DiskStore(StorageTier):
             name = self._names.pop(key, None)
             self._quarantined.discard(key)
             try:
-                await anyio.to_thread.run_sync(self._delete_files, folder, key, name,
-                                               limiter=self._limiter)
+                await self._blocking(self._delete_files, folder, key, name)
             except OSError as e:
                 self._c["last_error"] = f"delete {key.hex()}: {e}"
                 raise TierError(f"disk tier {self.name!r}: cannot delete {key.hex()}: "
@@ -962,7 +968,8 @@ async def _read_batch(store: DiskStore, items: Sequence[tuple[ChunkMeta, ChunkCo
         # when the batch takes the slice's end, or once it abandons the slice (a hung disk,
         # NFS, must not hold the caller past the timeout).
         try:
-            waits[store._lanes.submit(lane, k)] = k
+            assert store._executor is not None, "the tier is started"
+            waits[store._executor.submit(lane, k)] = k
         except BaseException:
             limiter.release_on_behalf_of(borrowers[k])
             raise

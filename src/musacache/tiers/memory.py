@@ -24,6 +24,7 @@ import torch
 
 from .. import devices
 from .._errors import CacheClosedError
+from .._executor import Executor
 
 __all__ = ["MemoryPool", "Slot"]
 
@@ -55,7 +56,9 @@ class MemoryPool:
     """Fixed-size slots on one device, grown lazily in segments."""
 
     def __init__(self, *, capacity_bytes: int, slot_bytes: int, device: torch.device,
-                 pinned: bool, segment_bytes: int) -> None:
+                 pinned: bool, segment_bytes: int, executor: Executor | None = None) -> None:
+        #: Where allocations and frees that take long run: the cache's threads.
+        self.executor = executor if executor is not None else Executor("musacache-pool")
         self.device = device
         self.pinned = pinned
         self.slot_bytes = slot_bytes
@@ -63,8 +66,8 @@ class MemoryPool:
         self.max_slots = capacity_bytes // slot_bytes if slot_bytes else 0
         self.slots_per_segment = max(1, segment_bytes // slot_bytes) if slot_bytes else 1
         self._segments: dict[int, torch.Tensor] = {}
-        #: Each host segment's base address, as an int: the direct read path
-        #: (``_fastpath``) copies between addresses without making a tensor view per slot.
+        #: Each host segment's base address, as an int: a resident read copies between
+        #: addresses without making a tensor view per slot.
         self.seg_addr: dict[int, int] = {}
         self._typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         # Released slot numbers, a stack in one flat buffer: a list held an int object per
@@ -253,10 +256,9 @@ class MemoryPool:
         if self.device.type == "cpu":
             if self.pinned:
                 # Pinning walks every page: seconds for large segments. Keep it off the loop.
-                return await anyio.to_thread.run_sync(
-                    lambda: devices.alloc_host(nbytes, pinned=True))
+                return await self.executor.run(lambda: devices.alloc_host(nbytes, pinned=True))
             return devices.alloc_host(nbytes, pinned=False)
-        return await anyio.to_thread.run_sync(
+        return await self.executor.run(
             lambda: torch.empty(nbytes, dtype=torch.uint8, device=self.device))
 
     async def aclear_memory(self) -> None:
@@ -280,4 +282,4 @@ class MemoryPool:
             while segments:
                 segments.pop()
 
-        await anyio.to_thread.run_sync(drop)
+        await self.executor.run(drop)

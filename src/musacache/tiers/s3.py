@@ -51,6 +51,7 @@ from typing import Any, Literal
 import anyio
 
 from .._errors import ConfigError, TierError
+from .._executor import Executor
 from .._keys import KEY_BYTES
 from .._log import RateLimitedLog
 from .._validate import (
@@ -63,7 +64,14 @@ from .._validate import (
 )
 from ..codec import CODECS
 from ._ordering import KeyOrder
-from .base import ChunkListing, ChunkMeta, ListingBuilder, StorageTier, TierContext
+from .base import (
+    ChunkListing,
+    ChunkMeta,
+    ListingBuilder,
+    StorageTier,
+    TierContext,
+    own_executor,
+)
 
 __all__ = ["S3Store", "S3Tier"]
 
@@ -229,6 +237,8 @@ class S3Store(StorageTier):
         self.timeout = config.timeout
         self.max_concurrency = config.max_concurrency
         self._client: Any = None
+        self._executor: Executor | None = None  # the cache's, or the tier's own
+        self._owns_executor = False
         self._stack: contextlib.AsyncExitStack | None = None
         self._base = ""
         self._ctx: TierContext | None = None
@@ -257,6 +267,8 @@ class S3Store(StorageTier):
 
         cfg = self.config
         self._ctx = ctx
+        self._executor, self._owns_executor = own_executor(ctx, self._executor,
+                                                           self._owns_executor, self.name)
         name = ctx.storage_name
         self._base = f"{cfg.prefix}/{name}" if cfg.prefix else name
         s3_options: dict[str, Any] = {"addressing_style": "path"}
@@ -320,6 +332,8 @@ class S3Store(StorageTier):
         if stack is not None:
             with anyio.CancelScope(shield=True):
                 await stack.aclose()
+        if self._owns_executor and self._executor is not None:
+            self._executor.close()
 
     @property
     def client(self) -> Any:
@@ -403,7 +417,8 @@ class S3Store(StorageTier):
                 return ChunkListing.empty()  # unreachable for now: start empty, refresh later
             raise err from e
         self._c["lists"] += 1
-        listing = await anyio.to_thread.run_sync(found.build)
+        assert self._executor is not None, "the tier is started"
+        listing = await self._executor.run(found.build)
         return listing.give()  # not kept here
 
     def _list_error(self, e: Exception, prefix: str) -> TierError:
