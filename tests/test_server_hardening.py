@@ -499,21 +499,26 @@ async def test_a_connection_that_never_says_hello_is_closed(tmp_path):
         await serving
 
 
+def _open_caches_slowly(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """Every cache the server opens takes ``seconds`` longer to open (a disk tier's scan)."""
+    from musacache import server as srvmod
+
+    real_open = srvmod.Cache.open
+
+    async def slow_open(self: mc.Cache) -> None:
+        await asyncio.sleep(seconds)
+        await real_open(self)
+
+    monkeypatch.setattr(srvmod.Cache, "open", slow_open)
+
+
 async def test_a_hello_whose_cache_is_slow_to_open_is_not_cut_off(tmp_path, monkeypatch):
     """The first hello of a namespace opens its cache, which may take longer than
     ``hello_timeout`` (a disk tier's scan, an S3 listing). A hello that came in counts:
     closing the connection would cancel the open, at every retry (found by a review). A hello
     that fails starts the clock again."""
-    from musacache import server as srvmod
-
     spec = small_spec()
-    real_open = srvmod.Cache.open
-
-    async def slow_open(self: mc.Cache) -> None:
-        await asyncio.sleep(0.6)
-        await real_open(self)
-
-    monkeypatch.setattr(srvmod.Cache, "open", slow_open)
+    _open_caches_slowly(monkeypatch, 0.6)
     cfg = ServerConfig(str(tmp_path / "o" / "s.sock"), tiers=(mc.HostTier(spec.nbytes(CH) * 8),),
                        chunk_size=CH, hello_timeout=0.3)
     async with Server(cfg) as srv:
@@ -530,6 +535,57 @@ async def test_a_hello_whose_cache_is_slow_to_open_is_not_cut_off(tmp_path, monk
         assert await asyncio.to_thread(bad.sock.recv, 1) == b""
         assert srv.counters["hello_timeouts"] == 1
         bad.close()
+        srv.stop()
+        await serving
+
+
+async def test_a_hello_refused_at_the_door_leaves_the_hello_clock_running(tmp_path):
+    """A hello refused before it runs (past a limit) is no hello in progress: the connection
+    is still closed when ``hello_timeout`` passes, or refused hellos would hold its slot."""
+    spec = small_spec()
+    cfg = ServerConfig(str(tmp_path / "d" / "s.sock"), tiers=(mc.HostTier(spec.nbytes(CH) * 8),),
+                       chunk_size=CH, hello_timeout=0.3, max_fds_per_peer=1)
+    async with Server(cfg) as srv:
+        serving = asyncio.create_task(srv.serve_forever())
+        peer = await asyncio.to_thread(RawPeer, cfg.socket_path, 5.0)
+        fds = [os.eventfd(0) for _ in range(2)]
+        try:
+            reply = await asyncio.to_thread(
+                peer.call, "hello", {"protocol": ipc.PROTOCOL_VERSION, "monitor": True}, fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        assert error_type(reply) == "ServerLimitError"
+        await asyncio.sleep(0.9)
+        assert await asyncio.to_thread(peer.sock.recv, 1) == b""  # closed by the server
+        assert srv.counters["hello_timeouts"] == 1
+        peer.close()
+        srv.stop()
+        await serving
+
+
+async def test_a_second_hello_refused_while_the_first_opens_its_cache_keeps_the_first(
+        tmp_path, monkeypatch):
+    """Of two hellos sent back to back, the second is refused while the first still opens
+    its cache; that refusal is not the first hello failing, so ``hello_timeout`` does not
+    cut the first one's open short."""
+    spec = small_spec()
+    _open_caches_slowly(monkeypatch, 0.6)
+    cfg = ServerConfig(str(tmp_path / "t" / "s.sock"), tiers=(mc.HostTier(spec.nbytes(CH) * 8),),
+                       chunk_size=CH, hello_timeout=0.3)
+    args = {"protocol": ipc.PROTOCOL_VERSION, "namespace": "srv", "spec": spec.to_dict(),
+            "chunk_size": CH}
+    async with Server(cfg) as srv:
+        serving = asyncio.create_task(srv.serve_forever())
+        peer = await asyncio.to_thread(RawPeer, cfg.socket_path, 5.0)
+        first = peer.send("hello", args)
+        second = peer.send("hello", args)
+        replies = {r.id: r for r in [await asyncio.to_thread(peer.recv) for _ in range(2)]}
+        assert error_type(replies[second]) == "ProtocolError"
+        assert replies[first].ok, replies[first].error
+        assert srv.counters["hello_timeouts"] == 0 and len(srv.caches) == 1
+        assert (await asyncio.to_thread(peer.call, "stats", {})).ok  # still served
+        peer.close()
         srv.stop()
         await serving
 

@@ -14,14 +14,15 @@ Every peer is bounded (requests in flight, fds held, staging bytes), every frame
 (size, msgpack objects and depth) and every op's arguments are decoded into a typed message
 first, so no client can exhaust or crash the server. See ``docs/security.md``.
 
-The wire protocol is in ``docs/protocol.md``; the ops are the ``_op_*`` methods below.
+The wire protocol is in ``docs/protocol.md``; the ops are the ``_op_*`` methods below. One
+connection's life, from its hello to its release, is the state machine of
+:class:`musacache.server.peer.Peer`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import dataclasses
 import errno
 import hashlib
@@ -33,7 +34,7 @@ import socket
 import stat
 import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -60,6 +61,7 @@ from musacache._spec import KVSpec
 from musacache._version import __version__
 from musacache.cache import Cache
 from musacache.ipc import _messages as msgs
+from musacache.server.peer import Handler, Peer, Registration, Usage
 from musacache.server.spawn import SpawnedServer, spawn
 
 __all__ = ["OPS", "Server", "ServerConfig", "SpawnedServer", "main", "spawn"]
@@ -70,8 +72,6 @@ log = logging.getLogger("musacache.server")
 OPS = ("hello", "register", "unregister", "put", "get", "lookup", "prefetch", "store",
        "retrieve", "delete", "clear", "flush", "stats", "stage_bytes", "put_staged",
        "put_pages", "get_pages", "exists_pages")
-#: What a ``monitor: true`` connection may do: read counters, nothing else.
-MONITOR_OPS: Final = frozenset({"hello", "stats"})
 
 # accept() failures that mean "out of resources for now": back off and retry, never exit.
 _ACCEPT_BACKOFF_ERRNOS: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS,
@@ -282,54 +282,7 @@ def _share_of(tier: Any, n: int) -> Any:
                           f"{int(capacity)} bytes: {e}") from None
 
 
-@dataclass
-class _Registration:
-    pages: transfer.Pages
-    imports: list[ipc.ImportedTensor]
-
-
-@dataclass(eq=False)
-class _Peer:
-    """What one connection holds: its cache, mappings, events and registrations."""
-
-    pid: int
-    uid: int
-    table: ipc.MappingTable
-    regs: dict[int, _Registration] = field(default_factory=dict)
-    next_reg: int = 1
-    #: Client views kept mapped between requests, by the client's id (put/get ``buf``).
-    buffers: dict[int, ipc.ImportedTensor] = field(default_factory=dict)
-    staged: torch.Tensor | None = None
-    hello: bool = False
-    greeted: bool = False  # a hello came in (its cache may take a while to open)
-    saying_hello: bool = False  # a hello is being answered (a second one is refused)
-    monitor: bool = False
-    cache: Cache | None = None
-    key: CacheKey | None = None
-    in_flight: int = 0
-    held_fds: int = 0
-    #: mappings being opened (awaited in a worker thread): counted against the limits before
-    #: they exist, so that registers running at once cannot all pass them
-    opening: int = 0
-    #: fds received whose frame is not whole yet, and bytes of an incomplete frame (since)
-    parked_fds: int = 0
-    partial: int = 0
-    partial_since: float = 0.0
-    #: the deadline of hello; bytes received when last seen, and since when no more came
-    hello_due: float = 0.0
-    seen: int = 0
-    quiet_since: float = 0.0
-
-
-@dataclass
-class _Usage:
-    """What all connections together hold of the server's memory (bytes)."""
-
-    staged: int = 0  # staging buffers (stage_bytes)
-    partial: int = 0  # incomplete frames in the connections' decoders
-
-
-def _cache_of(peer: _Peer) -> Cache:
+def _cache_of(peer: Peer) -> Cache:
     if peer.cache is None:  # unreachable past the monitor check; kept as a typed refusal
         raise PermissionDeniedError("this connection has no cache")
     return peer.cache
@@ -337,20 +290,21 @@ def _cache_of(peer: _Peer) -> Cache:
 
 class _DataOps:
     """The data operations of a server, one method per op: each takes a peer that ``hello``
-    bound to a cache, the op's typed message and the request's fds. :class:`Server` owns
-    connections, peers, caches and the lifecycle, and dispatches to these."""
+    bound to a cache, the op's typed message and the request's fds. A :class:`Peer` runs
+    its connection's requests on these; :class:`Server` owns the peers, caches and the
+    lifecycle."""
 
-    def __init__(self, config: ServerConfig, counters: dict[str, int], usage: _Usage,
-                 peers: set[_Peer]) -> None:
+    def __init__(self, config: ServerConfig, counters: dict[str, int], usage: Usage,
+                 peers: set[Peer]) -> None:
         self.config = config
         self.counters = counters  # the server's own dict: bytes are counted where they move
         self.usage = usage
         self.peers = peers  # the server's own set
 
-    def _mappings_elsewhere(self, peer: _Peer) -> int:
+    def _mappings_elsewhere(self, peer: Peer) -> int:
         return sum(p.table.open_mappings + p.opening for p in self.peers if p is not peer)
 
-    def _room_for_a_mapping(self, peer: _Peer, op: str) -> None:
+    def _room_for_a_mapping(self, peer: Peer, op: str) -> None:
         """Refuse a mapping the connection would keep past its limit or the server's (one client's
         65k registrations filled vm.max_map_count, and every mmap of
         the server failed for everyone). Mappings still being opened count (registers of six
@@ -365,24 +319,19 @@ class _DataOps:
             raise ServerLimitError(f"{op}: the server keeps {elsewhere + mine} memory mappings "
                                    f"(max_mappings={self.config.max_mappings})")
 
-    def unstage(self, peer: _Peer) -> None:
-        if peer.staged is not None:
-            self.usage.staged -= peer.staged.numel()
-            peer.staged = None
-
-    def _reg(self, peer: _Peer, number: int) -> _Registration:
+    def _reg(self, peer: Peer, number: int) -> Registration:
         reg = peer.regs.get(number)
         if reg is None:
             raise InvalidInputError(f"no registration {number}: call register_kv_caches")
         return reg
 
-    def _open_event(self, peer: _Peer, wire: msgs.EventWire | None,
+    def _open_event(self, peer: Peer, wire: msgs.EventWire | None,
                     fds: list[int]) -> ipc.IpcEvent | None:
         if wire is None:
             return None
         return peer.table.open_event(wire.wire, msgs.take_fds(fds, wire.nfds))
 
-    async def _op_store(self, peer: _Peer, msg: msgs.PagedMessage, fds: list[int]) -> Any:
+    async def _op_store(self, peer: Peer, msg: msgs.PagedMessage, fds: list[int]) -> Any:
         cache = _cache_of(peer)
         reg = self._reg(peer, msg.reg)
         ready = self._open_event(peer, msg.ready, fds)
@@ -397,7 +346,7 @@ class _DataOps:
             if ready is not None:
                 peer.table.close_event(ready)
 
-    async def _op_retrieve(self, peer: _Peer, msg: msgs.PagedMessage, fds: list[int]) -> Any:
+    async def _op_retrieve(self, peer: Peer, msg: msgs.PagedMessage, fds: list[int]) -> Any:
         cache = _cache_of(peer)
         reg = self._reg(peer, msg.reg)
         ready = self._open_event(peer, msg.ready, fds)
@@ -421,7 +370,7 @@ class _DataOps:
                 if ev is not None:
                     peer.table.close_event(ev)
 
-    async def _op_register(self, peer: _Peer, msg: msgs.RegisterMessage,
+    async def _op_register(self, peer: Peer, msg: msgs.RegisterMessage,
                            fds: list[int]) -> Any:
         cache = _cache_of(peer)
         imports: list[ipc.ImportedTensor] = []
@@ -446,10 +395,10 @@ class _DataOps:
             raise
         reg = peer.next_reg
         peer.next_reg += 1
-        peer.regs[reg] = _Registration(pages, imports)
+        peer.regs[reg] = Registration(pages, imports)
         return {"reg": reg, "num_slots": pages.num_slots}
 
-    async def _op_unregister(self, peer: _Peer, msg: msgs.UnregisterMessage,
+    async def _op_unregister(self, peer: Peer, msg: msgs.UnregisterMessage,
                              fds: list[int]) -> Any:
         reg = peer.regs.pop(msg.reg, None)
         if reg is None:
@@ -458,7 +407,7 @@ class _DataOps:
             imp.close()
         return True
 
-    async def _dense(self, peer: _Peer, msg: msgs.DenseMessage, fds: list[int],
+    async def _dense(self, peer: Peer, msg: msgs.DenseMessage, fds: list[int],
                      ) -> tuple[torch.Tensor, ipc.ImportedTensor | None]:
         """The tensor a put or get reads or writes, and the mapping to close after the op
         (None: the connection keeps it). A kept buffer costs no mapping, no handle check
@@ -500,7 +449,7 @@ class _DataOps:
         peer.buffers[msg.buf] = imp
         return imp.tensor, None
 
-    async def _op_put(self, peer: _Peer, msg: msgs.DenseMessage, fds: list[int]) -> Any:
+    async def _op_put(self, peer: Peer, msg: msgs.DenseMessage, fds: list[int]) -> Any:
         cache = _cache_of(peer)
         kv, imp = await self._dense(peer, msg, fds)
         try:
@@ -513,7 +462,7 @@ class _DataOps:
             if imp is not None:
                 imp.close()
 
-    async def _op_get(self, peer: _Peer, msg: msgs.DenseMessage, fds: list[int]) -> Any:
+    async def _op_get(self, peer: Peer, msg: msgs.DenseMessage, fds: list[int]) -> Any:
         cache = _cache_of(peer)
         out, imp = await self._dense(peer, msg, fds)
         try:
@@ -524,32 +473,32 @@ class _DataOps:
             if imp is not None:
                 imp.close()
 
-    async def _op_lookup(self, peer: _Peer, msg: msgs.TokensMessage, fds: list[int]) -> Any:
+    async def _op_lookup(self, peer: Peer, msg: msgs.TokensMessage, fds: list[int]) -> Any:
         return await _cache_of(peer).lookup(_tokens(msg.tokens))
 
-    async def _op_prefetch(self, peer: _Peer, msg: msgs.PrefetchMessage,
+    async def _op_prefetch(self, peer: Peer, msg: msgs.PrefetchMessage,
                            fds: list[int]) -> Any:
         return await _cache_of(peer).prefetch(_tokens(msg.tokens), timeout=msg.timeout)
 
-    async def _op_delete(self, peer: _Peer, msg: msgs.TokensMessage, fds: list[int]) -> Any:
+    async def _op_delete(self, peer: Peer, msg: msgs.TokensMessage, fds: list[int]) -> Any:
         return await _cache_of(peer).delete(_tokens(msg.tokens))
 
-    async def _op_clear(self, peer: _Peer, msg: msgs.EmptyMessage, fds: list[int]) -> Any:
+    async def _op_clear(self, peer: Peer, msg: msgs.EmptyMessage, fds: list[int]) -> Any:
         await _cache_of(peer).clear()
         return True
 
-    async def _op_flush(self, peer: _Peer, msg: msgs.EmptyMessage, fds: list[int]) -> Any:
+    async def _op_flush(self, peer: Peer, msg: msgs.EmptyMessage, fds: list[int]) -> Any:
         await _cache_of(peer).flush()
         return True
 
     # The baseline byte path, kept for `musacache bench ipc`: the worker gathers its KV into a
     # buffer and sends the bytes through the socket; the server copies them into a staging
     # tensor and then puts that. Three copies of the payload, against one for `store`.
-    async def _op_stage_bytes(self, peer: _Peer, msg: msgs.StageBytesMessage,
+    async def _op_stage_bytes(self, peer: Peer, msg: msgs.StageBytesMessage,
                               fds: list[int]) -> Any:
         _cache_of(peer)
         if peer.staged is None or peer.staged.numel() != msg.total:
-            self.unstage(peer)  # let go of the old buffer before the new one is allocated
+            peer.unstage()  # let go of the old buffer before the new one is allocated
             usage, most = self.usage, self.config.max_buffered_bytes
             if usage.staged + usage.partial + msg.total > most:
                 # Each connection's max_stage_bytes alone let a few idle ones take GiBs,
@@ -569,7 +518,7 @@ class _DataOps:
         self.counters["bytes_copied"] += len(data)
         return len(data)
 
-    async def _open_pages(self, peer: _Peer, msg: msgs.PagesMessage, cache: Cache,
+    async def _open_pages(self, peer: Peer, msg: msgs.PagesMessage, cache: Cache,
                           fds: list[int]) -> tuple[ipc.ImportedTensor, list[torch.Tensor]]:
         assert msg.handle is not None
         imp = await peer.table.aopen_tensor(msg.handle, msgs.take_fds(fds, msg.nfds))
@@ -580,7 +529,7 @@ class _DataOps:
                                     f"needed, got shape {tuple(t.shape)}")
         return imp, [t[i] for i in range(t.shape[0])]
 
-    async def _op_put_pages(self, peer: _Peer, msg: msgs.PagesMessage, fds: list[int]) -> Any:
+    async def _op_put_pages(self, peer: Peer, msg: msgs.PagesMessage, fds: list[int]) -> Any:
         cache = _cache_of(peer)
         imp, pages = await self._open_pages(peer, msg, cache, fds)
         try:
@@ -590,7 +539,7 @@ class _DataOps:
         finally:
             imp.close()
 
-    async def _op_get_pages(self, peer: _Peer, msg: msgs.PagesMessage, fds: list[int]) -> Any:
+    async def _op_get_pages(self, peer: Peer, msg: msgs.PagesMessage, fds: list[int]) -> Any:
         cache = _cache_of(peer)
         imp, outs = await self._open_pages(peer, msg, cache, fds)
         try:
@@ -601,11 +550,11 @@ class _DataOps:
         finally:
             imp.close()
 
-    async def _op_exists_pages(self, peer: _Peer, msg: msgs.PagesMessage,
+    async def _op_exists_pages(self, peer: Peer, msg: msgs.PagesMessage,
                                fds: list[int]) -> Any:
         return await _cache_of(peer).exists_pages(msg.keys)
 
-    async def _op_put_staged(self, peer: _Peer, msg: msgs.PutStagedMessage,
+    async def _op_put_staged(self, peer: Peer, msg: msgs.PutStagedMessage,
                              fds: list[int]) -> Any:
         cache = _cache_of(peer)
         toks = _tokens(msg.tokens)
@@ -615,13 +564,10 @@ class _DataOps:
         kv = peer.staged.view(spec.dtype).view(spec.shape(len(toks)))
         n = await cache.put(toks, kv)
         self.counters["bytes_copied"] += spec.nbytes(n)
-        self.unstage(peer)
+        peer.unstage()
         return n
 
 
-# Each fd a request brings may be held twice while it waits: itself, and the private
-# duplicate the wait on a ready event takes (ipc._events).
-_FDS_PER_RECEIVED: Final = 2
 # Fds the server keeps for itself beyond one per connection: the listener, epoll, the
 # loop's self-pipe, worker threads' files, the disk tiers' reads and writes, log files.
 _FD_RESERVE: Final = 256
@@ -656,50 +602,6 @@ def _raise_open_file_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
         except (ValueError, OSError):
             pass  # (above the kernel's nr_open: the limit stays as it was)
-
-
-def _over_limit(cfg: ServerConfig, peer: _Peer, req: ipc.Request, held_fds: int,
-                fd_budget: int) -> ServerLimitError | None:
-    """Why a request of ``peer`` is refused at the door, or None. ``held_fds``: what the
-    requests in flight hold now, all connections together, against ``fd_budget``."""
-    if req.fds and held_fds + _FDS_PER_RECEIVED * len(req.fds) > fd_budget:
-        return ServerLimitError(
-            f"{req.op}: the server's requests in flight hold {held_fds} fds, and this one "
-            f"would pass the {fd_budget} its open-file limit leaves them (RLIMIT_NOFILE; "
-            f"raise it, e.g. LimitNOFILE= in systemd)")
-    if peer.in_flight >= cfg.max_requests_per_peer:
-        return ServerLimitError(f"{req.op}: {peer.in_flight} requests already in flight "
-                                f"on this connection (max_requests_per_peer="
-                                f"{cfg.max_requests_per_peer})")
-    if peer.held_fds + len(req.fds) > cfg.max_fds_per_peer:
-        return ServerLimitError(f"{req.op}: this connection's requests would hold "
-                                f"{peer.held_fds + len(req.fds)} fds (max_fds_per_peer="
-                                f"{cfg.max_fds_per_peer})")
-    return None
-
-
-async def _send_result(conn: ipc.Connection, req: ipc.Request, result: Any,
-                       counters: dict[str, int]) -> None:
-    """Answer ``req`` with ``result``. A result the wire cannot carry (nothing of it was
-    sent: a server bug) is answered with its ProtocolError, or its caller would wait for
-    ever."""
-    try:
-        await conn.send_reply(req.id, result)
-    except (CacheUnavailableError, OSError):
-        pass  # the peer went away; its cleanup runs in _serve_peer
-    except ProtocolError as e:
-        counters["errors"] += 1
-        log.error("op %s: cannot send its result: %s", req.op, e)
-        await _reply_error(conn, req.id, e)
-
-
-async def _reply_error(conn: ipc.Connection, rid: int, e: BaseException) -> None:
-    """Answer request ``rid`` with ``e``, unless the peer is gone or stuck (5 s)."""
-    try:
-        with anyio.move_on_after(5):
-            await conn.send_error(rid, e)
-    except (CacheUnavailableError, OSError):
-        pass
 
 
 class _Caches:
@@ -819,55 +721,6 @@ class _Caches:
                             if "pending_writes" in t]}
 
 
-def _overdue(cfg: ServerConfig, peer: _Peer, received: int, now: float,
-             paused: bool = False) -> str | None:
-    """The counter of the timeout a connection has run past (it is closed), or None.
-
-    ``frame_timeout`` bounds the age of the frame being received (its clock restarts at each
-    whole frame), not how long the connection has had some frame incomplete: a busy client
-    whose reads end inside frames was closed while every frame took milliseconds. While the server
-    reads nothing from the connection (``paused``: its turn went to
-    others, a refusal is being answered) the frame's clock waits too."""
-    if peer.partial_since and paused:
-        peer.partial_since = now
-    if peer.partial_since and now - peer.partial_since >= cfg.frame_timeout:
-        return "frame_timeouts"
-    if not peer.hello:
-        if now < peer.hello_due:
-            return None
-        if peer.greeted:
-            # A hello in progress: its cache may take long to open (a disk tier's scan, an
-            # S3 listing), and closing would cancel that open every time. Look again later;
-            # a hello that failed clears ``greeted``.
-            peer.hello_due = now + cfg.hello_timeout
-            return None
-        return "hello_timeouts"
-    if received != peer.seen or peer.in_flight:
-        peer.seen, peer.quiet_since = received, now
-        return None
-    # Said hello, then nothing: such connections held every slot for ever; the client reconnects at
-    # its next call.
-    return "idle_timeouts" if now - peer.quiet_since >= cfg.idle_timeout else None
-
-
-def _watch_interval(cfg: ServerConfig) -> float:
-    """How often a connection's timeouts are checked (seconds)."""
-    return min(1.0, max(0.01, min(cfg.hello_timeout, cfg.idle_timeout, cfg.frame_timeout) / 4))
-
-
-def _parking_refused(n: int, parked: int, fd_budget: int) -> ServerLimitError | None:
-    """Why ``n`` more fds may not wait in a connection's decoder for their frame, or None.
-    ``parked``: what all decoders hold now. They may hold half of ``fd_budget``, so the
-    requests in flight always have the other half (frames whose header
-    declared 253 fds and whose body never came held every fd of the server). One
-    connection's decoder holds at most one frame's fds (253) anyway."""
-    if parked + n > fd_budget // 2:
-        return ServerLimitError(f"incomplete frames of all connections would hold "
-                                f"{parked + n} fds, more than half of the {fd_budget} the "
-                                f"server's open-file limit leaves them (RLIMIT_NOFILE)")
-    return None
-
-
 class Server:
     """Run with ``async with Server(config) as server: await server.serve_forever()``."""
 
@@ -875,7 +728,7 @@ class Server:
         self.config = config
         self._listener: socket.socket | None = None
         self._tg: anyio.abc.TaskGroup | None = None
-        self._peers: set[_Peer] = set()
+        self._peers: set[Peer] = set()
         self._stopped = anyio.Event()
         self._last_backoff_log = 0.0
         self.counters = dict.fromkeys(
@@ -883,14 +736,10 @@ class Server:
              "accept_backoffs", "bytes_copied", "bytes_received", "hello_timeouts",
              "idle_timeouts", "frame_timeouts", "cache_evictions"), 0)
         self._caches = _Caches(config, self.counters)
-        self.usage = _Usage()
+        #: what all connections hold together, and the fds their requests may hold
+        self.usage = Usage(fd_budget=_fd_budget(config))
         self._data = _DataOps(config, self.counters, self.usage, self._peers)
-        #: fds the requests in flight hold (see ``_FDS_PER_RECEIVED``), and may (``_fd_budget``)
-        self.held_fds = 0
-        self.fd_budget = _fd_budget(config)
-        #: fds the connections' decoders hold for frames not whole yet (counted once each)
-        self.parked_fds = 0
-        self._handlers: dict[str, Callable[[_Peer, Any, list[int]], Awaitable[Any]]] = {
+        self._handlers: dict[str, Handler] = {
             op: getattr(self, f"_op_{op}", None) or getattr(self._data, f"_op_{op}")
             for op in OPS}
 
@@ -898,6 +747,26 @@ class Server:
     def caches(self) -> dict[CacheKey, Cache]:
         """The open caches, by key."""
         return self._caches.caches
+
+    @property
+    def held_fds(self) -> int:
+        """fds the requests in flight hold, all connections together (each counted twice:
+        a wait on a ready event duplicates it)."""
+        return self.usage.held_fds
+
+    @property
+    def parked_fds(self) -> int:
+        """fds the connections' decoders hold for frames not whole yet."""
+        return self.usage.parked_fds
+
+    @property
+    def fd_budget(self) -> int:
+        """How many fds the requests in flight may hold (see :func:`_fd_budget`)."""
+        return self.usage.fd_budget
+
+    @fd_budget.setter
+    def fd_budget(self, n: int) -> None:
+        self.usage.fd_budget = n
 
     @property
     def close_report(self) -> list[dict[str, Any]]:
@@ -1021,239 +890,33 @@ class Server:
                     f"uid {creds.uid} may not use this musacache server"))
             await conn.aclose()
             return
-        loop = asyncio.get_running_loop()
-        cfg = self.config
-        peer = _Peer(pid=creds.pid, uid=creds.uid,
-                     table=ipc.MappingTable(require_sealed=True, peer_pid=creds.pid),
-                     hello_due=loop.time() + cfg.hello_timeout, quiet_since=loop.time())
+        peer = Peer(conn, creds, self.config, counters=self.counters, usage=self.usage,
+                    handlers=self._handlers, on_close=self._release_peer)
         self._peers.add(peer)
         self.counters["connections"] += 1
-        # Frames are taken from the connection's reader callback and each request gets a
-        # task of the loop's create_task: a receiving task to wake per frame, and an anyio
-        # task group's start_soon (ten times the cost), were most of a small request. A
-        # refused frame pauses the reading until its answer is sent, as a receiving loop
-        # that answered inline did.
-        ops: dict[asyncio.Task[None], list[int]] = {}  # each op's fds not yet closed
-        refusals: collections.deque[tuple[int | None, MusaCacheError]] = collections.deque()
-        wake = asyncio.Event()
-        ended = False
+        await peer.serve()
 
-        def refuse(rid: int | None, error: MusaCacheError) -> None:
-            refusals.append((rid, error))
-            conn.pause_reading()
-            wake.set()
-
-        max_requests = self.config.max_requests_per_peer
-
-        def ending(error: MusaCacheError) -> MusaCacheError:
-            # A limit that ends the connection, told to the peer first (typed, not a reset).
-            self.counters["limited"] += 1
-            try:
-                conn.send_nowait(ipc.encode_error(None, error))
-            except (CacheUnavailableError, OSError):
-                pass
-            return error
-
-        def on_fds(n: int) -> None:
-            self._sync_parked(peer, conn)
-            refused = _parking_refused(n, self.parked_fds, self.fd_budget)
-            if refused is not None:
-                raise ending(refused)
-            peer.parked_fds += n
-            self.parked_fds += n
-
-        def on_partial(nbytes: int) -> None:
-            grown, peer.partial = nbytes - peer.partial, nbytes
-            self.usage.partial += grown
-            peer.partial_since = (peer.partial_since or loop.time()) if nbytes else 0.0
-            if grown > 0 and self.usage.staged + self.usage.partial > cfg.max_buffered_bytes:
-                raise ending(ServerLimitError(
-                    f"an incomplete frame of {nbytes} bytes would pass max_buffered_bytes="
-                    f"{cfg.max_buffered_bytes} (staging and incomplete frames together)"))
-
-        def on_frame(frame: ipc.Frame | ipc.FrameError) -> None:
-            peer.partial_since = 0.0  # (the next frame's clock: see _overdue)
-            if peer.parked_fds:  # (fds that waited for their frame: taken now, or closed)
-                self._sync_parked(peer, conn)
-            if type(frame) is not ipc.Request:
-                if isinstance(frame, ipc.FrameError):
-                    self.counters["bad_frames"] += 1
-                    log.info("bad frame from pid %d: %s", peer.pid, frame)
-                    refuse(frame.request_id, frame)
-                else:
-                    ipc.close_fds(frame.fds)
-                    self.counters["bad_frames"] += 1
-                return
-            nfds = len(frame.fds)
-            if frame.op == "hello":
-                peer.greeted = True
-            if nfds or peer.in_flight >= max_requests:  # (else no limit can refuse it)
-                limit = _over_limit(cfg, peer, frame, self.held_fds + self.parked_fds,
-                                    self.fd_budget)
-                if limit is not None:
-                    ipc.close_fds(frame.fds)
-                    self.counters["limited"] += 1
-                    refuse(frame.id, limit)
-                    return
-            peer.in_flight += 1
-            peer.held_fds += nfds
-            self.held_fds += _FDS_PER_RECEIVED * nfds
-            fds = list(frame.fds)
-            ops[loop.create_task(self._dispatch(conn, peer, frame, fds, ops))] = fds
-
-        def on_end(error: BaseException | None) -> None:
-            nonlocal ended
-            if isinstance(error, ipc.FrameError):
-                self.counters["bad_frames"] += 1
-                log.info("bad frame from pid %d: %s", peer.pid, error)
-            elif error is not None and not isinstance(error, (MusaCacheError, OSError)):
-                log.error("connection handler failed", exc_info=error)
-            ended = True
-            wake.set()
-
-        tick = _watch_interval(cfg)
-        watcher: asyncio.TimerHandle
-
-        def watch() -> None:
-            nonlocal ended, watcher
-            if ended:
-                return
-            why = _overdue(cfg, peer, conn.received, loop.time(), conn.reading_paused)
-            if why is None:
-                watcher = loop.call_later(tick, watch)
-                return
-            self.counters[why] += 1
-            log.info("closing pid %d: %s", peer.pid, why.removesuffix("s").replace("_", " "))
-            ended = True
-            wake.set()
-
-        watcher = loop.call_later(tick, watch)
-        try:
-            conn.start_reading(on_frame, on_end, on_fds=on_fds, on_partial=on_partial)
-            while not ended:
-                await wake.wait()
-                wake.clear()
-                while refusals:
-                    rid, error = refusals.popleft()
-                    try:
-                        with anyio.move_on_after(1):
-                            await conn.send_error(rid, error)
-                    except (CacheUnavailableError, OSError):
-                        break  # the peer is gone: on_end has been called
-                conn.resume_reading()
-        finally:
-            watcher.cancel()
-            # The peer is gone (or broke the protocol, or the server stops): its in-flight
-            # ops are cancelled, which releases their pins in the cache, and waited for.
-            left = dict(ops)
-            for task in left:
-                task.cancel()
-            # Waited for whatever cancels this task meanwhile: anyio's shield holds off its
-            # own scopes only, and a plain cancel (asyncio.run's at shutdown, a second
-            # task.cancel()) landing here skipped the release below: the peer's fds, its
-            # mapped memory and its socket were kept.
-            came = await outlive(asyncio.gather(*left, return_exceptions=True)) \
-                if left else None
-            for fds in left.values():
-                # A task cancelled before its first step never ran its cleanup.
-                ipc.close_fds(fds)
-                fds.clear()
-            self._release_peer(peer)
-            await conn.aclose()  # (closes before it yields)
-            if came is not None:
-                raise came
-
-    def _release_peer(self, peer: _Peer) -> None:
+    def _release_peer(self, peer: Peer) -> None:
         if peer not in self._peers:
             return
-        self.held_fds -= _FDS_PER_RECEIVED * peer.held_fds  # (of ops cancelled before a step)
-        peer.held_fds = 0
-        self.parked_fds -= peer.parked_fds  # (closed with its decoder)
-        peer.parked_fds = 0
-        self.usage.partial -= peer.partial
-        peer.partial = 0
-        peer.regs.clear()
-        peer.buffers.clear()
-        self._data.unstage(peer)
-        peer.table.close_all()
+        peer.release()
         self._peers.discard(peer)
         if peer.key is not None:
             self._caches.release(peer.key)
 
-    def _sync_parked(self, peer: _Peer, conn: ipc.Connection) -> None:
-        now = conn.pending_fds
-        self.parked_fds += now - peer.parked_fds
-        peer.parked_fds = now
-
-    async def _dispatch(self, conn: ipc.Connection, peer: _Peer, req: ipc.Request,
-                        fds: list[int], ops: dict[asyncio.Task[None], list[int]]) -> None:
-        """Run one request; ``fds`` are its fds (handlers take theirs out of the list; the
-        rest are closed here, and the list emptied). It leaves ``ops`` when it ends (no done
-        callback: one more turn of the loop per request)."""
-        try:
-            await self._run(conn, peer, req, fds)
-        finally:
-            ops.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
-
-    async def _run(self, conn: ipc.Connection, peer: _Peer, req: ipc.Request,
-                   fds: list[int]) -> None:
-        self.counters["requests"] += 1
-        held = len(fds)
-        # In flight until its reply is out, not only until it is made: a peer that never
-        # reads its replies would otherwise have request after request admitted, each
-        # holding its reply in a task (memory without bound). max_requests_per_peer
-        # replies stuck behind a full socket then refuse the rest.
-        try:
-            try:
-                try:
-                    msg = msgs.decode_args(req.op, req.args, len(fds),
-                                           max_stage_bytes=self.config.max_stage_bytes)
-                    if req.op != "hello":
-                        if not peer.hello:
-                            raise ProtocolError(
-                                "the first request on a connection must be hello")
-                        if peer.monitor and req.op not in MONITOR_OPS:
-                            raise PermissionDeniedError(
-                                f"{req.op}: a monitor connection may only read stats")
-                    # decode_args admitted only known ops, each handled here or by _DataOps.
-                    result = await self._handlers[req.op](peer, msg, fds)
-                finally:
-                    ipc.close_fds(fds)  # whatever a handler did not take
-                    fds.clear()
-                    peer.held_fds -= held
-                    self.held_fds -= _FDS_PER_RECEIVED * held
-            except MusaCacheError as e:
-                # The peer's mistake (or a refused request): answered, never logged as a bug.
-                self.counters["errors"] += 1
-                if req.op == "hello" and not peer.hello:
-                    peer.greeted = False  # (hello_timeout runs on)
-                await _reply_error(conn, req.id, e)
-                return
-            except Exception as e:  # a server bug: answer, log, keep serving everyone else
-                self.counters["errors"] += 1
-                if req.op == "hello" and not peer.hello:
-                    peer.greeted = False
-                log.exception("op %s failed", req.op)
-                await _reply_error(conn, req.id, e)
-                return
-            await _send_result(conn, req, result, self.counters)
-        finally:
-            peer.in_flight -= 1
-
     # -- ops --------------------------------------------------------------------------------
 
-    async def _op_hello(self, peer: _Peer, msg: msgs.HelloMessage, fds: list[int]) -> Any:
-        if peer.hello or peer.saying_hello:
-            raise ProtocolError("hello was already said on this connection")
-        # Taken before the first await: two hellos sent back to back were both accepted, the
-        # connection bound to whichever cache opened last.
-        peer.saying_hello = True
+    async def _op_hello(self, peer: Peer, msg: msgs.HelloMessage, fds: list[int]) -> Any:
+        # Before the first await, so that of two hellos sent back to back the second is
+        # refused, not bound to another cache.
+        peer.begin_hello()
         try:
             return await self._hello(peer, msg)
-        finally:
-            peer.saying_hello = False
+        except Exception:
+            peer.hello_failed()
+            raise
 
-    async def _hello(self, peer: _Peer, msg: msgs.HelloMessage) -> Any:
+    async def _hello(self, peer: Peer, msg: msgs.HelloMessage) -> Any:
         if msg.protocol != ipc.PROTOCOL_VERSION:
             raise ProtocolError(f"client speaks protocol {msg.protocol}, server "
                                 f"{ipc.PROTOCOL_VERSION}")
@@ -1261,8 +924,7 @@ class Server:
                                 "event_ipc": {k: ipc.event_ipc_capability(k)
                                               for k in ("cpu", "cuda", "musa")}}
         if msg.monitor:
-            peer.monitor = True
-            peer.hello = True
+            peer.hello_done(None, None)
             return info
         if msg.spec is None or msg.namespace is None:  # HelloMessage guarantees both
             raise ProtocolError("hello: namespace and spec are required")
@@ -1273,12 +935,12 @@ class Server:
         chunk = msg.chunk_size or self.config.chunk_size
         key: CacheKey = (msg.namespace, spec, chunk, msg.tenant, peer.uid)
         cache = await self._caches.acquire(key)
-        peer.cache, peer.key, peer.hello = cache, key, True
+        peer.hello_done(cache, key)
         return {**info, "namespace": msg.namespace, "spec": spec.to_dict(),
                 "chunk_size": chunk, "device": str(cache.device),
                 "max_buffers": self.config.max_buffers_per_peer}
 
-    async def _op_stats(self, peer: _Peer, msg: msgs.EmptyMessage, fds: list[int]) -> Any:
+    async def _op_stats(self, peer: Peer, msg: msgs.EmptyMessage, fds: list[int]) -> Any:
         if peer.cache is None:
             return await self.stats()
         return {**(await peer.cache.stats()), "server": self._server_stats()}
