@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import anyio
+import anyio.lowlevel
 
 from musacache._errors import CacheClosedError
 
@@ -311,4 +312,6 @@ async def finish(work: Awaitable[_T]) -> _T:
     came = await outlive(task)
     if came is not None:
         raise came
+    # An anyio scope cancelled meanwhile was held off by outlive's shield: raised here.
+    await anyio.lowlevel.checkpoint_if_cancelled()
     return task.result()
