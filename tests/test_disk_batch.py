@@ -14,7 +14,6 @@ import hashlib
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, cast
@@ -565,7 +564,7 @@ async def test_a_batch_of_reads_on_the_cpus_has_a_lane_per_cpu_and_one_that_wait
 
 
 def test_a_read_is_judged_by_the_blocks_it_read_or_the_share_of_its_time_on_a_cpu() -> None:
-    lanes = disk_mod._Lanes(deque(), 0, 1)
+    lanes = disk_mod._BatchRead(None, [], None)  # its judging alone: no store needed
     assert not lanes.io_bound  # no read judged yet
     lanes.judge(0.010, 0.009, 0)  # on a CPU: warm
     lanes.judge(0.010, 0.009, 8)  # read 8 blocks from storage

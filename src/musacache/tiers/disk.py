@@ -215,45 +215,6 @@ class _InFlight:
             call.superseded = True
 
 
-class _Lanes:
-    """One batch of reads (:meth:`DiskStore.read_to_many`) shared with its worker threads
-    under ``DiskStore._tlock``: the items no lane has taken yet, whether to stop taking
-    them, how many reads have ended, per item its outcome and when its read began, and per
-    lane the item it is reading (None between items) and whether it was abandoned."""
-
-    __slots__ = ("began", "current", "dead", "ended", "judged", "outcome", "stop", "todo",
-                 "waited")
-
-    def __init__(self, todo: deque[int], n: int, count: int) -> None:
-        self.todo = todo
-        self.stop = False
-        self.ended = 0
-        self.outcome: list[Any] = [NOT_TRIED] * n
-        self.began = [0.0] * n
-        self.current: list[int | None] = [None] * count
-        self.dead = [False] * count
-        # How many reads of this batch ended, and how many of them waited on the disk
-        # (:meth:`judge`; read when the batch ends, as the store's guess for the next one).
-        self.judged = 0
-        self.waited = 0
-
-    def judge(self, wall: float, cpu: float, blocks: int) -> None:
-        """Take what a read that ended cost its thread: ``blocks`` read from storage, or a
-        thread that ran on a CPU for under a quarter of the read's time (a network file
-        system reads no local blocks), say that it waited on the disk."""
-        self.judged += 1
-        if blocks > 0 or cpu < _IO_BOUND_SHARE * wall:
-            self.waited += 1
-
-    @property
-    def io_bound(self) -> bool:
-        """Most reads waited on the disk, which then wants more reads in flight; else the
-        copy and decode are the work (a warm page cache), and lanes beyond the CPUs would
-        only take turns on them. A majority, so that one read that lost its CPU for a while
-        (another thread, the hypervisor) does not count as the disk."""
-        return self.waited * 2 > self.judged
-
-
 class _Raised:
     """An exception a lane's read raised (the codec's: a corrupt or foreign object), apart
     from the ``OSError`` that :func:`_with_file` returns for a fault."""
@@ -312,7 +273,7 @@ class DiskStore(StorageTier):
         self.timeout = config.timeout
         self.max_concurrency = config.max_concurrency
         # Bounds the file calls running at once; the lanes of a batch of reads
-        # (_read_batch) each run under one of its tokens.
+        # (_BatchRead) each run under one of its tokens.
         self._limiter = anyio.CapacityLimiter(config.max_concurrency)
         # The cache's worker threads (given at start), or the tier's own when started alone.
         self._executor: Executor | None = None
@@ -611,8 +572,8 @@ class DiskStore(StorageTier):
 
     async def read_to_many(self, items: Sequence[tuple[ChunkMeta, ChunkCopy]],
                            fingerprint: Fingerprint) -> list[Any]:
-        """:meth:`read_to` for each of ``items``, as one batch (:func:`_read_batch`)."""
-        return await _read_batch(self, items, fingerprint)
+        """:meth:`read_to` for each of ``items``, as one batch (:class:`_BatchRead`)."""
+        return await _BatchRead(self, items, fingerprint).run()
 
     def writing_into(self, out: torch.Tensor) -> bool:
         """Whether an abandoned read (one that timed out) may still write into ``out``."""
@@ -868,226 +829,284 @@ def _refusal(store: DiskStore, path: Path) -> TierError | None:
                      f"{store.config.path}; not reading {path.name}")
 
 
-async def _read_batch(store: DiskStore, items: Sequence[tuple[ChunkMeta, ChunkCopy]],
-                      fingerprint: Fingerprint) -> list[Any]:
-    """:meth:`DiskStore.read_to` for each ``(meta, copy)`` of ``items``, as one batch: up to
-    ``max_concurrency`` worker threads (lanes) each take the next chunk as soon as they
-    are done with one, so there is no event-loop turn, thread hand-off or limiter wait
-    between the chunks of a request (a loop turn per chunk cost about 0.3 ms of the
-    loop's time, and the next chunk waited for it).
+class _BatchRead:
+    """One batch of reads (:meth:`DiskStore.read_to_many`): ``(meta, copy)`` items read by
+    up to ``max_concurrency`` lanes, each a worker thread that takes the next item as soon
+    as it is done with one, so no event-loop turn, thread hand-off or token wait comes
+    between the chunks of a request.
 
-    Returns per item what ``read_to`` returns or the exception it raises, or
-    :data:`~musacache.tiers.base.NOT_TRIED` for an item no lane started. Each read is
-    bounded by ``timeout``, as a read alone is, not the batch by its length: a lane whose
-    read outlives it (a hung file) is abandoned to its thread, the read counted as a
-    timeout and the file quarantined, while the other lanes go on with the batch. When every
+    Each read is bounded by the tier's ``timeout``, as a read alone is, not the batch by its
+    length: a lane whose read outlives it (a hung file) is abandoned to its thread, the read
+    counted as a timeout and the file quarantined, while the other lanes go on. When every
     lane is abandoned, or none has run a read for a whole ``timeout`` (they wait for
-    threads), the items not started are left untried.
+    tokens), the items not started are left untried (:data:`NOT_TRIED`).
 
-    Kept out of :class:`DiskStore` so that the class stays small: it is the store's own
-    code, on its private state."""
-    n = len(items)
+    The lane threads and the loop share ``todo``, ``stop``, ``ended``, ``outcome``,
+    ``began``, ``current``, ``dead``, ``judged`` and ``waited`` under the store's
+    ``_tlock``; the rest is the loop's.
+    """
 
-    def path_of(i: int) -> Path:
+    def __init__(self, store: DiskStore, items: Sequence[tuple[ChunkMeta, ChunkCopy]],
+                 fingerprint: Fingerprint) -> None:
+        self.store = store
+        self.items = items
+        self.fingerprint = fingerprint
+        n = self.n = len(items)
+        self.out: list[Any] = [NOT_TRIED] * n  # what each item gives the caller
+        self.calls = [_ThreadRead() for _ in items]
+        self.todo: deque[int] = deque()
+        self.stop = False
+        self.ended = 0
+        self.outcome: list[Any] = [NOT_TRIED] * n  # what each read returned, in its lane
+        self.began = [0.0] * n
+        # Per lane: the item it is reading (None between items), whether it was abandoned.
+        self.current: list[int | None] = []
+        self.dead: list[bool] = []
+        # How many reads ended, and how many of them waited on the disk (:meth:`judge`;
+        # read when the batch ends, as the store's guess for the next one).
+        self.judged = 0
+        self.waited = 0
+        # Per lane, what holds its token. What the batch waits for: each lane's slice on its
+        # thread, or (when no token was free) its wait for a token, with the lane's number.
+        self.borrowers: list[object] = []
+        self.waits: dict[asyncio.Future[Any], int] = {}
+        self.hung: set[int] = set()  # items whose read ran the whole timeout: quarantined
+        self.cut: set[int] = set()  # items still being read when the batch ended: abandoned
+
+    # -- what a read cost its thread ------------------------------------------------------
+
+    def judge(self, wall: float, cpu: float, blocks: int) -> None:
+        """Take what a read that ended cost its thread: ``blocks`` read from storage, or a
+        thread that ran on a CPU for under a quarter of the read's time (a network file
+        system reads no local blocks), say that it waited on the disk."""
+        self.judged += 1
+        if blocks > 0 or cpu < _IO_BOUND_SHARE * wall:
+            self.waited += 1
+
+    @property
+    def io_bound(self) -> bool:
+        """Most reads waited on the disk, which then wants more reads in flight; else the
+        copy and decode are the work (a warm page cache), and lanes beyond the CPUs would
+        only take turns on them. A majority, so that one read that lost its CPU for a while
+        (another thread, the hypervisor) does not count as the disk."""
+        return self.waited * 2 > self.judged
+
+    # -- the batch, on the loop -------------------------------------------------------------
+
+    async def run(self) -> list[Any]:
+        """Per item what ``read_to`` returns or the exception it raises, or
+        :data:`NOT_TRIED` for an item no lane started."""
+        store = self.store
+        for i, (meta, _copy) in enumerate(self.items):
+            if meta.key in store._quarantined:
+                self.out[i] = _quarantined(store, self.path_of(i))
+            else:
+                self.todo.append(i)
+        if not self.todo:
+            return self.out
+        if store._stuck >= store.max_concurrency:
+            for i in self.todo:
+                self.out[i] = _refusal(store, self.path_of(i))
+            return self.out
+        full = min(len(self.todo), store.max_concurrency - store._stuck)
+        self.current = [None] * full
+        self.dead = [False] * full
+        self.borrowers = [object() for _ in range(full)]
+        for i in self.todo:
+            store._reading.begin(self.items[i][0].key, self.calls[i])
+        try:
+            await self._wait_for_lanes(full)
+        finally:
+            self._end(full)
+        return await self._results()
+
+    def path_of(self, i: int) -> Path:
         # Made where it is needed: in the lane that reads the file (not on the loop, where
-        # a batch's paths cost about 5 µs each), and for a fault's message.
-        meta = items[i][0]
-        return store._path(meta.key, meta.parent, meta.num_tokens)
+        # a batch's paths would cost it per chunk), and for a fault's message.
+        meta = self.items[i][0]
+        return self.store._path(meta.key, meta.parent, meta.num_tokens)
 
-    out: list[Any] = [NOT_TRIED] * n
-    todo: deque[int] = deque()
-    for i, (meta, _copy) in enumerate(items):
-        if meta.key in store._quarantined:
-            out[i] = _quarantined(store, path_of(i))
-        else:
-            todo.append(i)
-    if not todo:
-        return out
-    if store._stuck >= store.max_concurrency:
-        for i in todo:
-            out[i] = _refusal(store, path_of(i))
-        return out
-    full = min(len(todo), store.max_concurrency - store._stuck)
-    # From a warm page cache each read is a copy and a decode: lanes past the CPUs would only
-    # take turns on them (measured on 2 cores: 2,048 tokens of lz4 chunks took 0.3 to 1 ms
-    # longer on 4 lanes than on 2). Reads that wait on the disk want every lane. The last
-    # batch's reads tell which (_Lanes.judge), and so do this one's: a lane that ends a
-    # slice of reads that waited starts the others.
-    count = full if store._reads_wait else min(full, devices.usable_cpus())
-    lanes = _Lanes(todo, n, full)
-    calls = [_ThreadRead() for _ in items]
-    for i in todo:
-        store._reading.begin(items[i][0].key, calls[i])
-    timeout = store.timeout
+    async def _wait_for_lanes(self, full: int) -> None:
+        store, timeout = self.store, self.store.timeout
+        # From a warm page cache each read is a copy and a decode: lanes past the CPUs would
+        # only take turns on them. Reads that wait on the disk want every lane. The last
+        # batch's reads tell which, and so do this one's: a lane that ends a slice of reads
+        # that waited starts the others.
+        count = full if store._reads_wait else min(full, devices.usable_cpus())
+        # Every lane's first slice is on its thread here, at once, before any turn of the
+        # loop: a lane started a turn later would end a batch of equal chunks that much later.
+        for k in range(count):
+            self._next_slice(k)
+        started = count
+        seen, progress = 0, time.monotonic()
+        while self.waits:
+            with store._tlock:
+                running = [self.began[i] for k, i in enumerate(self.current)
+                           if i is not None and not self.dead[k]]
+                if self.ended != seen:
+                    seen, progress = self.ended, time.monotonic()
+            deadline = (min(running) if running else progress) + timeout
+            done, _ = await asyncio.wait(self.waits,
+                                         timeout=max(0.0, deadline - time.monotonic()),
+                                         return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                k = self.waits.pop(fut)
+                if not isinstance(fut, asyncio.Task):  # a slice ended: True, more to read
+                    store._limiter.release_on_behalf_of(self.borrowers[k])
+                    if fut.result():
+                        self._next_slice(k)
+                        while self.io_bound and started < full:
+                            self._next_slice(started)
+                            started += 1
+                elif self.dead[k] or self.stop:  # a token, for a lane that is over
+                    store._limiter.release_on_behalf_of(self.borrowers[k])
+                else:
+                    self._run_slice(k)
+            if not done and self._watch(seen, progress):
+                break
 
-    def lane(k: int) -> bool:
-        # One slice of a lane's reads: it gives its thread slot back after _LANE_SLICE s, so
-        # that other work waiting for one (another get's batch, a write) takes turns with a
-        # long batch. True: more to read, in another slice.
+    def _watch(self, seen: int, progress: float) -> bool:
+        """A deadline passed: abandon each lane whose read ran the whole timeout; True when
+        the batch is stalled (no read ended in a timeout, and none runs)."""
+        store, timeout = self.store, self.store.timeout
+        now = time.monotonic()
+        with store._tlock:
+            late = [(k, i) for k, i in enumerate(self.current)
+                    if i is not None and not self.dead[k]
+                    and now - self.began[i] >= _HUNG_SHARE * timeout]
+            for k, _i in late:
+                self.dead[k] = True
+            stalled = not late and self.ended == seen and not any(
+                i is not None and not self.dead[k] for k, i in enumerate(self.current)) \
+                and now - progress >= _HUNG_SHARE * timeout
+            if stalled:
+                self.stop = True
+        for k, i in late:
+            if store._abandon(self.calls[i], self.items[i][0].key):
+                self.hung.add(i)
+            self._drop(k)
+        return stalled
+
+    def _run_slice(self, k: int) -> None:
+        # Lane k's next slice, on a thread from now, under the token it holds: given back
+        # when the batch takes the slice's end, or once it abandons the slice (a hung disk
+        # must not hold the caller past the timeout).
+        store = self.store
+        try:
+            assert store._executor is not None, "the tier is started"
+            self.waits[store._executor.submit(self._lane, k)] = k
+        except BaseException:
+            store._limiter.release_on_behalf_of(self.borrowers[k])
+            raise
+
+    def _next_slice(self, k: int) -> None:
+        # Now if a token is free and no other work waits for one (first come, first served:
+        # a long batch takes turns with the rest), else once one is.
+        limiter = self.store._limiter
+        try:
+            limiter.acquire_on_behalf_of_nowait(self.borrowers[k])
+        except anyio.WouldBlock:
+            self.waits[asyncio.ensure_future(limiter.acquire_on_behalf_of(self.borrowers[k]))] = k
+            return
+        self._run_slice(k)
+
+    def _drop(self, k: int) -> None:
+        # Lane k is abandoned (its read hung) or the batch stops: not waited for any more,
+        # and its token given back. A wait for a token that is cancelled gives back what it
+        # was granted itself.
+        limiter = self.store._limiter
+        for fut in [f for f, lane_k in self.waits.items() if lane_k == k]:
+            del self.waits[fut]
+            if not isinstance(fut, asyncio.Task):
+                fut.cancel()
+                limiter.release_on_behalf_of(self.borrowers[k])
+            elif not fut.cancel() and not fut.cancelled() and fut.exception() is None:
+                limiter.release_on_behalf_of(self.borrowers[k])
+
+    def _end(self, full: int) -> None:
+        # Normal end, a stalled batch, or cancelled from outside: no lane takes another item,
+        # the reads still running are abandoned to their threads, and every token the batch
+        # holds or waits for is given back.
+        store, calls = self.store, self.calls
+        with store._tlock:
+            self.stop = True
+            begun = [i for i in range(self.n) if calls[i].started and not calls[i].done
+                     and i not in self.hung]
+        for k in range(full):
+            self._drop(k)
+        if self.hung or self.judged:
+            store._reads_wait = bool(self.hung) or self.io_bound
+        now = time.monotonic()
+        self.cut = {i for i in begun if store._abandon(
+            calls[i], self.items[i][0].key
+            if now - self.began[i] >= _HUNG_SHARE * store.timeout else None)}
+        for i in range(self.n):
+            if self.out[i] is NOT_TRIED:  # every item registered in run
+                store._reading.end(self.items[i][0].key, calls[i])
+
+    async def _results(self) -> list[Any]:
+        store = self.store
+        for i in range(self.n):
+            if self.out[i] is not NOT_TRIED or not self.calls[i].started:
+                continue
+            if i in self.hung or i in self.cut:
+                store._c["read_faults"] += 1
+                store._c["read_timeouts"] += 1
+                store._c["last_error"] = f"read {self.path_of(i).name}: timed out"
+                self.out[i] = TierTimeoutError(
+                    f"disk tier {store.name!r}: a read of a batch took over {store.timeout} "
+                    f"s; abandoned the read of {self.path_of(i)}")
+                continue
+            got = self.outcome[i]
+            if isinstance(got, _Raised):
+                self.out[i] = got.exc
+                continue
+            if _counted_read(store, got):  # the usual: no coroutine per chunk for it
+                store._c["bytes_out"] += got
+                self.out[i] = got
+                continue
+            try:  # absent (None), or a fault (raised)
+                self.out[i] = await store._settle(self.items[i][0],
+                                                  functools.partial(self.path_of, i), got)
+            except TierError as exc:
+                self.out[i] = exc
+        return self.out
+
+    # -- a lane, on its worker thread ---------------------------------------------------------
+
+    def _lane(self, k: int) -> bool:
+        """One slice of lane ``k``'s reads: it gives its token back after ``_LANE_SLICE``
+        seconds, so that other work waiting for one (another get's batch, a write) takes
+        turns with a long batch. True: more to read, in another slice."""
+        store, items, calls = self.store, self.items, self.calls
         until = time.monotonic() + _LANE_SLICE
         reads = 0
         while True:
             with store._tlock:
-                if lanes.stop or lanes.dead[k] or not lanes.todo:
+                if self.stop or self.dead[k] or not self.todo:
                     return False
                 if reads and time.monotonic() >= until:
                     return True
                 reads += 1
-                i = lanes.todo.popleft()
+                i = self.todo.popleft()
                 calls[i].started = True
-                lanes.began[i] = time.monotonic()
-                lanes.current[k] = i
+                self.began[i] = time.monotonic()
+                self.current[k] = i
             got: Any
             wall, cpu, blocks = time.perf_counter(), time.thread_time(), _blocks_read()
             try:
                 meta = items[i][0]
                 got = _read_file_to(store._file(meta.key, meta.parent, meta.num_tokens),
-                                    fingerprint, *items[i])
+                                    self.fingerprint, *items[i])
             except Exception as exc:  # the codec's: a corrupt or foreign object
                 got = _Raised(exc)
             wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
             blocks = _blocks_read() - blocks
             with store._tlock:
-                lanes.judge(wall, cpu, blocks)
-                lanes.outcome[i] = got
-                lanes.ended += 1
-                lanes.current[k] = None
+                self.judge(wall, cpu, blocks)
+                self.outcome[i] = got
+                self.ended += 1
+                self.current[k] = None
                 calls[i].done = True
                 if calls[i].abandoned:
                     store._stuck -= 1
-
-    limiter = store._limiter
-    # Per lane: what holds its thread token. What the batch waits for: each lane's slice on
-    # its thread, or (when no token was free) its wait for a token, with the lane's number.
-    borrowers = [object() for _ in range(full)]
-    waits: dict[asyncio.Future[Any], int] = {}
-    hung: set[int] = set()  # items whose read ran the whole timeout: abandoned, quarantined
-
-    def run_slice(k: int) -> None:
-        # Lane k's next slice, on a thread from now, under the token it holds: given back
-        # when the batch takes the slice's end, or once it abandons the slice (a hung disk,
-        # NFS, must not hold the caller past the timeout).
-        try:
-            assert store._executor is not None, "the tier is started"
-            waits[store._executor.submit(lane, k)] = k
-        except BaseException:
-            limiter.release_on_behalf_of(borrowers[k])
-            raise
-
-    def next_slice(k: int) -> None:
-        # Now if a token is free and no other work waits for one (first come, first
-        # served: a long batch takes turns with the rest), else once one is.
-        try:
-            limiter.acquire_on_behalf_of_nowait(borrowers[k])
-        except anyio.WouldBlock:
-            waits[asyncio.ensure_future(limiter.acquire_on_behalf_of(borrowers[k]))] = k
-            return
-        run_slice(k)
-
-    def drop(k: int) -> None:
-        # Lane k is abandoned (its read hung) or the batch stops: not waited for any more,
-        # and its token given back. A wait for a token that is cancelled gives back what
-        # it was granted itself.
-        for fut in [f for f, lane_k in waits.items() if lane_k == k]:
-            del waits[fut]
-            if not isinstance(fut, asyncio.Task):
-                fut.cancel()
-                limiter.release_on_behalf_of(borrowers[k])
-            elif not fut.cancel() and not fut.cancelled() and fut.exception() is None:
-                limiter.release_on_behalf_of(borrowers[k])
-
-    try:
-        # Every lane's first slice is on its thread here, at once, before any turn of the
-        # loop: a lane started a turn later ended a batch of equal chunks that much later.
-        for k in range(count):
-            next_slice(k)
-        started = count
-        # Each read is bounded by the timeout, as one read alone is. A lane whose read
-        # outlives it is abandoned (the others go on with the batch); a batch that ends no
-        # read in a whole timeout with none running (its lanes wait for threads) is stopped.
-        seen, progress = 0, time.monotonic()
-        while waits:
-            with store._tlock:
-                running = [lanes.began[i] for k, i in enumerate(lanes.current)
-                           if i is not None and not lanes.dead[k]]
-                if lanes.ended != seen:
-                    seen, progress = lanes.ended, time.monotonic()
-            deadline = (min(running) if running else progress) + timeout
-            done, _ = await asyncio.wait(waits, timeout=max(0.0, deadline - time.monotonic()),
-                                         return_when=asyncio.FIRST_COMPLETED)
-            for fut in done:
-                k = waits.pop(fut)
-                if not isinstance(fut, asyncio.Task):  # a slice ended: True, more to read
-                    limiter.release_on_behalf_of(borrowers[k])
-                    if fut.result():
-                        next_slice(k)
-                        while lanes.io_bound and started < full:
-                            next_slice(started)
-                            started += 1
-                elif lanes.dead[k] or lanes.stop:  # a token, for a lane that is over
-                    limiter.release_on_behalf_of(borrowers[k])
-                else:
-                    run_slice(k)
-            if done:
-                continue
-            now = time.monotonic()
-            with store._tlock:
-                late = [(k, i) for k, i in enumerate(lanes.current)
-                        if i is not None and not lanes.dead[k]
-                        and now - lanes.began[i] >= _HUNG_SHARE * timeout]
-                for k, _i in late:
-                    lanes.dead[k] = True
-                stalled = not late and lanes.ended == seen and not any(
-                    i is not None and not lanes.dead[k]
-                    for k, i in enumerate(lanes.current)) \
-                    and now - progress >= _HUNG_SHARE * timeout
-                if stalled:
-                    lanes.stop = True
-            for k, i in late:
-                if store._abandon(calls[i], items[i][0].key):
-                    hung.add(i)
-                drop(k)
-            if stalled:
-                break
-    finally:
-        # Normal end, a stalled batch, or cancelled from outside: no lane takes another item,
-        # the reads still running are abandoned to their threads, and every token the
-        # batch holds or waits for is given back (drop).
-        with store._tlock:
-            lanes.stop = True
-            begun = [i for i in range(n) if calls[i].started and not calls[i].done
-                     and i not in hung]
-        for k in range(full):
-            drop(k)
-        if hung or lanes.judged:
-            store._reads_wait = bool(hung) or lanes.io_bound
-        now = time.monotonic()
-        cut = {i for i in begun if store._abandon(
-            calls[i], items[i][0].key if now - lanes.began[i] >= _HUNG_SHARE * timeout
-            else None)}
-        for i in range(n):
-            if out[i] is NOT_TRIED:  # every item registered above
-                store._reading.end(items[i][0].key, calls[i])
-    for i in range(n):
-        if out[i] is not NOT_TRIED or not calls[i].started:
-            continue
-        if i in hung or i in cut:
-            store._c["read_faults"] += 1
-            store._c["read_timeouts"] += 1
-            store._c["last_error"] = f"read {path_of(i).name}: timed out"
-            out[i] = TierTimeoutError(f"disk tier {store.name!r}: a read of a batch took over "
-                                      f"{timeout} s; abandoned the read of {path_of(i)}")
-            continue
-        got = lanes.outcome[i]
-        if isinstance(got, _Raised):
-            out[i] = got.exc
-            continue
-        if _counted_read(store, got):  # the usual: no coroutine per chunk for it
-            store._c["bytes_out"] += got
-            out[i] = got
-            continue
-        try:  # absent (None), or a fault (raised)
-            out[i] = await store._settle(items[i][0], functools.partial(path_of, i), got)
-        except TierError as exc:
-            out[i] = exc
-    return out
