@@ -184,3 +184,38 @@ async def test_reads_leave_what_lies_past_their_hit_as_it_was(tmp_path: Path, pr
     assert partial, "no request was cut short by a failed chunk: the check checked nothing"
     assert not failed, f"{len(failed)} of {SEEDS} seeds: " + "; ".join(
         f"seed {s}: {f[0]} ({len(f)} in all)" for s, f in sorted(failed.items())[:5])
+
+
+@pytest.mark.parametrize("promotion", ["background", "sync"])
+@pytest.mark.parametrize("damage", ["delete", "flip"])
+async def test_get_pages_serves_every_readable_page_and_leaves_a_failed_ones_out(
+        tmp_path: Path, promotion: str, damage: str) -> None:
+    """A page that cannot be read is a miss whose ``outs`` keeps its bytes, and the pages
+    after it are still served."""
+    spec = small_spec()
+    root = tmp_path / "d"
+    keys = [f"p{i}" for i in range(6)]
+    pages = [torch.randn(spec.nbytes(CH) // 4) for _ in keys]
+    files: list[set[Path]] = []
+    cfg = mc.CacheConfig(spec, "pages", chunk_size=CH, promotion=promotion,  # type: ignore[arg-type]
+                         tiers=(mc.HostTier(capacity_bytes=spec.nbytes(CH) * 3),
+                                mc.DiskTier(path=str(root), capacity_bytes="64MiB",
+                                            write_through=True)))
+    async with mc.Cache(cfg) as cache:
+        for k, p in zip(keys, pages):
+            assert await cache.put_pages([k], [p]) == 1
+            await cache.flush()
+            files.append(set(_chunk_files(root)))
+    (bad,) = files[1] - files[0]  # the file of page 1 alone
+    if damage == "delete":
+        bad.unlink()
+    else:
+        flip_byte(bad, bad.stat().st_size // 2)
+    async with mc.Cache(cfg) as cache:
+        outs = [torch.full_like(p, SENTINEL) for p in pages]
+        hit = await cache.get_pages(keys, outs)
+        await cache.flush()
+    assert hit == [i != 1 for i in range(len(keys))]
+    assert bool((outs[1] == SENTINEL).all()), "outs[1] was written, but page 1 is a miss"
+    for i in (0, 2, 3, 4, 5):
+        assert torch.equal(outs[i], pages[i]), i

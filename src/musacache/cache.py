@@ -120,17 +120,19 @@ async def _drop_in_runs(items: list[Any]) -> None:
 async def _read_into(eng: Engine, matches: list[Match],
                      pair: Callable[[Match, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
                      dest: Callable[[Match], torch.Tensor | None] | None = None, *,
-                     staged: bool = False) -> list[tuple[Match, torch.Tensor, str]]:
+                     staged: bool = False, every: bool = False,
+                     ) -> list[tuple[Match, torch.Tensor, str]]:
     """The read of ``get`` and ``get_pages``: pin ``matches``, take each from the hottest tier
     holding it (promoting from below), copy it where ``pair(match, source)`` says in one
-    move, and touch what was served. Returns the contiguous run served.
+    move, and touch what was served. Returns the contiguous run served, or with ``every``
+    (independent pages) each chunk that could be read.
 
     ``dest(match)`` is the tensor for a whole chunk (its elements in the chunk's order), or
     None: a chunk promoted from disk is written there by its read, block by block
     (:mod:`musacache.engine.tee`), and left out of the move. ``staged``: ``dest`` is the caller's
-    memory, which must hold nothing past the run served; a read from storage then writes a
-    tensor of its own instead, and the move copies it on only once every chunk before it
-    was read (a chunk in memory is copied once, from its slot)."""
+    memory, which must hold nothing a chunk not served would write; a read from storage then
+    writes a tensor of its own instead, and the move copies on only the chunks served (a
+    chunk in memory is copied once, from its slot)."""
     # A tee only for a chunk fetched from below the top tier (the only reads that write the
     # caller's tensor), made when ``sources`` starts that fetch: one costs 15 to 20 µs, too
     # much to make for every chunk of a get served from memory.
@@ -163,7 +165,7 @@ async def _read_into(eng: Engine, matches: list[Match],
                 await anyio.lowlevel.checkpoint()
             eng.pin(m.entry)
             pinned += 1
-        found = await eng.sources(matches, tee_for)
+        found = await eng.sources(matches, tee_for, every=every)
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         for i, (m, src, _name) in enumerate(found):
             if i and not i % VIEW_RUN:  # a long read's views, a run per turn of the loop
@@ -522,7 +524,8 @@ class Cache:
                         ) -> list[bool]:
         """Copy each cached page into ``outs[i]`` (same element count and dtype as a page,
         any shape and strides); ``result[i]`` says whether ``keys[i]`` was found. A page
-        that cannot be read (a cold-tier fault) is a miss."""
+        that cannot be read (a cold-tier fault) is a miss, and its ``outs[i]`` is left as it
+        was; the pages after it are still served."""
         eng = self._check_open()
         cs = self.config.chunk_size
         ks = page_keys(eng.chain.seed, keys, cs)
@@ -532,9 +535,10 @@ class Cache:
         try:
             wanted = [Match(start, cs, e) for start, _end, _parent, key in ks
                       if (e := eng.dir.get(key)) is not None]
+            # Staged: a page that fails part-way leaves its ``outs`` as it was.
             found = await _read_into(eng, wanted, lambda m, src: (
                 outs[m.start // cs], src.reshape(outs[m.start // cs].shape)),
-                lambda m: outs[m.start // cs])
+                lambda m: outs[m.start // cs], staged=True, every=True)
             hit = [False] * len(ks)
             for m, _src, _name in found:
                 hit[m.start // cs] = True

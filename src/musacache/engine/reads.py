@@ -88,11 +88,12 @@ class Reads:
         return None
 
     async def sources(self, matches: Sequence[Match],
-                      tee_for: Callable[[int], Tee | None] | None = None,
-                      ) -> list[tuple[Match, torch.Tensor, str]]:
-        """The data of each match (the caller holds pins) up to the first that cannot be read;
-        those below the top tier fetched concurrently (promoting them, writing the tee
-        ``tee_for(i)`` makes for match ``i`` as its fetch starts)."""
+                      tee_for: Callable[[int], Tee | None] | None = None, *,
+                      every: bool = False) -> list[tuple[Match, torch.Tensor, str]]:
+        """The data of each match (the caller holds pins) up to the first that cannot be read
+        (with ``every``: of each match that can, for independent pages); those below the top
+        tier fetched concurrently (promoting them, writing the tee ``tee_for(i)`` makes for
+        match ``i`` as its fetch starts)."""
         found: list[tuple[torch.Tensor | None, str]] = []
         slow: list[int] = []
         for i, m in enumerate(matches):
@@ -183,6 +184,8 @@ class Reads:
         out: list[tuple[Match, torch.Tensor, str]] = []
         for i, (m, (src, name)) in enumerate(zip(matches, found, strict=True)):
             if src is None:
+                if every:
+                    continue
                 break
             if i and not i % VIEW_RUN:
                 await anyio.lowlevel.checkpoint()
