@@ -137,3 +137,33 @@ async def test_s3_tier_stays_within_its_capacity(moto_endpoint: str, capacity: i
            if r["over"] or r["wrong"] or r["max_bucket"] > capacity}
     worst = max(r["max_used"] for r in reports.values())
     assert not bad, f"{len(bad)} of {len(reports)} seeds failed, up to {worst} bytes: {bad}"
+
+
+async def test_chunks_learned_from_another_node_keep_the_tier_within_its_capacity(
+        moto_endpoint: str) -> None:
+    """A refresh on a miss learns what other nodes wrote to the shared bucket: a tier that
+    learns past its capacity makes room, as it does when it opens."""
+    spec = small_spec()
+    bucket = unique_bucket()
+    capacity = spec.nbytes(CH) * 3  # about three encoded chunks and a half
+
+    def config(name: str) -> mc.CacheConfig:
+        tier = S3Tier(bucket=bucket, endpoint_url=endpoint_url, create_bucket=True,
+                      capacity_bytes=capacity, write_through=True, name="s3")
+        return mc.CacheConfig(spec, "s3-learn", chunk_size=CH, refresh_interval=0.0,
+                              tiers=(mc.HostTier(spec.nbytes(CH) * 64), tier))
+
+    endpoint_url = moto_endpoint
+    async with mc.Cache(config("reader")) as reader:
+        prompts = [tokens_of(p, 2) for p in range(4)]
+        for toks in prompts:  # another node writes each prompt, then this one asks for it
+            async with mc.Cache(config("writer")) as writer:
+                await writer.put(toks, prefix_kv(spec, toks))
+                await writer.flush()
+            hit = await reader.get(toks)
+            assert hit.num_tokens in (0, CH, 2 * CH)
+            if hit.num_tokens:
+                assert torch.equal(hit.kv, prefix_kv(spec, toks[:hit.num_tokens]))
+            await reader.flush()
+            used = (await reader.stats())["tiers"]["s3"]["bytes_used"]
+            assert used <= capacity, f"{used} bytes used of {capacity}"

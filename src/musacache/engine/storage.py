@@ -101,6 +101,8 @@ class ColdPath:
         # Top-tier slots a timed-out read may still write into: (tier, slot index, the
         # storage tier read, the slot's view), released once the read's thread returns.
         self._parked: list[tuple[MemTier, int, StoreTier, torch.Tensor]] = []
+        # Storage tiers whose room is being made after a refresh learned past capacity.
+        self._trimming: set[StoreTier] = set()
 
     @property
     def eng(self) -> EngineServices:
@@ -512,7 +514,19 @@ class ColdPath:
                     learned = learned or bool(new)
                     # Keep walking down a single new child: that is a longer cached prefix.
                     cur = new[0].key if len(new) == 1 else None
+            if st.capacity is not None and st.used > st.capacity \
+                    and st not in self._trimming and eng.tasks.running_group():
+                # Learned past its capacity: room is made after this request, as at open
+                # (oldest leaves first, so what was just learned is the last to go).
+                self._trimming.add(st)
+                eng.tasks.spawn_soon(self._trim, st)
         return learned
+
+    async def _trim(self, st: StoreTier) -> None:
+        try:
+            await self.make_room(st, 0)
+        finally:
+            self._trimming.discard(st)
 
     async def learn_all(self, st: StoreTier, listing: ChunkListing | Sequence[ChunkMeta],
                         batch: int) -> None:
