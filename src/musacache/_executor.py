@@ -2,9 +2,11 @@
 
 One :class:`Executor` per cache runs every blocking call the cache makes: copies, the codec,
 native gathers and scatters, file reads and writes, listings, pinned allocations. A
-:class:`Lane` bounds how many calls of one kind run at once (copies to ``copy_threads``, a
-disk tier's I/O to its ``max_concurrency``) without threads of its own: all lanes share the
-executor's threads, which are started when none is idle and end once it is closed.
+:class:`Lane` bounds how many calls of one kind run at once (the Mover's copies to
+``copy_threads``) without threads of its own: all lanes share the executor's threads, which
+are started when none is idle and end once it is closed. A disk tier bounds its calls by a
+capacity limiter instead: a read abandoned to a hung file gives its token back, while its
+thread stays in the call.
 
 A call is handed to a thread in the call that submits it, with no turn of the event loop in
 between, and its answer comes back as an ``asyncio`` future. Threads are daemons: one stuck

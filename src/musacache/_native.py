@@ -3,7 +3,7 @@
 The C code trusts its arguments, so every bound (buffer extents, row sizes, slot ranges,
 lengths, thread counts) is checked here before C is called, and a C status code is turned
 into :class:`NativeError`. cffi's API mode releases the GIL around every call, so the copies
-and the shuffle run in parallel with Python threads (``anyio.to_thread.run_sync``).
+and the shuffle run in parallel with Python threads (the cache's ``Executor``).
 
 The module is loaded and its version checked at import, as cryptography does: a missing or
 stale build raises :class:`NativeBuildError` that says how to rebuild.

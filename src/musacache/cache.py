@@ -1,7 +1,7 @@
 """Cache: the embedded engine's public face. Checks every argument, then hands the request to
-the engine (``_core.Engine``: plan, move, commit), whose bookkeeping lives in the per-tier state
-objects (``_tierstate``), placement rules (``_placement``), storage path (``_coldpath``) and
-data path (``_move``).
+the engine (``engine.core.Engine``: plan, move, commit), whose bookkeeping lives in the
+per-tier state objects (``engine.tierstate``), placement rules (``engine.placement``), the
+storage path (``engine.storage``) and the data path (``engine.move``).
 """
 
 from __future__ import annotations
@@ -666,7 +666,7 @@ async def _close_from_other_loop(cache: Cache, opened: asyncio.AbstractEventLoop
                 eng.cold.errlog.warn(st.name, "close", repr(e))
         # The old loop's moves never finish in this one: instead of waiting for them, the
         # copy threads are let go of and waited for, so none writes memory freed below.
-        await anyio.to_thread.run_sync(eng.mover.shut_down)
+        await eng.executor.run(eng.mover.shut_down)
         await _release(eng, moves_done=True)
     cache._state = "closed"
     raise EventLoopError(f"{rule}, after the cache's own loop had closed; its memory, copy "

@@ -4,7 +4,7 @@ Every request runs in three steps:
 
 1. **plan**, synchronously on the loop: match keys, pin what is read, reserve slots, pick
    victims. No await separates a decision from the bookkeeping that records it.
-2. **move**, one batched data movement for the whole request (``_move.Mover``): one worker-
+2. **move**, one batched data movement for the whole request (``engine.move.Mover``): one worker-
    thread hop, and on a device one event wait.
 3. **commit**, synchronously: re-check that nothing was deleted meanwhile, make the new
    residency visible, release what was not used.

@@ -4,7 +4,7 @@ Both run ``BATCH`` entries at a time with the loop free in between: a delete tak
 prompt's first chunk in its first batch of removals (nothing after it can be found from
 then on), a clear swaps the directory for an empty one at once and takes the old one apart.
 What was started finishes: a cancelled delete or dismantling goes on in a background task
-(``_tasks.run_steps``).
+(``engine.tasks.run_steps``).
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ __all__ = ["MIN_CHUNKS", "OutRows", "Resident", "out_rows", "read_resident", "re
            "retrieve_resident"]
 
 #: Fewer chunks than this take the general path: a short request gains nothing from the
-#: arrays built here (and the direct path, ``_fastpath``, serves most of them anyway).
+#: arrays built here.
 MIN_CHUNKS = 2
 
 

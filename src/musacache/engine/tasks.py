@@ -53,9 +53,8 @@ class TaskOwner:
     def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
         """Run ``fn(*args)`` in the background; a failure is logged, never lost. Refused
         once :meth:`aclose` has begun: the group is being cancelled, and a task started in
-        it then is never cancelled (anyio has delivered the group's cancellation already),
-        so its first checkpoint spun forever and the close waited for it (a put still running at
-        close queued a write)."""
+        it then would never be (anyio delivers a group's cancellation once), so the close
+        would wait for it for ever."""
         if self._tg is None or self._stop.is_set():
             raise CacheClosedError("the cache is closed: no background work can start")
         self._begun()

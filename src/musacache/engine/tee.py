@@ -7,7 +7,7 @@ With a tee, the codec hands each block to :meth:`Tee.put` right after the block'
 passed, and the tee copies it on into the get's view of the chunk. The later copy of the
 get skips a chunk whose tee is :attr:`complete`. A caller's ``out`` is never a tee's
 destination: a read can fail after some of its blocks were written, and ``out`` past the hit
-must be left as it was, so a get into ``out`` tees into a stage of its own (``_engine``).
+must be left as it was, so a get into ``out`` tees into a stage of its own (``cache._read_into``).
 
 Where the destination's elements lie in runs of at least :data:`MIN_RUN_BYTES` contiguous bytes
 (any tensor whose innermost dimension is contiguous: a slice of a dense ``out``, a permuted

@@ -151,8 +151,7 @@ class StorageTier(abc.ABC):
         soon as it has sorted it (:meth:`ChunkListing.give`). A list of ``ChunkMeta`` is
         still accepted, and is the cache's from then on: it is read and emptied a batch per
         loop turn (so its objects are freed a batch at a time if the tier keeps no other
-        reference), with the collector's full collections held off from this call until
-        then. Making a million objects is still the tier's own time."""
+        reference). Making a million objects is still the tier's own time."""
 
     @abc.abstractmethod
     async def aclose(self) -> None:

@@ -33,7 +33,7 @@ given (a reserved top-tier slot), with :func:`~musacache.codec.read_chunk_into`:
 call per chunk. A raw chunk's payload goes from the page cache into the slot with ``pread`` and
 no buffer in between; an ``lz4`` chunk's blocks are read, checked and decoded just before the
 strips of the slot that need them. Either also writes the caller's tensor when ``on_block``
-carries a native copy (``_tee.py``). A get's chunks read straight into the caller's tensor
+carries a native copy (``engine/tee.py``). A get's chunks read straight into the caller's tensor
 come as one batch (:meth:`DiskStore.read_to_many`): a few worker threads each take the next
 chunk as soon as they are done with one, with no event-loop turn in between.
 
