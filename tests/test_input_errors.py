@@ -326,10 +326,11 @@ async def test_a_bad_prefetch_timeout_starts_no_promotion(tmp_path, bad):
     async with mc.Cache(config) as cache:
         await cache.put(toks, prefix_kv(spec, toks))
         await cache.flush()
-        before = cache._engine.inflight["promotions"], dict(cache._engine.tiers[0].c)
+        eng = cache._engine
+        before = eng.inflight.promotions, dataclasses.asdict(eng.tiers[0].c)
         with pytest.raises(mc.InvalidInputError, match="prefetch timeout"):
             await cache.prefetch(toks, timeout=bad)
-        assert (cache._engine.inflight["promotions"], dict(cache._engine.tiers[0].c)) == before
+        assert (eng.inflight.promotions, dataclasses.asdict(eng.tiers[0].c)) == before
 
 
 @pytest.mark.parametrize("bad", ["1", math.nan, -2])

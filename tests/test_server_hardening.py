@@ -330,7 +330,7 @@ async def test_requests_and_fds_per_peer_are_bounded(tmp_path):
 
         errors = await asyncio.to_thread(attack)
         assert all("max_requests_per_peer=3" in m for m in errors), errors
-        assert srv.counters["limited"] == 3
+        assert srv.counters.limited == 3
         # The peer is gone: its hanging stores were cancelled and every fd released.
         for _ in range(100):
             if not srv._peers:
@@ -460,7 +460,7 @@ async def test_a_peer_that_never_reads_its_replies_cannot_grow_the_server(tmp_pa
             except BlockingIOError:
                 pass
             await asyncio.sleep(0.01)
-        assert srv.counters["limited"] > 0  # the quota refused requests
+        assert srv.counters.limited > 0  # the quota refused requests
         (p,) = srv._peers
         assert p.in_flight <= cfg.max_requests_per_peer
         # Each admitted request whose reply is stuck is a task: no more than the quota
@@ -491,7 +491,7 @@ async def test_a_connection_that_never_says_hello_is_closed(tmp_path):
         await asyncio.to_thread(talker.hello, spec)
         await asyncio.sleep(0.8)
         assert await asyncio.to_thread(silent.sock.recv, 1) == b""  # closed by the server
-        assert srv.counters["hello_timeouts"] == 1
+        assert srv.counters.hello_timeouts == 1
         assert (await asyncio.to_thread(talker.call, "stats", {})).ok  # still served
         silent.close()
         talker.close()
@@ -525,7 +525,7 @@ async def test_a_hello_whose_cache_is_slow_to_open_is_not_cut_off(tmp_path, monk
         serving = asyncio.create_task(srv.serve_forever())
         peer = await asyncio.to_thread(RawPeer, cfg.socket_path, 5.0)
         assert (await asyncio.to_thread(peer.hello, spec)).ok
-        assert srv.counters["hello_timeouts"] == 0 and len(srv.caches) == 1
+        assert srv.counters.hello_timeouts == 0 and len(srv.caches) == 1
         peer.close()
         # A hello that fails (a protocol it does not speak) leaves the clock running.
         bad = await asyncio.to_thread(RawPeer, cfg.socket_path, 5.0)
@@ -533,7 +533,7 @@ async def test_a_hello_whose_cache_is_slow_to_open_is_not_cut_off(tmp_path, monk
         assert not reply.ok
         await asyncio.sleep(0.9)
         assert await asyncio.to_thread(bad.sock.recv, 1) == b""
-        assert srv.counters["hello_timeouts"] == 1
+        assert srv.counters.hello_timeouts == 1
         bad.close()
         srv.stop()
         await serving
@@ -558,7 +558,7 @@ async def test_a_hello_refused_at_the_door_leaves_the_hello_clock_running(tmp_pa
         assert error_type(reply) == "ServerLimitError"
         await asyncio.sleep(0.9)
         assert await asyncio.to_thread(peer.sock.recv, 1) == b""  # closed by the server
-        assert srv.counters["hello_timeouts"] == 1
+        assert srv.counters.hello_timeouts == 1
         peer.close()
         srv.stop()
         await serving
@@ -583,7 +583,7 @@ async def test_a_second_hello_refused_while_the_first_opens_its_cache_keeps_the_
         replies = {r.id: r for r in [await asyncio.to_thread(peer.recv) for _ in range(2)]}
         assert error_type(replies[second]) == "ProtocolError"
         assert replies[first].ok, replies[first].error
-        assert srv.counters["hello_timeouts"] == 0 and len(srv.caches) == 1
+        assert srv.counters.hello_timeouts == 0 and len(srv.caches) == 1
         assert (await asyncio.to_thread(peer.call, "stats", {})).ok  # still served
         peer.close()
         srv.stop()
@@ -795,7 +795,7 @@ async def test_puts_and_stores_count_bytes_without_asking_for_stats(tmp_path, mo
             assert await c.store(list(range(100, 140)), list(range(40)), ready=ready) == 40
             ready.close()
             assert calls == []
-            assert srv.counters["bytes_copied"] == 2 * spec.nbytes(40)
+            assert srv.counters.bytes_copied == 2 * spec.nbytes(40)
         srv.stop()
         await serving
 

@@ -95,7 +95,7 @@ async def test_fds_of_incomplete_frames_are_bounded_and_timed_out(tmp_path):
         assert refused == "ServerLimitError"
         assert answer == "InvalidInputError"  # "no registration 1": admitted, not limited
         assert timed_out == b""
-        assert srv.counters["frame_timeouts"] == 1
+        assert srv.counters.frame_timeouts == 1
         await until(lambda: not srv._peers)
         assert srv.parked_fds == 0 and srv.held_fds == 0
         srv.stop()
@@ -204,7 +204,7 @@ async def test_a_cache_no_connection_uses_makes_room_for_another(tmp_path):
 
         kind, peers = await asyncio.to_thread(slots)
         assert kind == "ServerLimitError"  # both caches are in use
-        assert srv.counters["cache_evictions"] == 2
+        assert srv.counters.cache_evictions == 2
         assert sorted(k[3] for k in srv.caches) == ["other", "victim"]
         for p in peers:
             p.close()
@@ -229,7 +229,7 @@ async def test_an_idle_connection_is_closed_and_its_client_reconnects(tmp_path):
             assert await asyncio.to_thread(idle.sock.recv, 1) == b""
             assert await c.lookup([1, 2, 3]) == 0
             assert c.reconnects == 1
-        assert srv.counters["idle_timeouts"] >= 2
+        assert srv.counters.idle_timeouts >= 2
         idle.close()
         srv.stop()
         await serving
@@ -390,7 +390,7 @@ async def test_a_busy_connection_is_not_closed_by_frame_timeout(tmp_path) -> Non
         try:
             sent, answered = await asyncio.to_thread(client)
             assert answered == sent + 1
-            assert srv.counters["frame_timeouts"] == 0
+            assert srv.counters.frame_timeouts == 0
         finally:
             srv.stop()
             await serving
@@ -418,7 +418,7 @@ async def test_an_eviction_whose_hello_is_cancelled_still_persists(tmp_path) -> 
                                 "spec": spec.to_dict(), "chunk_size": CH, "tenant": "other"})
             await asyncio.sleep(0.05)
             peer.sock.close()  # gone while the eviction persists
-            await until(lambda: srv.counters["cache_evictions"] == 1, 60)
+            await until(lambda: srv.counters.cache_evictions == 1, 60)
             async with mc.connect(cfg.socket_path, spec=spec, namespace="srv", chunk_size=CH,
                                   tenant="victim") as c:
                 for s in seqs:

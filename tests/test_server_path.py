@@ -139,7 +139,7 @@ async def test_kept_buffers_are_bounded_and_released_when_freed(tmp_path):
             out = ipc.empty_shared(spec.shape(CH), spec.dtype)
             assert (await c.get(toks, out=out)).num_tokens == CH and torch.equal(out, kv)
             assert len(peer.buffers) <= 3
-            assert srv.counters["errors"] == 0
+            assert srv.counters.errors == 0
         srv.stop()
         await serving
 
@@ -256,7 +256,7 @@ async def test_views_cycling_past_the_limit_stay_correct_and_bounded(tmp_path):
             (peer,) = srv._peers
             assert len(peer.buffers) <= 2
             assert len(weakref.finalize._registry) <= finalizers + 2  # type: ignore[attr-defined]
-            assert srv.counters["errors"] == 0
+            assert srv.counters.errors == 0
         srv.stop()
         await serving
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import anyio
@@ -41,6 +41,7 @@ from musacache.engine.resident import release as release_resident
 from musacache.engine.tasks import TaskOwner
 from musacache.engine.tee import Tee
 from musacache.engine.tierstate import MemTier, StoreTier, Tier
+from musacache.stats import CloseReport, OpCounts
 from musacache.tiers.base import StorageTier, TierContext
 from musacache.transfer import _scatter_own
 
@@ -208,9 +209,8 @@ class Cache:
         self._closed_stores: set[int] = set()  # storage tiers aclose has closed (by idx)
         self._tasks = TaskOwner()
         self._eng: Engine | None = None
-        self._ops = dict.fromkeys(("puts", "gets", "lookups", "prefetches", "deletes"), 0)
-        self._close = dict.fromkeys(("to_persist", "persisted", "not_persisted",
-                                     "writes_abandoned", "timed_out"), 0)
+        self._ops = OpCounts()
+        self._close = CloseReport()
         self._device = torch.device("cpu")
         # store/retrieve: the engine's raw caches, described once while they stay the same,
         # and the last description found to hold this cache's spec (neither holds a tensor).
@@ -320,9 +320,9 @@ class Cache:
                     if self.config.persist_on_close:
                         await eng.cold.persist(self._close, BATCH)
                     await self._tasks.drain()
-                self._close["timed_out"] = int(deadline.cancelled_caught)
-                self._close["not_persisted"] = self._close["to_persist"] - self._close["persisted"]
-                self._close["writes_abandoned"] = sum(len(st.pending) for st in eng.stores)
+                self._close.timed_out = int(deadline.cancelled_caught)
+                self._close.not_persisted = self._close.to_persist - self._close.persisted
+                self._close.writes_abandoned = sum(len(st.pending) for st in eng.stores)
             finally:
                 await _release_to_end(self)
 
@@ -350,26 +350,26 @@ class Cache:
         eng = self._check_open()
         toks = as_tokens(tokens)
         _check_kv(self.spec, kv, toks, "kv")
-        self._ops["puts"] += 1
-        eng.inflight["puts"] += 1
+        self._ops.puts += 1
+        eng.inflight.puts += 1
         try:
             # A prefill run with grad on hands over KV that requires grad: its values are what
             # is cached (a copy into a slot, which autograd would refuse to record).
             return await eng.put(toks, DenseSource(kv.detach() if kv.requires_grad else kv,
                                                    self.spec.token_dim))
         finally:
-            eng.inflight["puts"] -= 1
+            eng.inflight.puts -= 1
 
     async def lookup(self, tokens: Any) -> int:
         """The length of the longest prefix of ``tokens`` cached in any tier. Moves no data."""
         eng = self._check_open()
         toks = as_tokens(tokens)
-        self._ops["lookups"] += 1
-        eng.inflight["lookups"] += 1
+        self._ops.lookups += 1
+        eng.inflight.lookups += 1
         try:
             return _covered(await eng.match(toks))
         finally:
-            eng.inflight["lookups"] -= 1
+            eng.inflight.lookups -= 1
 
     async def get(self, tokens: Any, out: torch.Tensor | None = None) -> Hit:
         """The KV of the longest cached prefix of ``tokens``.
@@ -385,13 +385,13 @@ class Cache:
         if out is not None:
             _check_kv(self.spec, out, toks, "out", exact=True)
             self.spec.check_out(out)
-        self._ops["gets"] += 1
-        eng.inflight["gets"] += 1
+        self._ops.gets += 1
+        eng.inflight.gets += 1
         td = self.spec.token_dim
         try:
             return await _get_matched(self, eng, toks, out, td)
         finally:
-            eng.inflight["gets"] -= 1
+            eng.inflight.gets -= 1
 
     async def prefetch(self, tokens: Any, timeout: float | None = None) -> int:
         """Promote the cached prefix of ``tokens`` into the hottest tier.
@@ -403,8 +403,8 @@ class Cache:
         eng = self._check_open()
         toks = as_tokens(tokens)
         timeout = _validate.timeout(timeout, "prefetch timeout")
-        self._ops["prefetches"] += 1
-        eng.inflight["prefetches"] += 1
+        self._ops.prefetches += 1
+        eng.inflight.prefetches += 1
         try:
             matches = await eng.match(toks)
             top = eng.tiers[0]
@@ -426,7 +426,7 @@ class Cache:
                 n += m.num_tokens
             return n
         finally:
-            eng.inflight["prefetches"] -= 1
+            eng.inflight.prefetches -= 1
 
     async def store(self, tokens: Any, kv_caches: Any, slot_mapping: Any, *,
                     layout: str | None = None, skip_prefix: int = 0, ready: Any = None,
@@ -442,8 +442,8 @@ class Cache:
         Returns the number of leading tokens of ``tokens`` now cached, as ``put`` does.
         """
         eng = self._check_open()
-        self._ops["puts"] += 1
-        eng.inflight["puts"] += 1
+        self._ops.puts += 1
+        eng.inflight.puts += 1
         head: Match | None = None
         try:
             toks, slots, paged, holes = await _paged_args(
@@ -468,7 +468,7 @@ class Cache:
         finally:
             if head is not None:
                 eng.unpin(head.entry)
-            eng.inflight["puts"] -= 1
+            eng.inflight.puts -= 1
 
     async def retrieve(self, tokens: Any, kv_caches: Any, slot_mapping: Any, *,
                        layout: str | None = None, skip_prefix: int = 0, ready: Any = None,
@@ -484,14 +484,14 @@ class Cache:
         ends the retrieve, and neither it nor any chunk after it writes a slot.
         """
         eng = self._check_open()
-        self._ops["gets"] += 1
-        eng.inflight["gets"] += 1
+        self._ops.gets += 1
+        eng.inflight.gets += 1
         try:
             toks, slots, paged, _holes = await _paged_args(
                 self, tokens, kv_caches, slot_mapping, layout, skip_prefix, ready, ready_timeout)
             return await _retrieve_held(self, eng, toks, slots, paged, skip_prefix)
         finally:
-            eng.inflight["gets"] -= 1
+            eng.inflight.gets -= 1
 
     # -- key-addressed pages (engines that hash their own pages: SGLang HiCache) -----------
 
@@ -512,13 +512,13 @@ class Cache:
         check_pages(pages, len(ks), self.spec, cs, "pages")
         if not ks:
             return 0
-        self._ops["puts"] += 1
-        eng.inflight["puts"] += 1
+        self._ops.puts += 1
+        eng.inflight.puts += 1
         try:
             toks = np.zeros(len(ks) * cs, dtype=np.int32)
             return await eng.put(toks, PageSource(pages, cs), keys=ks) // cs
         finally:
-            eng.inflight["puts"] -= 1
+            eng.inflight.puts -= 1
 
     async def get_pages(self, keys: Sequence[str | bytes], outs: Sequence[torch.Tensor],
                         ) -> list[bool]:
@@ -530,8 +530,8 @@ class Cache:
         cs = self.config.chunk_size
         ks = page_keys(eng.chain.seed, keys, cs)
         check_pages(outs, len(ks), self.spec, cs, "outs", writes=True)
-        self._ops["gets"] += 1
-        eng.inflight["gets"] += 1
+        self._ops.gets += 1
+        eng.inflight.gets += 1
         try:
             wanted = [Match(start, cs, e) for start, _end, _parent, key in ks
                       if (e := eng.dir.get(key)) is not None]
@@ -545,13 +545,13 @@ class Cache:
             self._count_request(len(ks) * cs, len(found) * cs)
             return hit
         finally:
-            eng.inflight["gets"] -= 1
+            eng.inflight.gets -= 1
 
     async def exists_pages(self, keys: Sequence[str | bytes]) -> int:
         """How many of ``keys``, from the first, are cached in some tier. Moves no data."""
         eng = self._check_open()
         ks = page_keys(eng.chain.seed, keys, self.config.chunk_size)
-        self._ops["lookups"] += 1
+        self._ops.lookups += 1
         for i, (_s, _e, _p, key) in enumerate(ks):
             if eng.dir.get(key) is None:
                 return i
@@ -575,7 +575,7 @@ class Cache:
         (``flush()`` waits for it)."""
         eng = self._check_open()
         toks = as_tokens(tokens)
-        self._ops["deletes"] += 1
+        self._ops.deletes += 1
         return await _removal.delete(eng, toks, BATCH)
 
     async def clear(self) -> None:
@@ -591,7 +591,9 @@ class Cache:
 
     async def stats(self) -> dict[str, Any]:
         """Counters: per tier hits, misses, bytes in/out, evictions, bytes used, capacity;
-        operations in flight; tokens hit and missed; pins held; what ``aclose`` left."""
+        operations in flight; tokens hit and missed; pins held; what ``aclose`` left. Each
+        group of counters is the ``dataclasses.asdict`` of its record in
+        :mod:`musacache.stats` (``ops``: ``OpCounts``, ``tokens``: ``TokenCounts``, ...)."""
         eng = self._eng
         return {
             "namespace": self.config.namespace,
@@ -601,18 +603,19 @@ class Cache:
             "chunks": len(eng.dir) if eng else 0,
             "pins": eng.pins_held if eng else 0,
             "tiers": {t.name: t.stats() for t in eng.tiers} if eng else {},
-            "ops": dict(self._ops),
-            "in_flight": {**(eng.inflight if eng else {}), "background": self._tasks.running},
-            "tokens": dict(eng.tok) if eng else {},
-            "close": dict(self._close),
+            "ops": asdict(self._ops),
+            "in_flight": {**(asdict(eng.inflight) if eng else {}),
+                          "background": self._tasks.running},
+            "tokens": asdict(eng.tok) if eng else {},
+            "close": asdict(self._close),
             "capabilities": {k: devices.capabilities(k).to_dict()
                              for k in ("cpu", *devices.ACCELERATORS)},
         }
 
     def _count_request(self, asked: int, found: int) -> None:
         tok = self._engine.tok
-        tok["hit_tokens"] += found
-        tok["miss_tokens"] += asked - found
+        tok.hit_tokens += found
+        tok.miss_tokens += asked - found
 
 
 async def _release_to_end(cache: Cache) -> None:
@@ -651,7 +654,7 @@ async def _close_from_other_loop(cache: Cache, opened: asyncio.AbstractEventLoop
     assert eng is not None
     cache._state = "closing"
     cache._tasks.abandon()
-    cache._close["writes_abandoned"] = sum(len(st.pending) for st in eng.stores)
+    cache._close.writes_abandoned = sum(len(st.pending) for st in eng.stores)
     with anyio.CancelScope(shield=True):
         for st in eng.stores:
             if st.idx in cache._closed_stores:
@@ -671,7 +674,7 @@ async def _close_from_other_loop(cache: Cache, opened: asyncio.AbstractEventLoop
     cache._state = "closed"
     raise EventLoopError(f"{rule}, after the cache's own loop had closed; its memory, copy "
                          "threads and storage tiers were released here, and writes still "
-                         f"queued ({cache._close['writes_abandoned']}) were lost")
+                         f"queued ({cache._close.writes_abandoned}) were lost")
 
 
 async def _close_rest(cache: Cache, eng: Engine) -> None:
@@ -756,12 +759,12 @@ async def _get_matched(cache: Cache, eng: Engine, toks: np.ndarray,
     for m, _src, name in found:
         by_tier[name] = by_tier.get(name, 0) + m.num_tokens
     for name, n in by_tier.items():  # bytes are per token: summed once per tier
-        names[name].c["bytes_out"] += cache.spec.nbytes(n)
+        names[name].c.bytes_out += cache.spec.nbytes(n)
     served = found[-1][0].start + found[-1][0].num_tokens if found else (
         0 if res is None else res.tokens)
     if served < total:
-        eng.tok["hit_tokens"] -= total - served
-        eng.tok["miss_tokens"] += total - served
+        eng.tok.hit_tokens -= total - served
+        eng.tok.miss_tokens += total - served
     await _drop_in_runs(found)  # (its views)
     return Hit(served, _part(dst, td, 0, served), by_tier)
 

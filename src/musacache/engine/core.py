@@ -36,7 +36,8 @@ from musacache.engine.reads import Flight, Reads
 from musacache.engine.staging import STAGE_KEEP_BYTES, StagePool
 from musacache.engine.storage import ColdPath
 from musacache.engine.tasks import TaskOwner
-from musacache.engine.tierstate import MemTier, StoreTier, Tier, counters
+from musacache.engine.tierstate import MemTier, StoreTier, Tier
+from musacache.stats import InFlight, TokenCounts
 from musacache.tiers.memory import MemoryPool, Slot
 from musacache.transfer import DenseAt, Pages, _gather_checked
 
@@ -154,11 +155,19 @@ def _host_memory(pool: MemoryPool) -> bool:
 def _evicted(t: MemTier, directory: Directory, chosen: list[Entry]) -> int:
     """Take ``chosen`` out of ``t`` (a reader still holding one keeps its slot until its
     last unpin), and out of the directory if no tier holds them any more."""
-    t.c["evictions"] += t.evict(chosen)
+    t.c.evictions += t.evict(chosen)
     for e in chosen:
         if not e.resident and not e.dead:
             directory.remove(e)
     return len(chosen)
+
+
+def _count_landed(t: Tier, demoting: bool) -> None:
+    """Count a copy :meth:`Engine.relocate` placed in ``t``."""
+    if demoting:
+        t.c.demotions += 1
+    else:
+        t.c.promotions += 1
 
 
 def _joined(slots: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
@@ -256,8 +265,8 @@ class Engine(Reads):
             max(_MIN_PROMOTIONS, 2 * sum(int(t.store.max_concurrency) for t in self.stores)))
         self._dense_at: dict[int, DenseAt] = {}  # by token count, at address 0
         self.put_flights: dict[bytes, _New] = {}  # chunks a put is placing, by key
-        self.inflight = counters("puts", "gets", "lookups", "prefetches", "promotions", "writes")
-        self.tok = counters("hit_tokens", "miss_tokens", "put_tokens", "stored_tokens")
+        self.inflight = InFlight()
+        self.tok = TokenCounts()
         # Pins held over all entries, kept as they change: stats() never walks the directory.
         self.pins_held = 0
 
@@ -390,7 +399,7 @@ class Engine(Reads):
             # Touched once for the whole prompt: touching round by round would leave each
             # round's parents older than the next round's chunks.
             await self.let_go(held, touch=True)
-        self.tok["stored_tokens"] += stored_to
+        self.tok.stored_tokens += stored_to
         return stored_to
 
     def _plan_put(self, toks: np.ndarray,
@@ -542,7 +551,7 @@ class Engine(Reads):
         it.settle()
         self.pin(e)
         held.append(e)
-        self.tok["put_tokens"] += e.num_tokens
+        self.tok.put_tokens += e.num_tokens
         self.cold.write_through(e)
 
     async def _place_in_storage(self, staged: list[tuple[_New, torch.Tensor]],
@@ -594,13 +603,13 @@ class Engine(Reads):
         if t.idx + 1 >= len(self.tiers):
             # Nowhere to demote to (as relocate would count it): no await, so no pins and no
             # views; the victims leave in the same step they were chosen in.
-            t.c["drops"] += len(chosen)
+            t.c.drops += len(chosen)
             return _evicted(t, self.dir, chosen)
         for e in chosen:
             self.pin(e)
         try:
             await self.relocate([(e, self.view(t, e)) for e in chosen], t.idx + 1,
-                                counter="demotions")
+                                demoting=True)
         finally:
             for e in chosen:
                 self.unpin(e)  # before the slot is dropped: no detach and re-take for ours
@@ -608,10 +617,11 @@ class Engine(Reads):
         return len(chosen)
 
     async def relocate(self, items: Sequence[tuple[Entry, torch.Tensor]], dest_from: int,
-                       dest_to: int | None = None, *, counter: str) -> list[Tier | None]:
+                       dest_to: int | None = None, *, demoting: bool) -> list[Tier | None]:
         """Keep a copy of each ``(entry, data)`` in the first tier of ``tiers[dest_from:
         dest_to]`` that takes it: allocate there (evicting further down if needed), copy as
-        one move, re-check that the entry was not deleted meanwhile, commit. Returns where
+        one move, re-check that the entry was not deleted meanwhile, commit. Each copy is
+        counted where it landed, as a demotion (``demoting``) or a promotion. Returns where
         each landed (None: nowhere)."""
         where: list[Tier | None] = [None] * len(items)
         todo = list(range(len(items)))
@@ -623,22 +633,22 @@ class Engine(Reads):
             if not todo:
                 break
             if isinstance(t, MemTier):
-                todo = await self._relocate_mem(t, items, todo, where, counter)
+                todo = await self._relocate_mem(t, items, todo, where, demoting)
             else:
                 host = [await self.host_copy(items[i][1]) for i in todo]
                 objs = await self.cold.encode(t, [(items[i][0], h)
                                                   for i, h in zip(todo, host, strict=True)])
                 for i, obj in zip(todo, objs, strict=True):
                     if await self.cold.place(t, items[i][0], obj):
-                        t.c[counter] += 1
+                        _count_landed(t, demoting)
                         where[i] = t
                 todo = [i for i in todo if where[i] is None]
-        if todo and dest_from > 0 and counter == "demotions":
-            self.tiers[dest_from - 1].c["drops"] += len(todo)  # nowhere had room: data gone
+        if todo and dest_from > 0 and demoting:
+            self.tiers[dest_from - 1].c.drops += len(todo)  # nowhere had room: data gone
         return where
 
     async def _relocate_mem(self, t: MemTier, items: Sequence[tuple[Entry, torch.Tensor]],
-                            todo: list[int], where: list[Tier | None], counter: str,
+                            todo: list[int], where: list[Tier | None], demoting: bool,
                             ) -> list[int]:
         short = len(todo) - t.pool.free_slots
         if short > 0:
@@ -661,7 +671,7 @@ class Engine(Reads):
                 if e.dead or t.holds(e):
                     continue  # deleted (or placed by another task) while we copied
                 t.commit(e, slot)
-                t.c[counter] += 1
+                _count_landed(t, demoting)
                 where[i] = t
                 committed.add(i)
         finally:

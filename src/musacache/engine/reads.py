@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from musacache.engine.storage import ColdPath
     from musacache.engine.tasks import TaskOwner
     from musacache.engine.tee import Tee
+    from musacache.stats import InFlight
 
 __all__ = ["VIEW_RUN", "Flight", "Reads"]
 
@@ -59,7 +60,7 @@ class Reads:
     tasks: TaskOwner
     flights: dict[bytes, Flight]
     promote_gate: anyio.Semaphore
-    inflight: dict[str, int]
+    inflight: InFlight
 
     # The engine's, used here.
     def view(self, t: MemTier, e: Entry) -> torch.Tensor:
@@ -72,7 +73,7 @@ class Reads:
         raise NotImplementedError
 
     async def relocate(self, items: Sequence[tuple[Entry, torch.Tensor]], dest_from: int,
-                       dest_to: int | None = None, *, counter: str) -> list[Tier | None]:
+                       dest_to: int | None = None, *, demoting: bool) -> list[Tier | None]:
         raise NotImplementedError
 
     def top_view(self, e: Entry) -> tuple[torch.Tensor, str] | None:
@@ -82,9 +83,9 @@ class Reads:
         if not isinstance(t, MemTier):
             return None  # a storage tier on top counts its own hits and misses as it reads
         if t.holds(e):
-            t.c["hits"] += 1
+            t.c.hits += 1
             return self.view(t, e), t.name
-        t.c["misses"] += 1
+        t.c.misses += 1
         return None
 
     async def sources(self, matches: Sequence[Match],
@@ -264,7 +265,7 @@ class Reads:
 
     async def _promote(self, e: Entry, f: Flight, skip: tuple[Tier, ...] = ()) -> None:
         self.pin(e)
-        self.inflight["promotions"] += 1
+        self.inflight.promotions += 1
         try:
             # A few at a time: a get or prefetch that starts a promotion per chunk of a long
             # prompt had every one of them reserve its slot (and evict for it) in one turn of
@@ -276,7 +277,7 @@ class Reads:
             self.cold.errlog.warn("engine", "promotion", repr(exc))
             f.tensor = None
         finally:
-            self.inflight["promotions"] -= 1
+            self.inflight.promotions -= 1
             if self.flights.get(e.key) is f:  # not a newer entry's flight under the key
                 del self.flights[e.key]
             f.done.set()
@@ -292,12 +293,12 @@ class Reads:
         f.tensor = data
         top = self.tiers[0]
         if data is not None and isinstance(top, MemTier) and not e.dead and not top.holds(e):
-            where = await self.relocate([(e, data)], 0, 1, counter="promotions")
+            where = await self.relocate([(e, data)], 0, 1, demoting=False)
             if where[0] is top:
                 f.tensor = self.view(top, e)
         if src is not None:
             if f.counts_hit:
-                src.c["hits"] += 1
+                src.c.hits += 1
             f.source = src.name
 
     async def read_lower(self, e: Entry, skip: tuple[Tier, ...] = (),

@@ -180,7 +180,7 @@ async def _pin_leading(eng: Engine, top: MemTier, matches: Sequence[Match]) -> R
     except BaseException:
         await release(eng, res, served=False)  # (idempotent: its pins are let go of once)
         raise
-    top.c["hits"] += res.count
+    top.c.hits += res.count
     return res
 
 

@@ -26,6 +26,7 @@ from musacache._log import RateLimitedLog
 from musacache.engine.directory import Entry
 from musacache.engine.placement import EntryQueue, memory_only_batches, victims
 from musacache.engine.tierstate import MemTier, StoreTier, Tier
+from musacache.stats import CloseReport, InFlight
 from musacache.tiers.base import NOT_TRIED, ChunkMeta, QuarantinedError
 from musacache.tiers.listing import ChunkListing, ListingBuilder, sorted_from
 
@@ -54,7 +55,7 @@ class EngineServices(Protocol):
     mover: Mover
     executor: Executor
     tasks: TaskOwner
-    inflight: dict[str, int]
+    inflight: InFlight
     wt_sem: anyio.Semaphore
     flights: dict[bytes, Any]
 
@@ -64,7 +65,7 @@ class EngineServices(Protocol):
     def hottest_mem(self, e: Entry) -> MemTier | None: ...
     async def host_copy(self, data: torch.Tensor) -> torch.Tensor: ...
     async def relocate(self, items: Sequence[tuple[Entry, torch.Tensor]], dest_from: int,
-                       dest_to: int | None = None, *, counter: str) -> list[Tier | None]: ...
+                       dest_to: int | None = None, *, demoting: bool) -> list[Tier | None]: ...
     async def evict(self, t: MemTier, count: int) -> int: ...
     def block_view(self, slot: Slot, n: int) -> torch.Tensor: ...
 
@@ -150,7 +151,7 @@ class ColdPath:
                         # served by another tier now, and only the move may write it then.
                         tee.close()
                     return None
-                t.c["bytes_out"] += size
+                t.c.bytes_out += size
                 return dst
             obj = await self._guarded(t, e, lambda: t.store.read(meta), decodes=False)
             if obj is None:
@@ -161,7 +162,7 @@ class ColdPath:
         except MusaCacheError as exc:  # any failure to decode the bytes is a corrupt object
             self._unreadable(t, e, exc)
             return None
-        t.c["bytes_out"] += len(obj)
+        t.c.bytes_out += len(obj)
         return data
 
     def _stored_below_host(self, e: Entry, skip: tuple[Tier, ...] = (),
@@ -189,24 +190,24 @@ class ColdPath:
             self._read_failed(t, e, exc, decodes=decodes)
             return None
         if got is None:
-            t.c["misses"] += 1
+            t.c.misses += 1
             self.forget(t, e)
         return got
 
     def _read_failed(self, t: StoreTier, e: Entry, exc: Exception, *, decodes: bool) -> None:
         """Count and log a read of ``e`` from ``t`` that raised ``exc`` (a miss)."""
         if isinstance(exc, TimeoutError):  # a TierTimeoutError too
-            self._count(t, "timeouts", "faults", "misses")
+            t.c.read_timeout()
             self.errlog.warn(t.name, "timeout",
                              str(exc) or f"read took over {t.store.timeout} s")
         elif decodes and isinstance(exc, _UNREADABLE):  # the object, not the tier
             self._unreadable(t, e, exc)
         elif isinstance(exc, QuarantinedError):  # an object the tier will not read again
-            self._count(t, "faults", "misses")
+            t.c.read_fault()
             self.errlog.warn(t.name, "quarantined", str(exc))
             _drop_object(self, t, e)
         else:  # TierError, or anything a plug-in tier lets escape
-            self._count(t, "faults", "misses")
+            t.c.read_fault()
             self.errlog.warn(t.name, "read fault", repr(exc))
 
     def _unreadable(self, t: StoreTier, e: Entry, exc: BaseException) -> None:
@@ -214,11 +215,13 @@ class ColdPath:
         if isinstance(exc, _FOREIGN):
             # Another model's, layout's or format version's object under our key: a miss, and
             # the message names both sides. It is not ours to delete.
-            self._count(t, "foreign", "misses")
+            t.c.foreign += 1
+            t.c.misses += 1
             self.errlog.warn(t.name, "foreign chunk", f"{e.key.hex()}: {exc}")
             self.forget(t, e)
             return
-        self._count(t, "corrupt", "misses")
+        t.c.corrupt += 1
+        t.c.misses += 1
         self.errlog.warn(t.name, "corrupt chunk", f"{e.key.hex()}: {exc}")
         _drop_object(self, t, e, check_shared=True)
 
@@ -251,10 +254,10 @@ class ColdPath:
             if await self.read(src, e, out=view, tee=tee) is None:
                 return None, "", src
             if counts_hit:
-                src.c["hits"] += 1
+                src.c.hits += 1
             if not e.dead and not top.holds(e):
                 top.commit(e, slot)
-                top.c["promotions"] += 1
+                top.c.promotions += 1
                 committed = True
                 return view, src.name, None
             # Deleted (or promoted by another path) meanwhile: serve this read only.
@@ -279,11 +282,6 @@ class ColdPath:
             else:
                 top.pool.release(idx)
         self._parked = keep
-
-    @staticmethod
-    def _count(t: StoreTier, *names: str) -> None:
-        for n in names:
-            t.c[n] += 1
 
     def forget(self, t: StoreTier, e: Entry) -> None:
         """``t`` no longer holds ``e``; an entry held nowhere leaves the directory."""
@@ -316,7 +314,7 @@ class ColdPath:
             return True
         size = len(obj)
         if t.capacity is not None and (size > t.capacity or not await self.make_room(t, size)):
-            t.c["write_drops"] += 1
+            t.c.write_drops += 1
             return False
         with t.reserve(e, obj):  # the room made above, held through the wait for the queue
             if not await t.admit(size):
@@ -336,7 +334,7 @@ class ColdPath:
     async def _write_job(self, t: StoreTier, e: Entry, obj: bytes, before: anyio.Event | None,
                          mine: anyio.Event) -> None:
         eng = self.eng
-        eng.inflight["writes"] += 1
+        eng.inflight.writes += 1
         ok = False
         try:
             if before is not None:
@@ -345,14 +343,14 @@ class ColdPath:
                 await t.store.write(t.meta(e), obj)
             ok = True
             t.last_write_failed = False
-            t.c["writes"] += 1
-            t.c["bytes_in"] += len(obj)
+            t.c.writes += 1
+            t.c.bytes_in += len(obj)
         except Exception as exc:  # retries are the tier's; after them, drop and count
             t.last_write_failed = True
-            t.c["write_drops"] += 1
+            t.c.write_drops += 1
             self.errlog.warn(t.name, "write dropped", repr(exc))
         finally:
-            eng.inflight["writes"] -= 1
+            eng.inflight.writes -= 1
             t.dequeue(e, obj)
             t.chain_done(e.key, mine)
             if ok and not e.dead:
@@ -379,10 +377,10 @@ class ColdPath:
                 try:
                     with anyio.fail_after(t.store.timeout):
                         await t.store.delete(key)
-                    t.c["deletes"] += 1
+                    t.c.deletes += 1
                     break
                 except Exception as exc:
-                    t.c["faults"] += 1
+                    t.c.faults += 1
                     self.errlog.warn(t.name, "delete fault", repr(exc))
                     if pause is None:
                         t.delete_failed(key)
@@ -416,11 +414,11 @@ class ColdPath:
                         and t.idx + 1 < len(eng.tiers):
                     data = await self.read(t, e)
                     if data is not None and not e.dead:
-                        await eng.relocate([(e, data)], t.idx + 1, counter="demotions")
+                        await eng.relocate([(e, data)], t.idx + 1, demoting=True)
             finally:
                 eng.unpin(e)
             if t.drop(e):
-                t.c["evictions"] += 1
+                t.c.evictions += 1
                 self.schedule_delete(t, e.key)
                 if not e.resident and not e.dead:
                     eng.dir.remove(e)
@@ -447,7 +445,7 @@ class ColdPath:
                 eng.unpin(e)
             await self.place(t, e, obj)
 
-    async def persist(self, progress: dict[str, int], batch: int) -> None:
+    async def persist(self, progress: CloseReport, batch: int) -> None:
         """Write chunks held only in memory down to the first storage tier, parents first,
         so the chain a restarted cache rebuilds is whole. ``progress`` counts as it goes.
 
@@ -462,7 +460,7 @@ class ColdPath:
         todo = EntryQueue()
         for part in memory_only_batches(eng.dir, eng.stores, batch):
             todo.extend(part)
-            progress["to_persist"] += len(part)
+            progress.to_persist += len(part)
             await anyio.lowlevel.checkpoint()
         try:
             while todo:
@@ -472,11 +470,11 @@ class ColdPath:
                     eng.pin(e)
                 try:
                     where = await eng.relocate([(e, eng.view(mt, e)) for e, mt in batch_],
-                                               first.idx, first.idx + 1, counter="demotions")
+                                               first.idx, first.idx + 1, demoting=True)
                 finally:
                     for e, _ in batch_:
                         eng.unpin(e)
-                progress["persisted"] += sum(w is not None for w in where)
+                progress.persisted += sum(w is not None for w in where)
         finally:
             # Cut short by close_timeout: what is left (a million references) is let go of a
             # block per loop turn, not in one step.
@@ -506,10 +504,10 @@ class ColdPath:
                     try:
                         metas = await st.store.refresh(cur)
                     except Exception as exc:
-                        st.c["faults"] += 1
+                        st.c.faults += 1
                         self.errlog.warn(st.name, "refresh", repr(exc))
                         break
-                    st.c["refreshes"] += 1
+                    st.c.refreshes += 1
                     new = self.learn(st, metas, listed_at)
                     learned = learned or bool(new)
                     # Keep walking down a single new child: that is a longer cached prefix.
@@ -639,10 +637,10 @@ class DirectReads:
     def _served(src: StoreTier, copy: ChunkCopy, size: int) -> bool:
         """Count a direct read of ``size`` bytes from ``src`` that returned; whether it wrote
         every byte of ``copy`` (all verified), and so is a hit."""
-        src.c["bytes_out"] += size
+        src.c.bytes_out += size
         complete = copy.written == copy.nbytes
         if complete:
-            src.c["hits"] += 1
+            src.c.hits += 1
         return complete
 
     def direct_source(self, e: Entry, tee: Tee) -> StoreTier | None:
@@ -690,9 +688,9 @@ class DirectReads:
             done = [copy.written == copy.nbytes for _e, copy in batch]
             for ok in done:
                 if ok:
-                    src.c["hits"] += 1
+                    src.c.hits += 1
                 else:
-                    self.cold._count(src, "timeouts", "faults", "misses")
+                    src.c.read_timeout()
             self.cold.errlog.warn(src.name, "timeout", f"a batch of reads took over {limit} s")
             return list(done)
         except Exception as exc:  # the whole batch failed: every item a fault
@@ -707,7 +705,7 @@ class DirectReads:
                 self.cold._read_failed(src, e, size, decodes=True)
                 served.append(False)
             elif size is None:
-                src.c["misses"] += 1
+                src.c.misses += 1
                 self.cold.forget(src, e)
                 served.append(False)
             elif not isinstance(size, int):  # a plug-in tier's answer that is none of these

@@ -11,6 +11,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import asdict
 from typing import Any
 
 import anyio
@@ -22,6 +23,7 @@ from musacache._errors import ConfigError
 from musacache._executor import Executor
 from musacache.engine.directory import Entry
 from musacache.engine.lru import KeyLRU, SlotLRU
+from musacache.stats import MemoryTierStats, StorageTierStats
 from musacache.tiers.base import ChunkMeta, StorageTier
 from musacache.tiers.memory import MemoryPool, Slot
 
@@ -30,10 +32,6 @@ __all__ = ["MemTier", "StoreTier", "Tier", "holds"]
 # Parents remembered per storage tier as "asked recently" (refresh on a miss). Older ones are
 # also dropped once ``refresh_interval`` has passed, as they would be asked again anyway.
 REFRESH_MEMORY = 4096
-
-
-def counters(*names: str) -> dict[str, int]:
-    return dict.fromkeys(names, 0)
 
 
 class MemTier:
@@ -63,8 +61,7 @@ class MemTier:
         self.growing: set[int] = set()  # segments being allocated ahead of need
         self.capacity_bytes = int(cfg.capacity_bytes)
         self.lru = SlotLRU(self.pool.max_slots)
-        self.c = counters("hits", "misses", "bytes_in", "bytes_out", "evictions", "promotions",
-                          "demotions", "drops")
+        self.c = MemoryTierStats()
 
     def holds(self, e: Entry) -> bool:
         return e.slot_index(self.idx) is not None
@@ -85,7 +82,7 @@ class MemTier:
         """``e``'s bytes are in ``slot``: from now on this tier serves it."""
         e.set_slot(self.idx, slot.index)
         self.lru.add(slot.index, e)
-        self.c["bytes_in"] += e.raw_bytes
+        self.c.bytes_in += e.raw_bytes
 
     def detach(self, e: Entry) -> None:
         """Forget ``e`` here. Its slot is freed now, or by the last reader's unpin."""
@@ -113,7 +110,7 @@ class MemTier:
 
     def stats(self) -> dict[str, Any]:
         return {"kind": "device" if self.device.type != "cpu" or self.name == "device" else "host",
-                "device": str(self.device), "pinned": self.pool.pinned, **self.c,
+                "device": str(self.device), "pinned": self.pool.pinned, **asdict(self.c),
                 "bytes_used": self.pool.bytes_used, "bytes_allocated": self.pool.bytes_allocated,
                 "capacity_bytes": self.capacity_bytes, "chunks": len(self.lru),
                 "slot_bytes": self.pool.slot_bytes}
@@ -154,10 +151,7 @@ class StoreTier:
         # the next miss, and served).
         self.undeleted: OrderedDict[bytes, None] = OrderedDict()
         self.last_write_failed = False
-        self.c = counters("hits", "misses", "bytes_in", "bytes_out", "evictions", "faults",
-                          "timeouts", "corrupt", "foreign", "writes", "write_drops",
-                          "write_sheds", "promotions", "demotions", "refreshes", "drops",
-                          "deletes")
+        self.c = StorageTierStats()
 
     def holds(self, e: Entry) -> bool:
         return e.stored_size(self.idx) is not None or e.is_pending(self.idx)
@@ -229,7 +223,7 @@ class StoreTier:
         timeout: a hung tier turns into a failing one, and puts go on at memory speed."""
         while self.pending_bytes and self.pending_bytes + size > self.queue_bytes:
             if self.failing():
-                self.c["write_sheds"] += 1
+                self.c.write_sheds += 1
                 return False
             oldest = next(iter(self.pending.values()))[1]
             left = max(0.001, oldest + float(self.store.timeout) - time.monotonic())
@@ -301,7 +295,7 @@ class StoreTier:
         return False
 
     def stats(self) -> dict[str, Any]:
-        return {"kind": self.store.kind, **self.c, "bytes_used": self.used,
+        return {"kind": self.store.kind, **asdict(self.c), "bytes_used": self.used,
                 "capacity_bytes": self.capacity, "chunks": len(self.lru),
                 "pending_writes": len(self.pending), "pending_bytes": self.pending_bytes,
                 "codec": self.store.codec, "write_through": self.store.write_through,

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -37,6 +38,7 @@ import torch
 from .._errors import CacheClosedError, CacheUnavailableError, ConfigError, MusaCacheError
 from .._spec import KVSpec
 from .._validate import positive_float
+from ..stats import SGLangStats
 from ._loop import MAX_TIMEOUT_S, LoopThread
 
 try:
@@ -118,7 +120,7 @@ class MusaCacheStorage(HiCacheStorage):
         self._cache: Any = None
         self._loop: LoopThread | None = None
         self._last_warning = -1e9
-        self.counters = dict.fromkeys(("gets", "hits", "sets", "set_pages", "faults"), 0)
+        self.counters = SGLangStats()
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -178,7 +180,7 @@ class MusaCacheStorage(HiCacheStorage):
         return True
 
     def _fault(self, what: str, e: BaseException) -> None:
-        self.counters["faults"] += 1
+        self.counters.faults += 1
         now = time.monotonic()
         if now - self._last_warning >= 10.0:
             self._last_warning = now
@@ -213,7 +215,7 @@ class MusaCacheStorage(HiCacheStorage):
         """Read each key's page straight into its place in the host pool."""
         self._ready()
         n = len(keys)
-        self.counters["gets"] += n
+        self.counters.gets += n
         if n == 0:
             return []
         outs = self._page_views("batch_get_v1", host_indices, n)
@@ -222,7 +224,7 @@ class MusaCacheStorage(HiCacheStorage):
         except (MusaCacheError, TimeoutError, OSError) as e:
             self._fault("get", e)
             return [False] * n
-        self.counters["hits"] += sum(found)
+        self.counters.hits += sum(found)
         return found
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
@@ -238,14 +240,14 @@ class MusaCacheStorage(HiCacheStorage):
 
     def _put(self, keys: Sequence[str], pages: Sequence[torch.Tensor],
              after: str | None = None) -> list[bool]:
-        self.counters["sets"] += 1
+        self.counters.sets += 1
         try:
             stored = int(self._run(self._cache.put_pages(list(keys), list(pages), after=after),
                                    self.timeout))
         except (MusaCacheError, TimeoutError, OSError) as e:
             self._fault("set", e)
             return [False] * len(keys)
-        self.counters["set_pages"] += stored
+        self.counters.set_pages += stored
         return [i < stored for i in range(len(keys))]
 
     # -- the abstract interface (copying) ---------------------------------------------------
@@ -264,13 +266,13 @@ class MusaCacheStorage(HiCacheStorage):
             return []
         outs = list(target_locations) if target_locations is not None else [
             self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
-        self.counters["gets"] += len(keys)
+        self.counters.gets += len(keys)
         try:
             found = list(self._run(self._cache.get_pages(list(keys), outs), self.timeout))
         except (MusaCacheError, TimeoutError, OSError) as e:
             self._fault("get", e)
             return [None] * len(keys)
-        self.counters["hits"] += sum(found)
+        self.counters.hits += sum(found)
         return [o if f else None for o, f in zip(outs, found)]
 
     def set(self, key: str, value: Any = None, target_location: Any = None,
@@ -309,7 +311,7 @@ class MusaCacheStorage(HiCacheStorage):
             self._fault("clear", e)
 
     def get_stats(self) -> dict[str, int]:
-        return dict(self.counters)
+        return asdict(self.counters)
 
 
 def _pool_identity(pool: Any) -> str:

@@ -63,6 +63,7 @@ from musacache.cache import Cache
 from musacache.ipc import _messages as msgs
 from musacache.server.peer import Handler, Peer, Registration, Usage
 from musacache.server.spawn import SpawnedServer, spawn
+from musacache.stats import ServerCounters
 
 __all__ = ["OPS", "Server", "ServerConfig", "SpawnedServer", "main", "spawn"]
 
@@ -294,10 +295,10 @@ class _DataOps:
     its connection's requests on these; :class:`Server` owns the peers, caches and the
     lifecycle."""
 
-    def __init__(self, config: ServerConfig, counters: dict[str, int], usage: Usage,
+    def __init__(self, config: ServerConfig, counters: ServerCounters, usage: Usage,
                  peers: set[Peer]) -> None:
         self.config = config
-        self.counters = counters  # the server's own dict: bytes are counted where they move
+        self.counters = counters  # the server's own: bytes are counted where they move
         self.usage = usage
         self.peers = peers  # the server's own set
 
@@ -340,7 +341,7 @@ class _DataOps:
                 _tokens(msg.tokens), reg.pages, _slots(msg.slots),
                 skip_prefix=msg.skip_prefix, ready=ready,
                 ready_timeout=self.config.ready_timeout)
-            self.counters["bytes_copied"] += cache.spec.nbytes(max(0, n - msg.skip_prefix))
+            self.counters.bytes_copied += cache.spec.nbytes(max(0, n - msg.skip_prefix))
             return n
         finally:
             if ready is not None:
@@ -361,7 +362,7 @@ class _DataOps:
                 _tokens(msg.tokens), reg.pages, _slots(msg.slots),
                 skip_prefix=msg.skip_prefix, ready=ready,
                 ready_timeout=self.config.ready_timeout)
-            self.counters["bytes_copied"] += cache.spec.nbytes(max(0, n - msg.skip_prefix))
+            self.counters.bytes_copied += cache.spec.nbytes(max(0, n - msg.skip_prefix))
             if done is not None:
                 done.set()
             return n
@@ -456,7 +457,7 @@ class _DataOps:
             n = await cache.put(_tokens(msg.tokens), kv)
             # Counted from the answer, not from per-request stats() calls: the bytes of KV
             # the put covered (chunks already cached are not copied again).
-            self.counters["bytes_copied"] += cache.spec.nbytes(n)
+            self.counters.bytes_copied += cache.spec.nbytes(n)
             return n
         finally:
             if imp is not None:
@@ -467,7 +468,7 @@ class _DataOps:
         out, imp = await self._dense(peer, msg, fds)
         try:
             hit = await cache.get(_tokens(msg.tokens), out=out)
-            self.counters["bytes_copied"] += cache.spec.nbytes(hit.num_tokens)
+            self.counters.bytes_copied += cache.spec.nbytes(hit.num_tokens)
             return {"num_tokens": hit.num_tokens, "tiers": hit.tiers}
         finally:
             if imp is not None:
@@ -514,8 +515,8 @@ class _DataOps:
             src = np.frombuffer(data, dtype=np.uint8)
             await anyio.to_thread.run_sync(
                 lambda: np.copyto(staged[offset:offset + len(data)].numpy(), src))
-        self.counters["bytes_received"] += len(data)
-        self.counters["bytes_copied"] += len(data)
+        self.counters.bytes_received += len(data)
+        self.counters.bytes_copied += len(data)
         return len(data)
 
     async def _open_pages(self, peer: Peer, msg: msgs.PagesMessage, cache: Cache,
@@ -534,7 +535,7 @@ class _DataOps:
         imp, pages = await self._open_pages(peer, msg, cache, fds)
         try:
             n = await cache.put_pages(msg.keys, pages, after=msg.after)
-            self.counters["bytes_copied"] += cache.spec.nbytes(n * cache.config.chunk_size)
+            self.counters.bytes_copied += cache.spec.nbytes(n * cache.config.chunk_size)
             return n
         finally:
             imp.close()
@@ -544,7 +545,7 @@ class _DataOps:
         imp, outs = await self._open_pages(peer, msg, cache, fds)
         try:
             found = await cache.get_pages(msg.keys, outs)
-            self.counters["bytes_copied"] += cache.spec.nbytes(
+            self.counters.bytes_copied += cache.spec.nbytes(
                 sum(found) * cache.config.chunk_size)
             return found
         finally:
@@ -563,7 +564,7 @@ class _DataOps:
             raise InvalidInputError("put_staged: the staged bytes do not hold these tokens")
         kv = peer.staged.view(spec.dtype).view(spec.shape(len(toks)))
         n = await cache.put(toks, kv)
-        self.counters["bytes_copied"] += spec.nbytes(n)
+        self.counters.bytes_copied += spec.nbytes(n)
         peer.unstage()
         return n
 
@@ -613,7 +614,7 @@ class _Caches:
     made-up tenants held every slot until a restart. The cache of the
     config's ``cache`` is never closed so."""
 
-    def __init__(self, config: ServerConfig, counters: dict[str, int]) -> None:
+    def __init__(self, config: ServerConfig, counters: ServerCounters) -> None:
         self.config = config
         self.counters = counters
         self.caches: dict[CacheKey, Cache] = {}
@@ -693,7 +694,7 @@ class _Caches:
         closing = asyncio.ensure_future(self._close(key, cache))
         came = await outlive(closing)
         entry = closing.result()
-        self.counters["cache_evictions"] += 1
+        self.counters.cache_evictions += 1
         log.info("closed the unused cache of %s (tenant %s) to open another: %d chunk(s), "
                  "%d written to storage", key[0], entry["tenant"], entry["chunks"],
                  entry["persisted"])
@@ -731,10 +732,7 @@ class Server:
         self._peers: set[Peer] = set()
         self._stopped = anyio.Event()
         self._last_backoff_log = 0.0
-        self.counters = dict.fromkeys(
-            ("connections", "refused", "requests", "errors", "bad_frames", "limited",
-             "accept_backoffs", "bytes_copied", "bytes_received", "hello_timeouts",
-             "idle_timeouts", "frame_timeouts", "cache_evictions"), 0)
+        self.counters = ServerCounters()
         self._caches = _Caches(config, self.counters)
         #: what all connections hold together, and the fds their requests may hold
         self.usage = Usage(fd_budget=_fd_budget(config))
@@ -837,7 +835,7 @@ class Server:
                 if e.errno in _ACCEPT_BACKOFF_ERRNOS:
                     # Out of fds or memory: the pending connection stays in the backlog. Wait
                     # for peers to let go instead of dying (clients retry their connects).
-                    self.counters["accept_backoffs"] += 1
+                    self.counters.accept_backoffs += 1
                     now = time.monotonic()
                     if now - self._last_backoff_log > 10:
                         self._last_backoff_log = now
@@ -849,7 +847,7 @@ class Server:
                     continue
                 raise
             if len(self._peers) >= self.config.max_connections:
-                self.counters["refused"] += 1
+                self.counters.refused += 1
                 log.warning("refusing a connection: %d connections open", len(self._peers))
                 try:  # told why (typed), not a bare reset: a new socket has room for it
                     sock.send(ipc.encode_error(None, ServerLimitError(
@@ -882,7 +880,7 @@ class Server:
                               expect="request", ops=OPS)
         allowed = {os.getuid(), *self.config.allow_uids}
         if creds.uid not in allowed:
-            self.counters["refused"] += 1
+            self.counters.refused += 1
             log.warning("refused pid %d uid %d: not the server's uid nor in allow_uids",
                         creds.pid, creds.uid)
             with anyio.move_on_after(1):
@@ -893,7 +891,7 @@ class Server:
         peer = Peer(conn, creds, self.config, counters=self.counters, usage=self.usage,
                     handlers=self._handlers, on_close=self._release_peer)
         self._peers.add(peer)
-        self.counters["connections"] += 1
+        self.counters.connections += 1
         await peer.serve()
 
     def _release_peer(self, peer: Peer) -> None:
@@ -950,7 +948,7 @@ class Server:
     def _server_stats(self) -> dict[str, Any]:
         workers = [p for p in self._peers if not p.monitor]
         return {
-            **self.counters,
+            **dataclasses.asdict(self.counters),
             "version": __version__,
             "socket": self.config.socket_path,
             # Monitors (musacache stats itself) are counted apart from the workers they watch.

@@ -46,6 +46,7 @@ from musacache.ipc import _messages as msgs
 
 if TYPE_CHECKING:
     from musacache.server import CacheKey, ServerConfig
+    from musacache.stats import ServerCounters
 
 log = logging.getLogger("musacache.server")
 
@@ -81,6 +82,14 @@ class Event(enum.Enum):
     HELLO_DONE = "that hello is answered: the connection has its cache"
     END = "the connection ends"
     RELEASE = "what it held is given back"
+
+
+class Overdue(enum.Enum):
+    """A timeout a connection ran past (it is closed), each counted apart."""
+
+    FRAME = "frame timeout"
+    HELLO = "hello timeout"
+    IDLE = "idle timeout"
 
 
 #: The states a connection reads frames and runs requests in.
@@ -134,13 +143,13 @@ class Peer:
     callbacks its :class:`~musacache.ipc.Connection` delivers frames to."""
 
     def __init__(self, conn: ipc.Connection, creds: ipc.PeerCredentials, config: ServerConfig, *,
-                 counters: dict[str, int], usage: Usage, handlers: Mapping[str, Handler],
+                 counters: ServerCounters, usage: Usage, handlers: Mapping[str, Handler],
                  on_close: Callable[[Peer], None]) -> None:
         self.conn = conn
         self.pid = creds.pid
         self.uid = creds.uid
         self.config = config
-        self.counters = counters  # the server's own dict
+        self.counters = counters  # the server's own
         self.usage = usage  # the server's own
         self._handlers = handlers  # the server's own dict, looked up per request
         self._on_close = on_close  # the server forgets the peer (and its use of the cache)
@@ -288,7 +297,7 @@ class Peer:
 
     def _fatal(self, error: MusaCacheError) -> MusaCacheError:
         """A limit that ends the connection, told to the peer first (typed, not a reset)."""
-        self.counters["limited"] += 1
+        self.counters.limited += 1
         try:
             self.conn.send_nowait(ipc.encode_error(None, error))
         except (CacheUnavailableError, OSError):
@@ -328,7 +337,7 @@ class Peer:
         if self.parked_fds:  # (fds that waited for their frame: taken now, or closed)
             self._sync_parked()
         if type(frame) is not ipc.Request:
-            self.counters["bad_frames"] += 1
+            self.counters.bad_frames += 1
             if isinstance(frame, ipc.FrameError):
                 log.info("bad frame from pid %d: %s", self.pid, frame)
                 self._refuse(frame.request_id, frame)
@@ -342,7 +351,7 @@ class Peer:
             limit = self._over_limit(frame, usage.held_fds + usage.parked_fds)
             if limit is not None:
                 ipc.close_fds(frame.fds)
-                self.counters["limited"] += 1
+                self.counters.limited += 1
                 self._refuse(frame.id, limit)
                 return
         self.in_flight += 1
@@ -355,7 +364,7 @@ class Peer:
         """The connection ended (EOF, a frame that broke the stream, a lost peer, a limit
         raised by a hook, or its close)."""
         if isinstance(error, ipc.FrameError):
-            self.counters["bad_frames"] += 1
+            self.counters.bad_frames += 1
             log.info("bad frame from pid %d: %s", self.pid, error)
         elif error is not None and not isinstance(error, (MusaCacheError, OSError)):
             log.error("connection handler failed", exc_info=error)
@@ -368,8 +377,14 @@ class Peer:
         if why is None:
             self._watcher = self._loop.call_later(self._tick, self._watch)
             return
-        self.counters[why] += 1
-        log.info("closing pid %d: %s", self.pid, why.removesuffix("s").replace("_", " "))
+        c = self.counters
+        if why is Overdue.FRAME:
+            c.frame_timeouts += 1
+        elif why is Overdue.HELLO:
+            c.hello_timeouts += 1
+        else:
+            c.idle_timeouts += 1
+        log.info("closing pid %d: %s", self.pid, why.value)
         self._end()
 
     # -- limits -----------------------------------------------------------------------------
@@ -393,8 +408,8 @@ class Peer:
                                     f"{cfg.max_fds_per_peer})")
         return None
 
-    def overdue(self, received: int, now: float, paused: bool = False) -> str | None:
-        """The counter of the timeout the connection has run past (it is closed), or None.
+    def overdue(self, received: int, now: float, paused: bool = False) -> Overdue | None:
+        """The timeout the connection has run past (it is closed), or None.
 
         ``frame_timeout`` bounds the age of the frame being received (its clock restarts at
         each whole frame), not how long the connection has had some frame incomplete: a busy
@@ -405,9 +420,9 @@ class Peer:
         if self.partial_since and paused:
             self.partial_since = now
         if self.partial_since and now - self.partial_since >= cfg.frame_timeout:
-            return "frame_timeouts"
+            return Overdue.FRAME
         if self.state is State.AWAITING_HELLO:
-            return "hello_timeouts" if now >= self.hello_due else None
+            return Overdue.HELLO if now >= self.hello_due else None
         if self.state is State.GREETING:
             # Its cache may take long to open (a disk tier's scan, an S3 listing), and
             # closing would cancel that open every time: look again later.
@@ -419,7 +434,7 @@ class Peer:
             return None
         # Said hello, then nothing: a silent connection would hold its slot for ever; the
         # client reconnects at its next call.
-        return "idle_timeouts" if now - self.quiet_since >= cfg.idle_timeout else None
+        return Overdue.IDLE if now - self.quiet_since >= cfg.idle_timeout else None
 
     # -- one request ------------------------------------------------------------------------
 
@@ -434,7 +449,7 @@ class Peer:
     async def run(self, req: ipc.Request, fds: list[int]) -> None:
         """Run one request and answer it; ``fds`` are its fds (handlers take theirs out of
         the list; the rest are closed here, and the list emptied)."""
-        self.counters["requests"] += 1
+        self.counters.requests += 1
         held = len(fds)
         # In flight until its reply is out, not only until it is made: a peer that never
         # reads its replies would otherwise have request after request admitted, each
@@ -466,11 +481,11 @@ class Peer:
                     self.usage.held_fds -= FDS_PER_RECEIVED * held
             except MusaCacheError as e:
                 # The peer's mistake (or a refused request): answered, never logged as a bug.
-                self.counters["errors"] += 1
+                self.counters.errors += 1
                 await reply_error(self.conn, req.id, e)
                 return
             except Exception as e:  # a server bug: answer, log, keep serving everyone else
-                self.counters["errors"] += 1
+                self.counters.errors += 1
                 log.exception("op %s failed", req.op)
                 await reply_error(self.conn, req.id, e)
                 return
@@ -480,7 +495,7 @@ class Peer:
 
 
 async def _send_result(conn: ipc.Connection, req: ipc.Request, result: Any,
-                       counters: dict[str, int]) -> None:
+                       counters: ServerCounters) -> None:
     """Answer ``req`` with ``result``. A result the wire cannot carry (nothing of it was
     sent: a server bug) is answered with its ProtocolError, or its caller would wait for
     ever."""
@@ -489,7 +504,7 @@ async def _send_result(conn: ipc.Connection, req: ipc.Request, result: Any,
     except (CacheUnavailableError, OSError):
         pass  # the peer went away; its cleanup runs when its connection ends
     except ProtocolError as e:
-        counters["errors"] += 1
+        counters.errors += 1
         log.error("op %s: cannot send its result: %s", req.op, e)
         await reply_error(conn, req.id, e)
 

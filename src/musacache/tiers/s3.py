@@ -45,7 +45,7 @@ import re
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import anyio
@@ -63,6 +63,7 @@ from .._validate import (
     positive_int,
 )
 from ..codec import CODECS
+from ..stats import S3Stats
 from ._ordering import KeyOrder
 from .base import (
     ChunkListing,
@@ -253,11 +254,7 @@ class S3Store(StorageTier):
         # prefix -> (when listed, what was there), least recently used first.
         self._listings: OrderedDict[str, tuple[float, list[ChunkMeta]]] = OrderedDict()
         self._log = RateLimitedLog(logger, config.log_interval)
-        self._c: dict[str, Any] = dict.fromkeys(
-            ("reads", "read_misses", "read_faults", "writes", "write_retries",
-             "write_failures", "deletes", "lists", "list_faults", "bytes_in", "bytes_out",
-             "multipart_writes", "ranged_reads"), 0)
-        self._c["last_error"] = None
+        self._c = S3Stats()
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -378,7 +375,7 @@ class S3Store(StorageTier):
                         metas.append(meta)
         except Exception as e:
             raise self._list_error(e, prefix) from e
-        self._c["lists"] += 1
+        self._c.lists += 1
         for m in metas:
             self._note(m.key, m.parent, m.num_tokens, m.stored_bytes)
         if interval > 0:  # with 0 a listing is never reused: keeping it would only cost memory
@@ -416,14 +413,14 @@ class S3Store(StorageTier):
             if retryable and _error_code(e)[0] not in _CONFIG_CODES:
                 return ChunkListing.empty()  # unreachable for now: start empty, refresh later
             raise err from e
-        self._c["lists"] += 1
+        self._c.lists += 1
         assert self._executor is not None, "the tier is started"
         listing = await self._executor.run(found.build)
         return listing.give()  # not kept here
 
     def _list_error(self, e: Exception, prefix: str) -> TierError:
         """Count a failed listing; the error that says so."""
-        self._c["list_faults"] += 1
+        self._c.list_faults += 1
         kind, _ = _classify(e)
         self._fault("list", kind, f"listing {prefix} failed: {e!r}")
         return TierError(f"s3 tier {self.name!r}: listing s3://{self.config.bucket}/"
@@ -467,16 +464,16 @@ class S3Store(StorageTier):
                     obj = await self._get(name)
         except Exception as e:
             if _is_missing(e):
-                self._c["read_misses"] += 1
+                self._c.read_misses += 1
                 self._known.pop(meta.key, None)
                 return None
-            self._c["read_faults"] += 1
+            self._c.read_faults += 1
             kind, _ = _classify(e)
             self._fault("read", kind, f"read of {name} failed: {e!r}")
             raise TierError(f"s3 tier {self.name!r}: read of {name} failed ({kind}): "
                             f"{e}") from e
-        self._c["reads"] += 1
-        self._c["bytes_out"] += len(obj)
+        self._c.reads += 1
+        self._c.bytes_out += len(obj)
         return obj
 
     async def _get(self, name: str, byte_range: str | None = None) -> bytes:
@@ -500,7 +497,7 @@ class S3Store(StorageTier):
         total = int(total_text) if total_text.isdigit() else len(first)
         if total <= len(first):
             return first
-        self._c["ranged_reads"] += 1
+        self._c.ranged_reads += 1
         starts = list(range(len(first), total, part))
         parts: list[bytes] = [b""] * len(starts)
 
@@ -538,19 +535,19 @@ class S3Store(StorageTier):
             except Exception as e:
                 kind, retryable = _classify(e)
                 if not retryable or attempt >= cfg.retries:
-                    self._c["write_failures"] += 1
+                    self._c.write_failures += 1
                     self._fault("write", kind, f"write of {name} failed after {attempt + 1} "
                                                f"attempt(s): {e!r}")
                     raise TierError(f"s3 tier {self.name!r}: write of {name} failed ({kind}) "
                                     f"after {attempt + 1} attempt(s): {e}") from e
-                self._c["write_retries"] += 1
-                self._c["last_error"] = f"write ({kind}): {e!r}"
+                self._c.write_retries += 1
+                self._c.last_error = f"write ({kind}): {e!r}"
                 # Full jitter: spreads the retries of many writers that failed together.
                 delay = min(5.0, cfg.retry_backoff * 2**attempt)
                 await anyio.sleep(random.uniform(0, delay))
                 attempt += 1
-        self._c["writes"] += 1
-        self._c["bytes_in"] += len(obj)
+        self._c.writes += 1
+        self._c.bytes_in += len(obj)
         self._known[meta.key] = (name, len(obj))
         self._forget_listings(meta.parent)
 
@@ -588,7 +585,7 @@ class S3Store(StorageTier):
                 await self.client.abort_multipart_upload(Bucket=cfg.bucket, Key=name,
                                                          UploadId=upload_id)
             raise
-        self._c["multipart_writes"] += 1
+        self._c.multipart_writes += 1
 
     async def delete(self, key: bytes) -> None:
         async with self._order.hold(key):
@@ -605,7 +602,7 @@ class S3Store(StorageTier):
                 with anyio.fail_after(self.timeout):
                     # One key per request: Swift's DeleteObjects insists on Content-MD5.
                     await self.client.delete_object(Bucket=self.config.bucket, Key=name)
-                self._c["deletes"] += 1
+                self._c.deletes += 1
             except Exception as e:
                 if not _is_missing(e):  # (gone already: nothing to count, nothing to retry)
                     # The names stay known: the delete is tried again (the caller's retry).
@@ -622,11 +619,11 @@ class S3Store(StorageTier):
     # -- reporting ----------------------------------------------------------------------------
 
     def _fault(self, op: str, kind: str, message: str) -> None:
-        self._c["last_error"] = f"{op} ({kind}): {message}"
+        self._c.last_error = f"{op} ({kind}): {message}"
         self._log.warn(self.name, f"{op} ({kind})", message)
 
     def stats(self) -> dict[str, Any]:
-        return {**self._c, "kind": self.kind, "known_objects": len(self._known),
+        return {**asdict(self._c), "kind": self.kind, "known_objects": len(self._known),
                 "listings_kept": len(self._listings)}
 
     def __repr__(self) -> str:
