@@ -166,7 +166,9 @@ async def test_a_tee_is_made_only_for_the_chunks_read_from_below(
         assert made == []
 
 
-async def test_get_pages_from_disk_writes_each_page_in_its_read(tmp_path: Path) -> None:
+async def test_get_pages_from_disk_serves_each_page_exact(tmp_path: Path) -> None:
+    # Pages read from storage are staged (test_out_tail: a page that fails part-way leaves
+    # its out as it was), then copied on in the get's one move.
     spec = small_spec()
     pages = [torch.randn(spec.shape(CH)) for _ in range(3)]
     disk = mc.DiskTier(path=str(tmp_path), capacity_bytes="64MiB")
@@ -174,11 +176,9 @@ async def test_get_pages_from_disk_writes_each_page_in_its_read(tmp_path: Path) 
         keys = [b"p0", b"p1", b"p2"]
         assert await c.put_pages(keys, pages) == 3
         await on_disk_only(c)
-        moves = _spy_moves(c)
         outs = [torch.zeros(spec.nbytes(CH) // 4) for _ in range(3)]  # flat pages
         assert await c.get_pages(keys, outs) == [True, True, True]
         assert all(torch.equal(o, p.reshape(-1)) for o, p in zip(outs, pages, strict=True))
-        assert not {o.untyped_storage().data_ptr() for o in outs} & set(moves)
 
 
 async def test_a_damaged_chunk_ends_the_hit_before_it_with_the_served_bytes_exact(
