@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import functools
@@ -85,6 +86,7 @@ from .._executor import Executor
 from .._keys import KEY_BYTES, Fingerprint
 from .._validate import boolean, parse_size, positive_float, positive_int
 from ..codec import CODECS, HEADER_SIZE, read_chunk_into, read_chunk_to, read_header
+from ..stats import DiskStats
 from ._ordering import KeyOrder
 from .base import (
     NOT_TRIED,
@@ -298,12 +300,7 @@ class DiskStore(StorageTier):
         # Abandoned reads into a caller's tensor: the tensor is not the caller's to reuse
         # until the thread returns (writing_into).
         self._writers: list[_ThreadRead] = []
-        self._c: dict[str, Any] = dict.fromkeys(
-            ("reads", "read_misses", "read_faults", "read_timeouts", "reads_refused", "writes",
-             "write_failures", "deletes", "bytes_in", "bytes_out", "removed_temp",
-             "removed_corrupt", "removed_not_files", "quarantined", "ignored_files",
-             "scan_errors"), 0)
-        self._c["last_error"] = None
+        self._c = DiskStats()
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -334,19 +331,16 @@ class DiskStore(StorageTier):
         try:
             subdirs, error = await self._blocking(_list_subdirs, root)
             if error is not None:
-                self._c["scan_errors"] += 1
-                self._c["last_error"] = error
+                self._c.scan_errors += 1
+                self._c.last_error = error
             parts: list[ChunkListing] = []
 
             async def scan(sub: Path) -> None:
                 found, names, counts = await self._blocking(self._scan_dir, sub)
                 parts.append(found)
                 self._names.update(names)  # one fan-out folder: 1/256 of the files
-                for k, v in counts.items():
-                    if k == "last_error":
-                        self._c[k] = v
-                    else:
-                        self._c[k] += v
+                for k, v in counts.items():  # a scan's own, merged on the loop
+                    setattr(self._c, k, v if k == "last_error" else getattr(self._c, k) + v)
 
             async with anyio.create_task_group() as tg:
                 for sub in subdirs:
@@ -491,14 +485,14 @@ class DiskStore(StorageTier):
             try:
                 await self._blocking(self._write_file, path, obj)
             except OSError as e:
-                self._c["write_failures"] += 1
-                self._c["last_error"] = f"write {path.name}: {e}"
+                self._c.write_failures += 1
+                self._c.last_error = f"write {path.name}: {e}"
                 raise TierError(f"disk tier {self.name!r}: cannot write {path}: {e}") from e
             self._names[meta.key] = path.name
             self._quarantined.discard(meta.key)  # a fresh file under the name
             self._reading.supersede(meta.key)
-        self._c["writes"] += 1
-        self._c["bytes_in"] += len(obj)
+        self._c.writes += 1
+        self._c.bytes_in += len(obj)
 
     def _write_file(self, path: Path, obj: bytes) -> None:
         """Write ``obj`` atomically at ``path``, replacing what is there."""
@@ -530,7 +524,7 @@ class DiskStore(StorageTier):
     async def read(self, meta: ChunkMeta) -> bytes | None:
         obj = await self._read_call(meta, self._read_regular)
         if obj is not None:
-            self._c["bytes_out"] += len(obj)
+            self._c.bytes_out += len(obj)
         return obj
 
     async def read_into(self, meta: ChunkMeta, fingerprint: Fingerprint,
@@ -553,7 +547,7 @@ class DiskStore(StorageTier):
         call = _ThreadRead(out)
         size = await self._read_call(meta, read, call)
         if size is not None:
-            self._c["bytes_out"] += size
+            self._c.bytes_out += size
         return size
 
     async def read_to(self, meta: ChunkMeta, fingerprint: Fingerprint,
@@ -567,7 +561,7 @@ class DiskStore(StorageTier):
 
         size = await self._read_call(meta, read)
         if size is not None:
-            self._c["bytes_out"] += size
+            self._c.bytes_out += size
         return size
 
     async def read_to_many(self, items: Sequence[tuple[ChunkMeta, ChunkCopy]],
@@ -599,9 +593,9 @@ class DiskStore(StorageTier):
                 # abandon_on_cancel: a hung disk (NFS) must not hold the caller past timeout.
                 obj = await self._blocking(self._read_file, path, read, call, abandon=True)
         except TimeoutError as e:
-            self._c["read_faults"] += 1
-            self._c["read_timeouts"] += 1
-            self._c["last_error"] = f"read {path.name}: timed out"
+            self._c.read_faults += 1
+            self._c.read_timeouts += 1
+            self._c.last_error = f"read {path.name}: timed out"
             self._abandon(call, meta.key)
             raise TierError(f"disk tier {self.name!r}: read of {path} took over "
                             f"{self.timeout} s") from e
@@ -633,19 +627,19 @@ class DiskStore(StorageTier):
             async with self._order.hold(meta.key):
                 removed = await self._blocking(self._remove_not_file, path)
                 if isinstance(removed, OSError):
-                    self._c["read_faults"] += 1
-                    self._c["last_error"] = f"read {path.name}: {removed}"
+                    self._c.read_faults += 1
+                    self._c.last_error = f"read {path.name}: {removed}"
                     raise TierError(f"disk tier {self.name!r}: {path} is not a chunk file and "
                                     f"cannot be removed: {removed}") from removed
                 self._names.pop(meta.key, None)
-            self._c["read_misses"] += 1
-            self._c["removed_not_files"] += removed
+            self._c.read_misses += 1
+            self._c.removed_not_files += removed
             return None
         if isinstance(obj, OSError):
-            self._c["read_faults"] += 1
-            self._c["last_error"] = f"read {path.name}: {obj}"
+            self._c.read_faults += 1
+            self._c.last_error = f"read {path.name}: {obj}"
             raise TierError(f"disk tier {self.name!r}: cannot read {path}: {obj}") from obj
-        self._c["read_misses"] += 1  # (obj is None: no file)
+        self._c.read_misses += 1  # (obj is None: no file)
         self._names.pop(meta.key, None)
         return None
 
@@ -667,7 +661,7 @@ class DiskStore(StorageTier):
         if hung_key is not None and not call.superseded and hung_key not in self._quarantined:
             self._quarantined.add(hung_key)
             self._names.pop(hung_key, None)
-            self._c["quarantined"] += 1
+            self._c.quarantined += 1
         return True
 
     def _read_file(self, path: Path, read: Callable[[Path], Any], call: _ThreadRead) -> Any:
@@ -727,10 +721,10 @@ class DiskStore(StorageTier):
             try:
                 await self._blocking(self._delete_files, folder, key, name)
             except OSError as e:
-                self._c["last_error"] = f"delete {key.hex()}: {e}"
+                self._c.last_error = f"delete {key.hex()}: {e}"
                 raise TierError(f"disk tier {self.name!r}: cannot delete {key.hex()}: "
                                 f"{e}") from e
-        self._c["deletes"] += 1
+        self._c.deletes += 1
 
     @staticmethod
     def _delete_files(folder: Path, key: bytes, name: str | None) -> None:
@@ -747,7 +741,7 @@ class DiskStore(StorageTier):
                 os.unlink(folder / n)
 
     def stats(self) -> dict[str, Any]:
-        return {**self._c, "kind": self.kind, "files": len(self._names),
+        return {**dataclasses.asdict(self._c), "kind": self.kind, "files": len(self._names),
                 "stuck_reads": self._stuck, "path": str(self._root or "")}
 
     def __repr__(self) -> str:
@@ -806,13 +800,13 @@ def _counted_read(store: DiskStore, obj: Any) -> bool:
     not a fault); counted if so. The rest is :meth:`DiskStore._settle`'s."""
     if obj is None or isinstance(obj, (_NotAFile, OSError)):
         return False
-    store._c["reads"] += 1
+    store._c.reads += 1
     return True
 
 
 def _quarantined(store: DiskStore, path: Path) -> QuarantinedError:
     """The error of a read of a quarantined file (one whose read hung), counted."""
-    store._c["read_faults"] += 1
+    store._c.read_faults += 1
     return QuarantinedError(f"disk tier {store.name!r}: {path} is quarantined (a read of it "
                             "hung); the engine deletes it")
 
@@ -823,8 +817,8 @@ def _refusal(store: DiskStore, path: Path) -> TierError | None:
     when a read may start."""
     if store._stuck < store.max_concurrency:
         return None
-    store._c["read_faults"] += 1
-    store._c["reads_refused"] += 1
+    store._c.read_faults += 1
+    store._c.reads_refused += 1
     return TierError(f"disk tier {store.name!r}: {store._stuck} reads are stuck in "
                      f"{store.config.path}; not reading {path.name}")
 
@@ -1050,9 +1044,9 @@ class _BatchRead:
             if self.out[i] is not NOT_TRIED or not self.calls[i].started:
                 continue
             if i in self.hung or i in self.cut:
-                store._c["read_faults"] += 1
-                store._c["read_timeouts"] += 1
-                store._c["last_error"] = f"read {self.path_of(i).name}: timed out"
+                store._c.read_faults += 1
+                store._c.read_timeouts += 1
+                store._c.last_error = f"read {self.path_of(i).name}: timed out"
                 self.out[i] = TierTimeoutError(
                     f"disk tier {store.name!r}: a read of a batch took over {store.timeout} "
                     f"s; abandoned the read of {self.path_of(i)}")
@@ -1062,7 +1056,7 @@ class _BatchRead:
                 self.out[i] = got.exc
                 continue
             if _counted_read(store, got):  # the usual: no coroutine per chunk for it
-                store._c["bytes_out"] += got
+                store._c.bytes_out += got
                 self.out[i] = got
                 continue
             try:  # absent (None), or a fault (raised)
