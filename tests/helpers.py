@@ -68,16 +68,22 @@ def host_config(spec: mc.KVSpec, chunks: int = 64, chunk_size: int = 16, **kw: o
                           tiers=tiers, chunk_size=chunk_size, **kw)  # type: ignore[arg-type]
 
 
-async def on_every_turn(op: Callable[[], Awaitable[object]], turn: Callable[[], None]) -> None:
+async def on_every_turn(op: Callable[[], Awaitable[object]],
+                        turn: Callable[[], Awaitable[None] | None]) -> None:
     """Run ``op`` while a task that yields at every turn of the loop calls ``turn()`` once
-    before the first turn and after each."""
+    before the first turn and after each (and awaits it, if it is a coroutine function)."""
     running = True
 
+    async def call() -> None:
+        got = turn()
+        if got is not None:
+            await got
+
     async def turns() -> None:
-        turn()
+        await call()
         while running:
             await asyncio.sleep(0)
-            turn()
+            await call()
 
     task = asyncio.create_task(turns())
     await asyncio.sleep(0)
@@ -86,6 +92,19 @@ async def on_every_turn(op: Callable[[], Awaitable[object]], turn: Callable[[], 
     finally:
         running = False
         await task
+
+
+async def stats_per_turn(cache: mc.Cache, op: Callable[[], Awaitable[object]],
+                         ) -> list[dict[str, Any]]:
+    """``cache.stats()`` before the first turn of the loop and after each while ``op`` runs:
+    what the cache shows changing in one turn."""
+    seen: list[dict[str, Any]] = []
+
+    async def sample() -> None:
+        seen.append(await cache.stats())
+
+    await on_every_turn(op, sample)
+    return seen
 
 
 async def most_per_turn(op: Callable[[], Awaitable[object]], reading: Callable[[], int]) -> int:

@@ -113,13 +113,12 @@ async def test_disk_read_into_the_top_slot_turns_damage_into_a_counted_miss(
     spec = small_spec()
     toks = _prompt(6 * CHUNK, seed=5)
     kv = prefix_kv(spec, toks)
-    disk = DiskTier(path=str(tmp_path / "disk"), capacity_bytes="64MiB", codec=codec)
-    async with mc.Cache(_config(spec, disk, host_chunks=8, promotion=promotion)) as cache:
+    disk = DiskTier(path=str(tmp_path / "disk"), capacity_bytes="64MiB", codec=codec,
+                    write_through=True)
+    config = _config(spec, disk, host_chunks=8, promotion=promotion)
+    async with mc.Cache(config) as cache:
         await cache.put(toks, kv)
-        eng = cache._engine
-        top = eng.mem[0]
-        await eng.evict(top, len(top.lru))  # every chunk now only on disk
-        await cache.flush()
+    async with mc.Cache(config) as cache:  # restarted: every chunk only on disk
         root = Path((await _tier_stats(cache, "disk"))["store_path"])
         path = _disk_path(root, spec, toks, 3)
         raw = bytearray(path.read_bytes())
@@ -128,7 +127,7 @@ async def test_disk_read_into_the_top_slot_turns_damage_into_a_counted_miss(
         else:
             raw = raw[: len(raw) - 100]
         path.write_bytes(raw)
-        free = top.pool.free_slots
+        assert (await _tier_stats(cache, "host"))["bytes_used"] == 0
         out = torch.zeros_like(kv)
         hit = await cache.get(toks, out=out)
         assert hit.num_tokens == 3 * CHUNK
@@ -137,7 +136,8 @@ async def test_disk_read_into_the_top_slot_turns_damage_into_a_counted_miss(
         assert (await _tier_stats(cache, "disk"))["corrupt"] == 1
         # The chunks are fetched concurrently: all but the damaged one were promoted, and
         # the damaged one's slot went back to the pool.
-        assert top.pool.free_slots == free - 5
+        host = await _tier_stats(cache, "host")
+        assert host["chunks"] == 5 and host["bytes_used"] == 5 * host["slot_bytes"]
         hit = await cache.get(toks)
         assert hit.num_tokens == 3 * CHUNK and torch.equal(hit.kv, kv[:, :, : 3 * CHUNK])
 
@@ -150,45 +150,53 @@ async def test_disk_timed_out_read_keeps_its_slot_until_its_thread_returns(
     from musacache.tiers.disk import DiskStore
 
     spec = small_spec()
-    toks = _prompt(CHUNK, seed=6)
-    kv = prefix_kv(spec, toks)
+    hung_toks, b, c = (_prompt(CHUNK, seed=s) for s in (6, 7, 8))
     disk = DiskTier(path=str(tmp_path / "disk"), capacity_bytes="64MiB", codec="raw",
-                    timeout=0.2)
-    async with mc.Cache(_config(spec, disk, promotion="sync")) as cache:
-        await cache.put(toks, kv)
-        eng = cache._engine
-        top = eng.mem[0]
-        await eng.evict(top, 1)
-        await cache.flush()
-        release = threading.Event()
-        returned = threading.Event()
-        read_into = DiskStore._read_regular_into
+                    timeout=0.2, write_through=True)
+    config = _config(spec, disk, host_chunks=3, promotion="sync")
+    async with mc.Cache(config) as cache:
+        for toks in (hung_toks, b, c):
+            await cache.put(toks, prefix_kv(spec, toks))
+        root = Path((await _tier_stats(cache, "disk"))["store_path"])
+    stuck = str(_disk_path(root, spec, hung_toks, 0))
+    release = threading.Event()
+    returned = threading.Event()
+    read_into = DiskStore._read_regular_into
 
-        def hung(path: Path, fp: Any, meta: Any, out: torch.Tensor, *rest: Any) -> object:
+    def hung(path: Path, fp: Any, meta: Any, out: torch.Tensor, *rest: Any) -> object:
+        if str(path) == stuck:
             release.wait(30)  # a stuck network file system
             out.view(torch.uint8).fill_(0xEE)  # the late write the slot must be kept for
             returned.set()
-            return read_into(path, fp, meta, out, *rest)
+        return read_into(path, fp, meta, out, *rest)
 
+    async def slots_used() -> int:
+        host = await _tier_stats(cache, "host")
+        return int(host["bytes_used"] // host["slot_bytes"])
+
+    async with mc.Cache(config) as cache:  # restarted: every chunk only on disk
         monkeypatch.setattr(DiskStore, "_read_regular_into", staticmethod(hung))
-        free = top.pool.free_slots
         try:
-            hit = await cache.get(toks)
-            assert hit.num_tokens == 0
-            assert top.pool.free_slots == free - 1  # parked, not released
-            eng.cold._release_parked()
-            assert top.pool.free_slots == free - 1  # the thread is still in its read
+            assert (await cache.get(hung_toks)).num_tokens == 0
+            assert await slots_used() == 1  # parked, not released
+            # Another chunk read meanwhile takes a slot of its own, not the parked one.
+            assert (await cache.get(b)).num_tokens == CHUNK
+            assert await slots_used() == 2
         finally:
             release.set()
         with anyio.fail_after(30):
-            while not returned.is_set() or disk_stuck(cache):  # noqa: ASYNC110
+            while not returned.is_set() or await _stuck_reads(cache):  # noqa: ASYNC110
                 await anyio.sleep(0.01)
-        eng.cold._release_parked()
-        assert top.pool.free_slots == free
+        # The thread has returned: the next read from disk gives its slot back.
+        hit = await cache.get(c)
+        assert hit.num_tokens == CHUNK and torch.equal(hit.kv, prefix_kv(spec, c))
+        assert await slots_used() == 2
+        hit = await cache.get(b)  # untouched by the late write
+        assert hit.tiers == {"host": CHUNK} and torch.equal(hit.kv, prefix_kv(spec, b))
 
 
-def disk_stuck(cache: mc.Cache) -> int:
-    return int(cache._engine.stores[0].store.stats()["stuck_reads"])
+async def _stuck_reads(cache: mc.Cache) -> int:
+    return int((await _tier_stats(cache, "disk"))["store_stuck_reads"])
 
 
 def _disk_path(root: Path, spec: mc.KVSpec, toks: torch.Tensor, i: int) -> Path:
@@ -473,12 +481,11 @@ async def test_a_delete_the_store_refuses_is_retried_or_never_learned_again(
     toks = _prompt(CHUNK, seed=11)
     old, new = prefix_kv(spec, toks), prefix_kv(spec, toks) + 1
     await _seed_bucket(moto_endpoint, bucket, spec, toks, old)
-    s3 = S3Tier(bucket=bucket, endpoint_url=moto_endpoint)
+    store = S3Tier(bucket=bucket, endpoint_url=moto_endpoint).build()
     # (every miss lists the bucket again: the listing that would learn the chunk back)
-    cfg = dataclasses.replace(_config(spec, s3, host_chunks=1), refresh_interval=0)
+    cfg = dataclasses.replace(_config(spec, store, host_chunks=1), refresh_interval=0)
     async with mc.Cache(cfg) as cache:
         assert await cache.lookup(toks) == CHUNK
-        store = cache._engine.stores[0].store
         left = [failures]
         real = store.client.delete_object
 
@@ -513,10 +520,9 @@ async def test_a_corrupt_read_deletes_a_shared_object_only_if_it_is_damaged_ther
     toks = _prompt(CHUNK, seed=12)
     kv = prefix_kv(spec, toks)
     await _seed_bucket(moto_endpoint, bucket, spec, toks, kv)
-    s3 = S3Tier(bucket=bucket, endpoint_url=moto_endpoint)
-    cfg = dataclasses.replace(_config(spec, s3, host_chunks=1), refresh_interval=0)
+    store = S3Tier(bucket=bucket, endpoint_url=moto_endpoint).build()
+    cfg = dataclasses.replace(_config(spec, store, host_chunks=1), refresh_interval=0)
     async with mc.Cache(cfg) as cache:
-        store = cache._engine.stores[0].store
         [name] = [o["Key"] for o in (await store.client.list_objects_v2(
             Bucket=bucket))["Contents"]]
         if damaged == "in the bucket":

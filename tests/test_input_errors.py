@@ -326,11 +326,14 @@ async def test_a_bad_prefetch_timeout_starts_no_promotion(tmp_path, bad):
     async with mc.Cache(config) as cache:
         await cache.put(toks, prefix_kv(spec, toks))
         await cache.flush()
-        eng = cache._engine
-        before = eng.inflight.promotions, dataclasses.asdict(eng.tiers[0].c)
+        async def promotions() -> tuple[int, dict[str, object]]:
+            st = await cache.stats()
+            return st["in_flight"]["promotions"], st["tiers"]["host"]
+
+        before = await promotions()
         with pytest.raises(mc.InvalidInputError, match="prefetch timeout"):
             await cache.prefetch(toks, timeout=bad)
-        assert (eng.inflight.promotions, dataclasses.asdict(eng.tiers[0].c)) == before
+        assert await promotions() == before
 
 
 @pytest.mark.parametrize("bad", ["1", math.nan, -2])

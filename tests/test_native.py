@@ -15,8 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from musacache import _native, _version
-from musacache._errors import (
+from musacache import (
     ConfigError,
     CorruptChunkError,
     InvalidInputError,
@@ -24,6 +23,8 @@ from musacache._errors import (
     NativeBuildError,
     NativeError,
     SlotRangeError,
+    _native,
+    _version,
 )
 
 SIMD_LEVELS = _native.SIMD_LEVELS[: _native.SIMD_LEVELS.index(_native.max_simd_level()) + 1]

@@ -87,34 +87,3 @@ def test_native_transfer_refuses_a_negated_or_shrunk_dense_tensor():
         transfer.gather(caches, slots, short, "vllm")
     with pytest.raises(mc.InvalidInputError, match="storage"):
         transfer.scatter(short, caches, slots, "vllm")
-
-
-async def test_the_cache_never_asks_its_own_slots_for_their_storage(monkeypatch, tmp_path):
-    """Asking a tensor for its storage makes torch keep a Python object on that storage, and
-    the storage's free then holds the GIL: for a pool segment, a worker thread unmapping it
-    stopped the event loop for 20 to 60 ms as the cache closed (the storage check, made on
-    the cache's own slot views by the codec and by retrieve). Only tensors a caller hands in
-    are asked."""
-    spec = mc.KVSpec(2, 2, 8, torch.float32)
-    asked: list[int] = []
-    real = torch.Tensor.untyped_storage
-
-    def recording(self: torch.Tensor) -> torch.UntypedStorage:
-        st = real(self)
-        asked.append(st.data_ptr())
-        return st
-
-    monkeypatch.setattr(torch.Tensor, "untyped_storage", recording)
-    caches = [torch.randn(2, 8, 4, 2, 8) for _ in range(2)]
-    slots = torch.arange(4 * CH, dtype=torch.int64)
-    cfg = mc.CacheConfig(spec, "own", chunk_size=CH, tiers=(
-        mc.HostTier(capacity_bytes=spec.nbytes(CH) * 4),
-        mc.DiskTier(path=str(tmp_path), capacity_bytes="1MiB")))
-    toks = list(range(4 * CH))
-    async with mc.Cache(cfg) as c:
-        await c.store(toks, caches, slots)
-        await c.put(list(range(100, 100 + 4 * CH)), torch.randn(spec.shape(4 * CH)))  # evicts
-        await c.flush()
-        assert await c.retrieve(toks, caches, slots) == 4 * CH
-        segments = {seg.data_ptr() for seg in c._engine.mem[0].pool._segments.values()}
-    assert segments and not segments & set(asked)

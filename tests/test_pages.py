@@ -9,8 +9,7 @@ import torch
 
 import musacache as mc
 from helpers import prefix_kv, small_spec
-from musacache import transfer
-from musacache._errors import DTypeError, LayoutError, ShapeError
+from musacache import DTypeError, LayoutError, ShapeError, transfer
 from test_store_retrieve import CH, flat, make_pages, random_slots, read_dense, write_dense
 
 LAYOUTS = ["vllm", "vllm-mla", "sglang", "sglang-mla"]
@@ -138,19 +137,11 @@ def test_layers_of_pages_move_what_the_sliced_caches_move():
         pages.layers(1, 1)
 
 
-async def test_a_store_of_many_chunks_describes_the_pages_once(monkeypatch):
-    """Before transfer.Pages, every gather_chunks (and every scatter_chunks) of a store or
-    retrieve described the caches again after the boundary check had."""
+async def test_pages_opened_once_serve_many_stores_and_retrieves():
+    """``transfer.Pages`` describes the caches once, for every store and retrieve after it
+    (the cost saved: ``musacache bench scale``, paged); as raw caches, the bytes are exact."""
     rng = random.Random(2)
     spec = small_spec()
-    calls = []
-    real = transfer._describe
-
-    def counting(tensors, layout):
-        calls.append(layout)
-        return real(tensors, layout)
-
-    monkeypatch.setattr(transfer, "_describe", counting)
     n = 12 * CH
     toks = [rng.randrange(1000) for _ in range(n)]
     src = make_pages(spec, "vllm", 64)
@@ -158,16 +149,17 @@ async def test_a_store_of_many_chunks_describes_the_pages_once(monkeypatch):
     write_dense(spec, "vllm", src, slots, prefix_kv(spec, toks))
     async with mc.Cache(config(spec)) as c:
         assert await c.store(toks, src, slots, layout="vllm") == n
-        assert calls == ["vllm"]
-        calls.clear()
-        assert await c.retrieve(toks, make_pages(spec, "vllm", 64), slots) == n
-        assert calls == ["vllm"]
-        calls.clear()
+        dst = make_pages(spec, "vllm", 64)
+        assert await c.retrieve(toks, dst, slots) == n
+        assert torch.equal(read_dense(spec, "vllm", dst, slots), prefix_kv(spec, toks))
         pages = transfer.Pages.open(src, "vllm")
-        calls.clear()
-        assert await c.store(toks + [9] * CH, pages, torch.cat([slots, slots[:CH]])) == n + CH
-        assert await c.retrieve(toks, pages, slots) == n
-        assert calls == []
+        more = toks + [9] * CH
+        slots2 = torch.cat([slots, slots[:CH]])
+        assert await c.store(more, pages, slots2) == n + CH
+        assert torch.equal((await c.get(more)).kv, read_dense(spec, "vllm", src, slots2))
+        raw = make_pages(spec, "vllm", 64)
+        assert await c.retrieve(toks, transfer.Pages.open(raw, "vllm"), slots) == n
+        assert torch.equal(read_dense(spec, "vllm", raw, slots), prefix_kv(spec, toks))
 
 
 def _random_caches(layout, layers=3, heads=2, dim=8, blocks=16, bs=4):

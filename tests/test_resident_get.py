@@ -1,6 +1,7 @@
-"""A get of chunks held by a host top tier copies them by slot address, in one native call
-(``musacache.engine.resident``): the same bytes as the general path for every layout of ``out``,
-no view per chunk, pins held for the copy and let go of whatever happens."""
+"""A get of chunks held by a host top tier copies them by slot address
+(``musacache.engine.resident``): the same bytes as the general path for every layout of
+``out``, with the rest of a prompt read from below, pins held for the copy and let go of
+whatever happens. Its speed against a plain copy: ``musacache bench cache``."""
 
 from __future__ import annotations
 
@@ -16,31 +17,28 @@ from hypothesis import strategies as st
 import musacache as mc
 import musacache.cache as engine_mod
 from helpers import host_config, prefix_kv, small_spec
-from musacache import _native
-from musacache.engine.reads import Reads
-from musacache.tiers.memory import MemoryPool
 
 CH = 16
 
 
-def _spy(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """Counts the native row copies and the slot views (one per chunk on the general path)."""
-    calls = {"scatter": 0, "chunks": 0, "view": 0}
-    scatter, view = _native.scatter_rows, MemoryPool.view
+async def _pins(c: mc.Cache) -> int:
+    return int((await c.stats())["pins"])
 
-    def counting_scatter(*a, **k):
-        calls["scatter"] += 1
-        starts = k.get("chunk_starts")
-        calls["chunks"] += 1 if starts is None else len(starts) - 1
-        return scatter(*a, **k)
 
-    def counting_view(self, *a, **k):
-        calls["view"] += 1
-        return view(self, *a, **k)
-
-    monkeypatch.setattr(_native, "scatter_rows", counting_scatter)
-    monkeypatch.setattr(MemoryPool, "view", counting_view)
-    return calls
+async def _on_disk_with_host_head(spec: mc.KVSpec, path: str, toks: list[int],
+                                  head: int) -> mc.Cache:
+    """An open cache over a host tier and a disk holding all of ``toks``, with only the
+    first ``head`` tokens' chunks back in host memory."""
+    tiers = (mc.HostTier(spec.nbytes(CH) * 8),
+             mc.DiskTier(path=path, capacity_bytes=1 << 24, write_through=True))
+    async with mc.Cache(host_config(spec, tiers=tiers, inline_copy_bytes=0)) as c:
+        assert await c.put(toks, prefix_kv(spec, toks)) == len(toks)
+    c = mc.Cache(host_config(spec, tiers=tiers, inline_copy_bytes=0))
+    await c.open()
+    assert (await c.get(toks[:head])).num_tokens == head  # promoted back after the get
+    await c.flush()
+    assert (await c.stats())["tiers"]["host"]["chunks"] == head // CH
+    return c
 
 
 def _outs(spec: mc.KVSpec, n: int) -> dict[str, torch.Tensor]:
@@ -70,76 +68,62 @@ SPECS = {
 
 
 @pytest.mark.parametrize("name", list(SPECS))
-async def test_every_layout_of_out_gets_the_bytes_put(name, monkeypatch):
+async def test_every_layout_of_out_gets_the_bytes_put(name):
     spec = SPECS[name]
     toks = list(range(1000, 1000 + 5 * CH + 7))  # five whole chunks and a short one
     want = prefix_kv(spec, toks)
-    calls = _spy(monkeypatch)
     async with mc.Cache(host_config(spec, chunks=16, inline_copy_bytes=0)) as c:
         await c.put(toks, want)
+        # (rows that are not contiguous, "strided_dim", take the general path)
         for layout, out in _outs(spec, len(toks)).items():
             out.fill_(-1)
-            before = dict(calls)
             hit = await c.get(toks, out=out)
             assert hit.num_tokens == len(toks) and hit.tiers == {"host": len(toks)}, layout
             assert torch.equal(out, want), layout
             assert hit.kv.data_ptr() == out.data_ptr(), layout
-            if layout == "strided_dim":  # rows that are not contiguous: the general path
-                assert calls["view"] - before["view"] == 6, layout
-                continue
-            assert calls["scatter"] - before["scatter"] == 1, layout
-            assert calls["chunks"] - before["chunks"] == 6, layout
-            assert calls["view"] == before["view"], layout  # no view of any slot
         hit = await c.get(toks)
         assert torch.equal(hit.kv, want)
-        assert c._engine.pins_held == 0
+        assert await _pins(c) == 0
 
 
-async def test_a_match_that_ends_inside_a_chunk(spec, monkeypatch):
-    calls = _spy(monkeypatch)
+async def test_a_match_that_ends_inside_a_chunk(spec):
     toks = list(range(3 * CH + 8))
     async with mc.Cache(host_config(spec, chunks=8, inline_copy_bytes=0)) as c:
         await c.put(toks, prefix_kv(spec, toks))
         for n in (3 * CH + 5, 2 * CH + 3, 2 * CH + 8):  # within the short chunk, the third
-            calls["scatter"] = 0
             hit = await c.get(toks[:n])
-            assert hit.num_tokens == n
+            assert hit.num_tokens == n and hit.tiers == {"host": n}
             assert torch.equal(hit.kv, prefix_kv(spec, toks[:n]))
-            assert calls["scatter"] == 1
 
 
 async def test_the_rest_comes_from_below_after_the_leading_resident_chunks(spec, tmp_path):
     toks = list(range(6 * CH))
-    tiers = (mc.HostTier(spec.nbytes(CH) * 8), mc.DiskTier(path=str(tmp_path), capacity_bytes=1 << 24))
-    async with mc.Cache(host_config(spec, tiers=tiers, inline_copy_bytes=0)) as c:
-        await c.put(toks, prefix_kv(spec, toks))
-        await c.flush()
-        eng = c._engine
-        top = eng.mem[0]
-        assert await eng.evict(top, 2) == 2  # the leaves go first: the last two chunks
-        await c.flush()
+    c = await _on_disk_with_host_head(spec, str(tmp_path), toks, 4 * CH)
+    try:
         hit = await c.get(toks)
         assert hit.num_tokens == len(toks)
         assert hit.tiers == {"host": 4 * CH, "disk": 2 * CH}
         assert torch.equal(hit.kv, prefix_kv(spec, toks))
-        assert eng.pins_held == 0
+        await c.flush()  # (background promotions pin what they copy)
         st = await c.stats()
-        assert st["tiers"]["host"]["hits"] >= 4
+        assert st["pins"] == 0 and st["tiers"]["host"]["hits"] >= 4
+    finally:
+        await c.aclose()
 
 
-async def test_a_single_resident_chunk_then_disk_takes_the_general_path(spec, tmp_path,
-                                                                         monkeypatch):
-    calls = _spy(monkeypatch)
+async def test_a_single_resident_chunk_then_disk(spec, tmp_path):
+    # One chunk alone in host memory is not worth the address arrays: the general path.
     toks = list(range(3 * CH))
-    tiers = (mc.HostTier(spec.nbytes(CH) * 8), mc.DiskTier(path=str(tmp_path), capacity_bytes=1 << 24))
-    async with mc.Cache(host_config(spec, tiers=tiers, inline_copy_bytes=0)) as c:
-        await c.put(toks, prefix_kv(spec, toks))
-        await c.flush()
-        assert await c._engine.evict(c._engine.mem[0], 2) == 2
-        await c.flush()
-        hit = await c.get(toks)
-        assert torch.equal(hit.kv, prefix_kv(spec, toks))
-        assert calls["scatter"] == 0  # one chunk alone is not worth the arrays
+    c = await _on_disk_with_host_head(spec, str(tmp_path), toks, CH)
+    try:
+        out = torch.zeros(spec.shape(len(toks)), dtype=spec.dtype)
+        hit = await c.get(toks, out=out)
+        assert hit.tiers == {"host": CH, "disk": 2 * CH}
+        assert torch.equal(out, prefix_kv(spec, toks))
+        await c.flush()  # (background promotions pin what they copy)
+        assert await _pins(c) == 0
+    finally:
+        await c.aclose()
 
 
 async def test_eviction_and_delete_during_the_copy_keep_the_slots(spec):
@@ -167,10 +151,10 @@ async def test_eviction_and_delete_during_the_copy_keep_the_slots(spec):
             other = list(range(500, 500 + 4 * CH))
             assert await c.put(other, prefix_kv(spec, other)) == 0
             await c.delete(toks)
-            assert c._engine.pins_held == 4
+            assert await _pins(c) == 4
             gate.set()
         assert torch.equal(got["hit"].kv, prefix_kv(spec, toks))
-        assert c._engine.pins_held == 0
+        assert await _pins(c) == 0
         assert (await c.stats())["tiers"]["host"]["bytes_used"] == 0
 
 
@@ -204,7 +188,7 @@ async def test_a_cancelled_long_get_lets_go_of_every_pin():
         await c.put(toks, kv)
         for turns in (1, 2, 3, 4, 5, 6, None):
             await _cancel_get(c, toks, turns)
-            assert c._engine.pins_held == 0, turns
+            assert await _pins(c) == 0, turns
         hit = await c.get(toks)  # and the cache still serves it whole
         assert hit.num_tokens == n * CH and hit.kv.view(torch.int16).equal(kv.view(torch.int16))
 
@@ -230,7 +214,7 @@ def test_by_address_matches_the_general_path(layers, heads, dim, mla, chunks, ex
         async with mc.Cache(host_config(spec, chunks=chunks + 1, inline_copy_bytes=0)) as c:
             await c.put(toks, kv)
             hits = [await c.get(ask), await c.get(ask, out=out)]
-            assert c._engine.pins_held == 0
+            assert await _pins(c) == 0
         return [out], hits
 
     by_address = anyio.run(run)
@@ -250,29 +234,12 @@ def test_by_address_matches_the_general_path(layers, heads, dim, mla, chunks, ex
     assert raw(by_address[1][1].kv).equal(raw(kv.narrow(spec.token_dim, 0, len(ask))))
 
 
-def test_top_view_is_not_called_for_resident_chunks(monkeypatch):
-    spec = small_spec()
-    toks = list(range(40 * CH))
-    views = []
-    real = Reads.top_view
-    monkeypatch.setattr(Reads, "top_view", lambda self, e: views.append(e) or real(self, e))
-
-    async def main() -> None:
-        async with mc.Cache(host_config(spec, chunks=40)) as c:
-            await c.put(toks, prefix_kv(spec, toks))
-            hit = await c.get(toks)
-            assert torch.equal(hit.kv, prefix_kv(spec, toks))
-
-    anyio.run(main)
-    assert views == []
-
-
 @pytest.mark.parametrize("layout", ["vllm", "sglang", "vllm-mla"])
 @pytest.mark.parametrize("skip", [0, 5, CH, 2 * CH + 3])
-async def test_retrieve_into_host_pages_by_slot_address(layout, skip, monkeypatch, tmp_path):
-    """A retrieve into host pages takes the leading chunks the host tier holds by address
-    (no view of their slots), the rest (on disk here) the general way; holes (-1) and a
-    skipped prefix are left as they were."""
+async def test_retrieve_into_host_pages_by_slot_address(layout, skip, tmp_path):
+    """A retrieve into host pages takes the leading chunks the host tier holds by address,
+    the rest (on disk here) the general way; holes (-1) and a skipped prefix are left as
+    they were."""
     from test_store_retrieve import BS, make_pages, random_slots, read_dense
 
     spec = small_spec(mla=layout == "vllm-mla")
@@ -281,19 +248,13 @@ async def test_retrieve_into_host_pages_by_slot_address(layout, skip, monkeypatc
     n = len(toks)
     want = prefix_kv(spec, toks)
     nb = 4 * n // BS
-    calls = _spy(monkeypatch)
-    tiers = (mc.HostTier(spec.nbytes(CH) * 8), mc.DiskTier(path=str(tmp_path), capacity_bytes=1 << 24))
-    async with mc.Cache(host_config(spec, tiers=tiers, inline_copy_bytes=0)) as c:
-        assert await c.put(toks, want) == n
-        await c.flush()
-        eng = c._engine
-        assert await eng.evict(eng.mem[0], 1) == 1  # the short last chunk: to disk only
-        await c.flush()
+    # the five whole chunks in host memory, the short last one on disk only
+    c = await _on_disk_with_host_head(spec, str(tmp_path), toks, 5 * CH)
+    try:
         pages = make_pages(spec, layout, nb)
         slots = random_slots(n, nb, random.Random(skip))
         holes = [int(i) for i in rng.choice(n, 3, replace=False)]
         slots[holes] = -1
-        views = calls["view"]
         got = await c.retrieve(toks, pages, slots, layout=layout, skip_prefix=skip)
         assert got == n - skip
         after = read_dense(spec, layout, pages, slots.clamp(min=0))
@@ -303,7 +264,7 @@ async def test_retrieve_into_host_pages_by_slot_address(layout, skip, monkeypatc
             if i < skip or i in holes:
                 continue
             assert torch.equal(col, want.narrow(td, i, 1)), i
-        assert calls["scatter"] >= 1
-        # one view for the chunk read from disk (its promotion's slot), none for the rest
-        assert calls["view"] - views <= 2
-        assert eng.pins_held == 0
+        await c.flush()  # (background promotions pin what they copy)
+        assert await _pins(c) == 0
+    finally:
+        await c.aclose()

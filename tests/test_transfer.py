@@ -12,14 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from musacache import _native, transfer
-from musacache._errors import (
+from musacache import (
     DeviceError,
     DTypeError,
     InvalidInputError,
     LayoutError,
     ShapeError,
     SlotRangeError,
+    _native,
+    transfer,
 )
 from musacache._spec import KVSpec
 from musacache.transfer import relay as _relay
@@ -365,18 +366,14 @@ def fake_musa(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[ModuleType 
 
 
 def test_musa_without_aiter_uses_torch_ops(fake_musa: Callable[[ModuleType | None], None],
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
+                                           ) -> None:
     fake_musa(None)
     assert transfer.backend_for(torch.zeros(1)) == "torch"
-    used: list[bool] = []
-    original = transfer._torch_transfer
-    monkeypatch.setattr(transfer, "_torch_transfer",
-                        lambda *a, **k: (used.append(True), original(*a, **k))[1])
     caches = vllm_caches()
     slots = [1, 2, 3, -1, 9]
     out = torch.zeros(L, 2, 5, H, D, dtype=torch.bfloat16)
     transfer.gather(caches, slots, out, "vllm")
-    assert used and torch.equal(out, reference_vllm_gather(caches, slots, torch.zeros_like(out)))
+    assert torch.equal(out, reference_vllm_gather(caches, slots, torch.zeros_like(out)))
 
 
 @pytest.mark.parametrize(

@@ -19,8 +19,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from musacache import _native, devices, transfer
-from musacache._errors import DeviceError, InvalidInputError, ShapeError, SlotRangeError
+from musacache import (
+    DeviceError,
+    InvalidInputError,
+    ShapeError,
+    SlotRangeError,
+    _native,
+    devices,
+    transfer,
+)
 from musacache.transfer import relay as _relay
 from musacache.transfer import triton as _kernels
 
@@ -196,26 +203,6 @@ def test_scatter_chunks_matches_reference(req: dict[str, Any]) -> None:
     expected = reference_scatter(concat(srcs, layout), caches, layout, slots)
     transfer.scatter_chunks(srcs, caches, np.array(slots, dtype=np.int64), layout)
     assert all(torch.equal(a, b) for a, b in zip(flat(caches), flat(expected), strict=True))
-
-
-def test_one_native_call_moves_every_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[dict[str, Any]] = []
-    real = _native.gather_rows
-
-    def counting(*args: Any, **kwargs: Any) -> None:
-        calls.append(kwargs)
-        real(*args, **kwargs)
-
-    monkeypatch.setattr(_native, "gather_rows", counting)
-    caches = make_caches("vllm", 4)
-    sizes = [4, 4, 4, 3]
-    slots = list(range(15))
-    dsts = chunk_tensors("vllm", 4, sizes, [False] * 4)
-    transfer.gather_chunks(caches, torch.tensor(slots), dsts, "vllm")
-    assert len(calls) == 1 and list(calls[0]["chunk_starts"]) == [0, 4, 8, 12, 15]
-    expected = reference_gather(caches, "vllm", slots, torch.zeros(4, 2, 15, H, D,
-                                                                   dtype=torch.bfloat16))
-    assert torch.equal(concat(dsts, "vllm"), expected)
 
 
 def test_runs_do_not_cross_chunks() -> None:
