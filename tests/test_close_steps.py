@@ -91,7 +91,8 @@ async def test_persisting_on_close_looks_at_a_batch_of_entries_per_step():
     sorted them all): 0.8 to 1.2 s of loop time at a million entries. Seen in stats(): the
     chunks it has found to persist grow by at most a batch a turn."""
     n = 40 * 64
-    c = mc.Cache(_with_store(n + 64))
+    # A close_timeout no loaded machine reaches: stats() sampled every turn slows the close.
+    c = mc.Cache(_with_store(n + 64, close_timeout=300))
     await c.open()
     await _fill(c, n)
     found = [st["close"]["to_persist"] for st in await stats_per_turn(c, c.aclose)]

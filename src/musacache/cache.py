@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -41,7 +41,7 @@ from musacache.engine.resident import release as release_resident
 from musacache.engine.tasks import TaskOwner
 from musacache.engine.tee import Tee
 from musacache.engine.tierstate import MemTier, StoreTier, Tier
-from musacache.stats import CloseReport, OpCounts
+from musacache.stats import CloseReport, OpCounts, as_dict
 from musacache.tiers.base import StorageTier, TierContext
 from musacache.transfer import _scatter_own
 
@@ -603,11 +603,11 @@ class Cache:
             "chunks": len(eng.dir) if eng else 0,
             "pins": eng.pins_held if eng else 0,
             "tiers": {t.name: t.stats() for t in eng.tiers} if eng else {},
-            "ops": asdict(self._ops),
-            "in_flight": {**(asdict(eng.inflight) if eng else {}),
+            "ops": as_dict(self._ops),
+            "in_flight": {**(as_dict(eng.inflight) if eng else {}),
                           "background": self._tasks.running},
-            "tokens": asdict(eng.tok) if eng else {},
-            "close": asdict(self._close),
+            "tokens": as_dict(eng.tok) if eng else {},
+            "close": as_dict(self._close),
             "capabilities": {k: devices.capabilities(k).to_dict()
                              for k in ("cpu", *devices.ACCELERATORS)},
         }

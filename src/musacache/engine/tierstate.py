@@ -11,7 +11,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict
 from typing import Any
 
 import anyio
@@ -23,7 +22,7 @@ from musacache._errors import ConfigError
 from musacache._executor import Executor
 from musacache.engine.directory import Entry
 from musacache.engine.lru import KeyLRU, SlotLRU
-from musacache.stats import MemoryTierStats, StorageTierStats
+from musacache.stats import MemoryTierStats, StorageTierStats, as_dict
 from musacache.tiers.base import ChunkMeta, StorageTier
 from musacache.tiers.memory import MemoryPool, Slot
 
@@ -110,7 +109,7 @@ class MemTier:
 
     def stats(self) -> dict[str, Any]:
         return {"kind": "device" if self.device.type != "cpu" or self.name == "device" else "host",
-                "device": str(self.device), "pinned": self.pool.pinned, **asdict(self.c),
+                "device": str(self.device), "pinned": self.pool.pinned, **as_dict(self.c),
                 "bytes_used": self.pool.bytes_used, "bytes_allocated": self.pool.bytes_allocated,
                 "capacity_bytes": self.capacity_bytes, "chunks": len(self.lru),
                 "slot_bytes": self.pool.slot_bytes}
@@ -295,7 +294,7 @@ class StoreTier:
         return False
 
     def stats(self) -> dict[str, Any]:
-        return {"kind": self.store.kind, **asdict(self.c), "bytes_used": self.used,
+        return {"kind": self.store.kind, **as_dict(self.c), "bytes_used": self.used,
                 "capacity_bytes": self.capacity, "chunks": len(self.lru),
                 "pending_writes": len(self.pending), "pending_bytes": self.pending_bytes,
                 "codec": self.store.codec, "write_through": self.store.write_through,

@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -38,7 +37,7 @@ import torch
 from .._errors import CacheClosedError, CacheUnavailableError, ConfigError, MusaCacheError
 from .._spec import KVSpec
 from .._validate import positive_float
-from ..stats import SGLangStats
+from ..stats import SGLangStats, as_dict
 from ._loop import MAX_TIMEOUT_S, LoopThread
 
 try:
@@ -311,7 +310,7 @@ class MusaCacheStorage(HiCacheStorage):
             self._fault("clear", e)
 
     def get_stats(self) -> dict[str, int]:
-        return asdict(self.counters)
+        return as_dict(self.counters)
 
 
 def _pool_identity(pool: Any) -> str:

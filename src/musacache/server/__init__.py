@@ -63,7 +63,7 @@ from musacache.cache import Cache
 from musacache.ipc import _messages as msgs
 from musacache.server.peer import Handler, Peer, Registration, Usage
 from musacache.server.spawn import SpawnedServer, spawn
-from musacache.stats import ServerCounters
+from musacache.stats import ServerCounters, as_dict
 
 __all__ = ["OPS", "Server", "ServerConfig", "SpawnedServer", "main", "spawn"]
 
@@ -948,7 +948,7 @@ class Server:
     def _server_stats(self) -> dict[str, Any]:
         workers = [p for p in self._peers if not p.monitor]
         return {
-            **dataclasses.asdict(self.counters),
+            **as_dict(self.counters),
             "version": __version__,
             "socket": self.config.socket_path,
             # Monitors (musacache stats itself) are counted apart from the workers they watch.

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import errno
 import fcntl
 import functools
@@ -86,7 +85,7 @@ from .._executor import Executor
 from .._keys import KEY_BYTES, Fingerprint
 from .._validate import boolean, parse_size, positive_float, positive_int
 from ..codec import CODECS, HEADER_SIZE, read_chunk_into, read_chunk_to, read_header
-from ..stats import DiskStats
+from ..stats import DiskStats, as_dict
 from ._ordering import KeyOrder
 from .base import (
     NOT_TRIED,
@@ -741,7 +740,7 @@ class DiskStore(StorageTier):
                 os.unlink(folder / n)
 
     def stats(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self._c), "kind": self.kind, "files": len(self._names),
+        return {**as_dict(self._c), "kind": self.kind, "files": len(self._names),
                 "stuck_reads": self._stuck, "path": str(self._root or "")}
 
     def __repr__(self) -> str:

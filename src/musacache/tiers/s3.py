@@ -45,7 +45,7 @@ import re
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import anyio
@@ -63,7 +63,7 @@ from .._validate import (
     positive_int,
 )
 from ..codec import CODECS
-from ..stats import S3Stats
+from ..stats import S3Stats, as_dict
 from ._ordering import KeyOrder
 from .base import (
     ChunkListing,
@@ -623,7 +623,7 @@ class S3Store(StorageTier):
         self._log.warn(self.name, f"{op} ({kind})", message)
 
     def stats(self) -> dict[str, Any]:
-        return {**asdict(self._c), "kind": self.kind, "known_objects": len(self._known),
+        return {**as_dict(self._c), "kind": self.kind, "known_objects": len(self._known),
                 "listings_kept": len(self._listings)}
 
     def __repr__(self) -> str:
