@@ -165,14 +165,8 @@ class Executor:
             if call.state != _QUEUED:
                 return False
             call.state = _TAKEN_BACK
-            lane = call.lane
-            if lane is not None:
-                try:
-                    lane._waiting.remove(call)
-                except ValueError:  # handed to a thread already: the thread skips it
-                    pass
-                else:
-                    return True
+            if call.lane is not None and call in call.lane._waiting:
+                call.lane._waiting.remove(call)  # else handed to a thread, which skips it
         return True
 
     def _main(self) -> None:

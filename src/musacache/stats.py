@@ -296,8 +296,8 @@ _NAMES: dict[type, tuple[str, ...]] = {}
 
 
 def as_dict(record: Any) -> dict[str, Any]:
-    """``dataclasses.asdict`` of a record of this module, whose fields are plain values:
-    without its deep copy, which made ``stats()`` several times dearer."""
+    """``dataclasses.asdict`` of a record of this module without its deep copy: the fields
+    are plain values, and ``stats()`` may be sampled every turn of the loop."""
     cls = type(record)
     names = _NAMES.get(cls)
     if names is None:
