@@ -31,3 +31,17 @@ def test_core_api_names_exist():
     for name in ("Cache", "CacheConfig", "KVSpec", "HostTier", "DeviceTier", "Hit",
                  "StorageTier", "devices"):
         assert name in musacache.__all__
+
+
+def test_ipc_exports_memory_and_event_ipc_but_not_the_wire():
+    from musacache import ipc
+
+    public = {n for n in dir(ipc) if not n.startswith("_")
+              and not isinstance(getattr(ipc, n), types.ModuleType)}
+    assert public == set(ipc.__all__)
+    assert {"empty_shared", "to_shared", "share", "open_tensor", "MappingTable",
+            "IpcEvent", "event_ipc_capability"} <= public
+    # Frames, fd passing and the socket plumbing are the server's and client's business.
+    for name in ("Connection", "FrameDecoder", "Request", "Reply", "send_with_fds",
+                 "recv_with_fds", "peer_credentials", "encode_frame", "MAGIC"):
+        assert name not in public, name

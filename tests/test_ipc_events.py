@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from musacache._errors import IPCError, ProtocolError
-from musacache.ipc import Connection, IpcEvent, Request, _events, event_ipc_capability
+from musacache.ipc import IpcEvent, _events, event_ipc_capability
+from musacache.ipc._wire import Connection, Request
 
 
 def open_fd_count() -> int:

@@ -21,11 +21,9 @@ import torch
 
 from musacache._errors import DeviceError, IPCError, ProtocolError
 from musacache.ipc import (
-    Connection,
     ExportTable,
     IpcEvent,
     MappingTable,
-    Request,
     TensorHandle,
     empty_shared,
     is_shareable,
@@ -34,6 +32,7 @@ from musacache.ipc import (
     share,
     to_shared,
 )
+from musacache.ipc._wire import Connection, Request
 
 MEMFD_NAME = "memfd:musacache-shared"
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from musacache import _errors
 from musacache._errors import CacheUnavailableError, MusaCacheError, ProtocolError
-from musacache.ipc import (
+from musacache.ipc._wire import (
     HEADER_SIZE,
     MAGIC,
     MAX_FDS_PER_FRAME,

@@ -17,6 +17,7 @@ import torch
 import musacache as mc
 from helpers import prefix_kv, small_spec
 from musacache import ipc
+from musacache.ipc import _wire as proto
 from musacache.server import Server, ServerConfig
 from server_utils import (
     ServerProcess,
@@ -177,9 +178,9 @@ def test_bad_frames_get_errors_and_others_keep_being_served(server):
                 if kind == 0:
                     payload = rng.randbytes(rng.randrange(1, 200))
                 elif kind == 1:  # a valid header announcing a huge body
-                    payload = struct.pack(">2sBBI", b"MK", ipc.PROTOCOL_VERSION, 0, 2**31)
+                    payload = struct.pack(">2sBBI", b"MK", proto.PROTOCOL_VERSION, 0, 2**31)
                 else:  # a well-formed frame with an unknown op
-                    payload = ipc.encode_request(1, "no_such_op", {})
+                    payload = proto.encode_request(1, "no_such_op", {})
                 s.sendall(payload)
                 s.settimeout(5)
                 try:

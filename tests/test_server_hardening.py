@@ -22,6 +22,7 @@ import torch
 import musacache as mc
 from helpers import prefix_kv, small_spec
 from musacache import ipc
+from musacache.ipc import _wire as proto
 from musacache.server import Server, ServerConfig, _listen
 from server_utils import ServerProcess, pages_for, write_config, write_tiers_config
 
@@ -39,12 +40,12 @@ class RawPeer:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.connect(path)
         self.sock.settimeout(timeout)
-        self.decoder = ipc.FrameDecoder(expect="reply")
+        self.decoder = proto.FrameDecoder(expect="reply")
         self.ids = itertools.count(1)
 
     def send(self, op: str, args: dict[str, Any], fds: list[int] = ()) -> int:  # type: ignore[assignment]
         rid = next(self.ids)
-        frame = ipc.encode_request(rid, op, args, nfds=len(fds))
+        frame = proto.encode_request(rid, op, args, nfds=len(fds))
         self.send_raw(frame, fds)
         return rid
 
@@ -55,27 +56,27 @@ class RawPeer:
         else:
             self.sock.sendall(data)
 
-    def recv(self) -> ipc.Reply:
+    def recv(self) -> proto.Reply:
         while True:
             frame = self.decoder.next_frame()
             if frame is not None:
                 ipc.close_fds(frame.fds)
-                assert isinstance(frame, ipc.Reply)
+                assert isinstance(frame, proto.Reply)
                 return frame
             data, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, 8)
             if not data:
                 raise ConnectionError("the server closed the connection")
             self.decoder.feed(data, fds)
 
-    def call(self, op: str, args: dict[str, Any], fds: list[int] = ()) -> ipc.Reply:  # type: ignore[assignment]
+    def call(self, op: str, args: dict[str, Any], fds: list[int] = ()) -> proto.Reply:  # type: ignore[assignment]
         rid = self.send(op, args, fds)
         reply = self.recv()
         assert reply.id == rid
         return reply
 
     def hello(self, spec: mc.KVSpec | None = None, namespace: str = "srv",
-              tenant: str | None = None) -> ipc.Reply:
-        args: dict[str, Any] = {"protocol": ipc.PROTOCOL_VERSION}
+              tenant: str | None = None) -> proto.Reply:
+        args: dict[str, Any] = {"protocol": proto.PROTOCOL_VERSION}
         if spec is None:
             args["monitor"] = True
         else:
@@ -88,7 +89,7 @@ class RawPeer:
         self.sock.close()
 
 
-def error_type(reply: ipc.Reply) -> str:
+def error_type(reply: proto.Reply) -> str:
     assert reply.error is not None, f"expected an error, got {reply.result!r}"
     return reply.error["type"]
 
@@ -452,7 +453,7 @@ async def test_a_peer_that_never_reads_its_replies_cannot_grow_the_server(tmp_pa
         peer.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         peer.sock.setblocking(False)
         # stats: a reply of kilobytes, so the socket fills after a few dozen of them
-        frames = b"".join(ipc.encode_request(i + 10, "stats", {}) for i in range(400))
+        frames = b"".join(proto.encode_request(i + 10, "stats", {}) for i in range(400))
         sent = 0
         for _ in range(300):  # a few seconds of sending, never reading
             try:
@@ -551,7 +552,7 @@ async def test_a_hello_refused_at_the_door_leaves_the_hello_clock_running(tmp_pa
         fds = [os.eventfd(0) for _ in range(2)]
         try:
             reply = await asyncio.to_thread(
-                peer.call, "hello", {"protocol": ipc.PROTOCOL_VERSION, "monitor": True}, fds)
+                peer.call, "hello", {"protocol": proto.PROTOCOL_VERSION, "monitor": True}, fds)
         finally:
             for fd in fds:
                 os.close(fd)
@@ -573,7 +574,7 @@ async def test_a_second_hello_refused_while_the_first_opens_its_cache_keeps_the_
     _open_caches_slowly(monkeypatch, 0.6)
     cfg = ServerConfig(str(tmp_path / "t" / "s.sock"), tiers=(mc.HostTier(spec.nbytes(CH) * 8),),
                        chunk_size=CH, hello_timeout=0.3)
-    args = {"protocol": ipc.PROTOCOL_VERSION, "namespace": "srv", "spec": spec.to_dict(),
+    args = {"protocol": proto.PROTOCOL_VERSION, "namespace": "srv", "spec": spec.to_dict(),
             "chunk_size": CH}
     async with Server(cfg) as srv:
         serving = asyncio.create_task(srv.serve_forever())
@@ -663,7 +664,7 @@ def empty_array_flood(n: int) -> bytes:
     body = (b"\x83" + msgpack.packb("id") + msgpack.packb(7) + msgpack.packb("op")
             + msgpack.packb("lookup") + msgpack.packb("args") + b"\x81"
             + msgpack.packb("tokens") + b"\xdd" + n.to_bytes(4, "big") + b"\x90" * n)
-    return struct.pack(">2sBBI", ipc.MAGIC, ipc.PROTOCOL_VERSION, 0, len(body)) + body
+    return struct.pack(">2sBBI", proto.MAGIC, proto.PROTOCOL_VERSION, 0, len(body)) + body
 
 
 def test_a_frame_cannot_amplify_into_server_memory(one_cache):
@@ -678,7 +679,7 @@ def test_a_frame_cannot_amplify_into_server_memory(one_cache):
     deep = b"\x91" * 5000 + b"\xc0"
     body = (b"\x83" + msgpack.packb("id") + msgpack.packb(8) + msgpack.packb("op")
             + msgpack.packb("stats") + msgpack.packb("args") + deep)
-    peer.send_raw(struct.pack(">2sBBI", ipc.MAGIC, ipc.PROTOCOL_VERSION, 0, len(body)) + body)
+    peer.send_raw(struct.pack(">2sBBI", proto.MAGIC, proto.PROTOCOL_VERSION, 0, len(body)) + body)
     assert error_type(peer.recv()) == "ProtocolError"
     growth_mib = (proc.status("VmHWM") - peak_before) / 1024
     assert growth_mib < 64, f"the server's peak RSS grew by {growth_mib:.0f} MiB"
@@ -704,14 +705,14 @@ def test_malformed_requests_are_protocol_errors_without_tracebacks(one_cache):
         "a string timeout": ("prefetch", {"tokens": toks, "timeout": "soon"}),
         "handles not a list": ("register", {"layout": "vllm", "handles": "all of them"}),
         "slots for other tokens": ("retrieve", {"tokens": toks, "slots": b"\0" * 8, "reg": 1}),
-        "a second hello": ("hello", {"protocol": ipc.PROTOCOL_VERSION, "monitor": True}),
+        "a second hello": ("hello", {"protocol": proto.PROTOCOL_VERSION, "monitor": True}),
     }
     for what, (op, args) in bad.items():
         reply = peer.call(op, args)
         assert error_type(reply) == "ProtocolError", (what, reply.error)
     peer.close()
     hello = RawPeer(proc.sock)
-    assert error_type(hello.call("hello", {"protocol": ipc.PROTOCOL_VERSION,
+    assert error_type(hello.call("hello", {"protocol": proto.PROTOCOL_VERSION,
                                            "namespace": "x", "spec": "no"})) == "ProtocolError"
     hello.close()
     assert proc.alive()

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 import musacache as mc
 from helpers import prefix_kv, small_spec
 from musacache import ipc
+from musacache.ipc import _wire as proto
 from musacache.server import Server, ServerConfig
 from musacache.server import client as client_mod
 
@@ -53,47 +54,47 @@ _VALUES = st.one_of(st.none(), st.booleans(), st.integers(-(1 << 63), (1 << 64) 
 @given(rid=_IDS, op=st.sampled_from(["get", "lookup", "put", "stats", "x" * 128]),
        args=st.one_of(st.none(), st.dictionaries(st.text(min_size=1, max_size=8), _VALUES,
                                                   max_size=4)),
-       nfds=st.integers(0, ipc.MAX_FDS_PER_FRAME), result=_VALUES)
+       nfds=st.integers(0, proto.MAX_FDS_PER_FRAME), result=_VALUES)
 def test_frames_are_byte_for_byte_what_msgpack_writes(rid: int, op: str, args: Any, nfds: int,
                                                       result: Any) -> None:
     """Requests and replies are packed from cached prefixes, one reused Packer and the id in
     its shortest msgpack form: the bytes must be exactly the header plus ``msgpack.packb`` of
     the body, whatever the id's size."""
     body = {"id": rid, "op": op, "args": {} if args is None else args}
-    frame = ipc.encode_request(rid, op, args, nfds=nfds)
+    frame = proto.encode_request(rid, op, args, nfds=nfds)
     packed = msgpack.packb(body, use_bin_type=True)
-    assert frame == HEADER.pack(b"MK", ipc.PROTOCOL_VERSION, nfds, len(packed)) + packed
+    assert frame == HEADER.pack(b"MK", proto.PROTOCOL_VERSION, nfds, len(packed)) + packed
     reply = msgpack.packb({"id": rid, "result": result}, use_bin_type=True)
-    expected = HEADER.pack(b"MK", ipc.PROTOCOL_VERSION, 0, len(reply)) + reply
-    assert ipc.encode_reply(rid, result) == expected
-    decoder = ipc.FrameDecoder()
+    expected = HEADER.pack(b"MK", proto.PROTOCOL_VERSION, 0, len(reply)) + reply
+    assert proto.encode_reply(rid, result) == expected
+    decoder = proto.FrameDecoder()
     if nfds == 0:  # (a frame that declares fds needs them to decode)
         decoder.feed(frame)
-        assert decoder.next_frame() == ipc.Request(rid, op, {} if args is None else args)
+        assert decoder.next_frame() == proto.Request(rid, op, {} if args is None else args)
     decoder.feed(expected)
-    assert decoder.next_frame() == ipc.Reply(rid, result)
+    assert decoder.next_frame() == proto.Reply(rid, result)
 
 
 def test_bad_ids_ops_and_sizes_are_still_refused() -> None:
     for rid in (-1, 1 << 64, 1.0, True, "1", None):
         with pytest.raises(mc.ProtocolError, match="request id"):
-            ipc.encode_request(rid, "get", {})  # type: ignore[arg-type]
+            proto.encode_request(rid, "get", {})  # type: ignore[arg-type]
         with pytest.raises(mc.ProtocolError, match="request id"):
-            ipc.encode_reply(rid, 1)  # type: ignore[arg-type]
+            proto.encode_reply(rid, 1)  # type: ignore[arg-type]
     for op in ("", "x" * 129, 3, None, ["get"]):
         with pytest.raises(mc.ProtocolError, match="op"):
-            ipc.encode_request(1, op, {})  # type: ignore[arg-type]
+            proto.encode_request(1, op, {})  # type: ignore[arg-type]
     with pytest.raises(mc.ProtocolError, match="fds"):
-        ipc.encode_request(1, "get", {}, nfds=ipc.MAX_FDS_PER_FRAME + 1)
+        proto.encode_request(1, "get", {}, nfds=proto.MAX_FDS_PER_FRAME + 1)
     with pytest.raises(mc.ProtocolError, match="cannot encode"):
-        ipc.encode_request(1, "get", {"x": object()})
+        proto.encode_request(1, "get", {"x": object()})
     with pytest.raises(mc.ProtocolError, match="exceeds the limit"):
-        ipc.encode_request(1, "get", {"x": b"a" * 200}, max_frame_size=100)
+        proto.encode_request(1, "get", {"x": b"a" * 200}, max_frame_size=100)
     with pytest.raises(mc.ProtocolError, match="exceeds the limit"):
-        ipc.encode_reply(1, b"a" * 200, max_frame_size=100)
+        proto.encode_reply(1, b"a" * 200, max_frame_size=100)
     # a failed pack leaves the thread's Packer clean for the next frame
     body = msgpack.packb({"id": 5, "result": 6})
-    assert ipc.encode_reply(5, 6) == HEADER.pack(b"MK", 1, 0, len(body)) + body
+    assert proto.encode_reply(5, 6) == HEADER.pack(b"MK", 1, 0, len(body)) + body
 
 
 def test_frames_made_on_several_threads_at_once_are_whole() -> None:
@@ -104,7 +105,7 @@ def test_frames_made_on_several_threads_at_once_are_whole() -> None:
         for i in range(2000):
             args = {"tokens": bytes([seed]) * (i % 97), "buf": i}
             body = msgpack.packb({"id": i, "op": "get", "args": args})
-            if ipc.encode_request(i, "get", args)[8:] != body:
+            if proto.encode_request(i, "get", args)[8:] != body:
                 failures.append(f"thread {seed} frame {i}")
 
     threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]

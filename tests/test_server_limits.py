@@ -15,6 +15,7 @@ import torch
 import musacache as mc
 from helpers import small_spec
 from musacache import ipc
+from musacache.ipc import _wire as proto
 from musacache.server import Server, ServerConfig
 from server_utils import pages_for
 from test_server_hardening import CH, RawPeer, error_type, tok_bytes
@@ -51,7 +52,7 @@ def ended_with(peer: RawPeer) -> str:
 
 def park_fds(peer: RawPeer, n: int) -> None:
     """A frame header that declares ``n`` fds, sent with them, and a body that never comes."""
-    header = b"MK" + bytes([ipc.PROTOCOL_VERSION, n]) + struct.pack(">I", 1 << 16)
+    header = b"MK" + bytes([proto.PROTOCOL_VERSION, n]) + struct.pack(">I", 1 << 16)
     fds = [os.open("/dev/null", os.O_RDONLY) for _ in range(n)]
     socket.send_fds(peer.sock, [header[:1]], fds)
     peer.sock.sendall(header[1:])
@@ -110,7 +111,7 @@ async def test_memory_mappings_are_bounded_per_connection_and_in_all(tmp_path):
     async with Server(cfg) as srv:
         serving = asyncio.create_task(srv.serve_forever())
 
-        def register(peer: RawPeer) -> ipc.Reply:
+        def register(peer: RawPeer) -> proto.Reply:
             pages = pages_for(spec, NB, BS)
             handles = [ipc.share(p) for p in pages]
             return peer.call("register", {"layout": "vllm",
@@ -152,7 +153,7 @@ async def test_staging_and_incomplete_frames_are_bounded_in_all(tmp_path):
         serving = asyncio.create_task(srv.serve_forever())
 
         def partial_frame(peer: RawPeer) -> None:
-            header = b"MK" + bytes([ipc.PROTOCOL_VERSION, 0]) + struct.pack(">I", 250 * kib)
+            header = b"MK" + bytes([proto.PROTOCOL_VERSION, 0]) + struct.pack(">I", 250 * kib)
             peer.sock.sendall(header + b"\0" * (200 * kib))
 
         def attack() -> tuple[str, str, list[RawPeer]]:
@@ -197,7 +198,7 @@ async def test_a_cache_no_connection_uses_makes_room_for_another(tmp_path):
                 p.hello(spec, tenant=tenant)
                 kept.append(p)
             late = RawPeer(cfg.socket_path)
-            reply = late.call("hello", {"protocol": ipc.PROTOCOL_VERSION, "namespace": "srv",
+            reply = late.call("hello", {"protocol": proto.PROTOCOL_VERSION, "namespace": "srv",
                                         "spec": spec.to_dict(), "chunk_size": CH,
                                         "tenant": "late"})
             return error_type(reply), [*kept, late]
@@ -263,13 +264,13 @@ async def test_a_second_hello_sent_at_once_is_refused(tmp_path):
     async with Server(cfg) as srv:
         serving = asyncio.create_task(srv.serve_forever())
 
-        def hellos() -> list[ipc.Reply]:
+        def hellos() -> list[proto.Reply]:
             peer = RawPeer(cfg.socket_path)
-            args = [{"protocol": ipc.PROTOCOL_VERSION, "namespace": ns, "spec": s.to_dict(),
+            args = [{"protocol": proto.PROTOCOL_VERSION, "namespace": ns, "spec": s.to_dict(),
                      "chunk_size": CH, "tenant": None}
                     for ns, s in (("A", spec), ("B", small_spec(dtype=torch.float16)))]
-            peer.send_raw(ipc.encode_request(1, "hello", args[0])
-                          + ipc.encode_request(2, "hello", args[1]))
+            peer.send_raw(proto.encode_request(1, "hello", args[0])
+                          + proto.encode_request(2, "hello", args[1]))
             replies = [peer.recv(), peer.recv()]
             peer.close()
             return replies
@@ -353,7 +354,7 @@ async def test_a_busy_connection_is_not_closed_by_frame_timeout(tmp_path) -> Non
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.connect(cfg.socket_path)
             sock.settimeout(10)
-            decoder = ipc.FrameDecoder(expect="reply")
+            decoder = proto.FrameDecoder(expect="reply")
             answered = [0]
 
             def read() -> None:  # replies read as they come, so neither side blocks
@@ -367,12 +368,12 @@ async def test_a_busy_connection_is_not_closed_by_frame_timeout(tmp_path) -> Non
 
             reader = threading.Thread(target=read)
             reader.start()
-            sock.sendall(ipc.encode_request(1, "hello", {
-                "protocol": ipc.PROTOCOL_VERSION, "namespace": "srv",
+            sock.sendall(proto.encode_request(1, "hello", {
+                "protocol": proto.PROTOCOL_VERSION, "namespace": "srv",
                 "spec": spec.to_dict(), "chunk_size": CH}))
             sent, carry, start = 0, b"", time.monotonic()
             while time.monotonic() - start < 1.5:
-                frame = ipc.encode_request(2 + sent, "lookup",
+                frame = proto.encode_request(2 + sent, "lookup",
                                            {"tokens": struct.pack("<4i", 1, 2, 3, sent)})
                 sock.sendall(carry + frame[: len(frame) // 2])
                 carry = frame[len(frame) // 2:]
@@ -414,7 +415,7 @@ async def test_an_eviction_whose_hello_is_cancelled_still_persists(tmp_path) -> 
                     assert await c.put(s, torch.randn(spec.shape(len(s)))) == len(s)
             await until(lambda: not srv._caches.users)  # the victim's cache is unused now
             peer = RawPeer(cfg.socket_path)
-            peer.send("hello", {"protocol": ipc.PROTOCOL_VERSION, "namespace": "srv",
+            peer.send("hello", {"protocol": proto.PROTOCOL_VERSION, "namespace": "srv",
                                 "spec": spec.to_dict(), "chunk_size": CH, "tenant": "other"})
             await asyncio.sleep(0.05)
             peer.sock.close()  # gone while the eviction persists

@@ -19,6 +19,7 @@ from helpers import prefix_kv, small_spec
 from musacache import ipc
 from musacache.engine.directory import KeyTable
 from musacache.ipc import _table
+from musacache.ipc import _wire as proto
 from musacache.server import Server, ServerConfig
 from test_server_hardening import RawPeer
 
@@ -152,7 +153,7 @@ async def test_buffer_ids_are_checked_and_never_crash_the_server(tmp_path):
     async with Server(cfg) as srv:
         serving = asyncio.create_task(srv.serve_forever())
 
-        def attack() -> list[ipc.Reply]:
+        def attack() -> list[proto.Reply]:
             peer = RawPeer(cfg.socket_path)
             assert peer.hello(spec).ok
             toks = bytes(range(4 * CH))
@@ -205,17 +206,17 @@ async def test_a_silent_server_times_out(tmp_path):
     listener.bind(path)
     listener.listen(4)
     listener.setblocking(False)
-    conns: list[ipc.Connection] = []
+    conns: list[proto.Connection] = []
 
     async def serve() -> None:
         loop = asyncio.get_running_loop()
         while True:
             sock, _ = await loop.sock_accept(listener)
-            conn = ipc.Connection(sock, expect="request")
+            conn = proto.Connection(sock, expect="request")
             conns.append(conn)
             hello = await conn.receive()
-            assert isinstance(hello, ipc.Request)
-            await conn.send_reply(hello.id, {"protocol": ipc.PROTOCOL_VERSION})
+            assert isinstance(hello, proto.Request)
+            await conn.send_reply(hello.id, {"protocol": proto.PROTOCOL_VERSION})
 
     serving = asyncio.create_task(serve())
     try:
@@ -330,10 +331,10 @@ async def test_a_flood_of_lookups_is_paced_by_the_in_flight_limit(tmp_path):
             assert await c.put(toks, prefix_kv(spec, toks)) == CH
             raw = torch.tensor(toks, dtype=torch.int32).numpy().tobytes()
 
-            def flood() -> list[ipc.Reply]:
+            def flood() -> list[proto.Reply]:
                 peer = RawPeer(cfg.socket_path)
                 assert peer.hello(spec).ok
-                frames = b"".join(ipc.encode_request(i, "lookup", {"tokens": raw})
+                frames = b"".join(proto.encode_request(i, "lookup", {"tokens": raw})
                                   for i in range(100, 1100))
                 peer.send_raw(frames)
                 replies = [peer.recv() for _ in range(1000)]

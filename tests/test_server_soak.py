@@ -18,6 +18,7 @@ import torch
 import musacache as mc
 from helpers import prefix_kv, small_spec
 from musacache import ipc
+from musacache.ipc import _wire as proto
 from server_utils import ServerProcess, pages_for, write_tiers_config
 from test_server_hardening import BS, CH, NB, RawPeer, empty_array_flood, tok_bytes, unsealed_pages
 
@@ -66,7 +67,7 @@ def huge_frames(sock: str, spec: mc.KVSpec) -> None:
         peer.send_raw(empty_array_flood(4 * 1024**2))
         assert not peer.recv().ok
         # A header that announces a 2 GiB body: the server hangs up.
-        peer.send_raw(struct.pack(">2sBBI", ipc.MAGIC, ipc.PROTOCOL_VERSION, 0, 2**31))
+        peer.send_raw(struct.pack(">2sBBI", proto.MAGIC, proto.PROTOCOL_VERSION, 0, 2**31))
         try:
             peer.recv()
         except (ConnectionError, OSError):
@@ -95,7 +96,7 @@ def fd_flood(sock: str) -> None:
     fds = [os.eventfd(0) for _ in range(200)]
     try:
         s.connect(sock)
-        frame = ipc.encode_request(1, "lookup", {"tokens": b""})  # declares no fds
+        frame = proto.encode_request(1, "lookup", {"tokens": b""})  # declares no fds
         socket.send_fds(s, [frame], fds)
         try:
             s.recv(4096)

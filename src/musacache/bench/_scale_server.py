@@ -41,6 +41,7 @@ from musacache.server.spawn import spawn
 
 from .. import ipc
 from .._spec import KVSpec
+from ..ipc import _wire as proto
 
 CH = 16
 TINY = KVSpec(1, 1, 8, torch.float16)
@@ -214,7 +215,7 @@ async def _request_path(client: Client, echo: _EchoClient, repeats: int, tasks: 
     kv.copy_(torch.randn(TINY.shape(CH)).to(TINY.dtype))
     await client.put(toks, kv)
     outs = [ipc.empty_shared(TINY.shape(CH), TINY.dtype) for _ in range(tasks)]
-    payload = ipc.encode_request(1, "lookup", {"tokens": toks.tobytes()})[ipc.HEADER_SIZE:]
+    payload = proto.encode_request(1, "lookup", {"tokens": toks.tobytes()})[proto.HEADER_SIZE:]
     hit = await client.get(toks, out=outs[0])
     if hit.num_tokens != CH or not torch.equal(outs[0], kv):
         raise RuntimeError("the server's get did not return the chunk that was put")

@@ -55,12 +55,13 @@ from musacache._errors import (
     ProtocolError,
     ServerLimitError,
 )
-from musacache._executor import outlive
+from musacache._executor import Executor, outlive
 from musacache._keys import Fingerprint
 from musacache._spec import KVSpec
 from musacache._version import __version__
 from musacache.cache import Cache
 from musacache.ipc import _messages as msgs
+from musacache.ipc import _wire as proto
 from musacache.server.peer import Handler, Peer, Registration, Usage
 from musacache.server.spawn import SpawnedServer, spawn
 from musacache.stats import ServerCounters, as_dict
@@ -296,8 +297,9 @@ class _DataOps:
     lifecycle."""
 
     def __init__(self, config: ServerConfig, counters: ServerCounters, usage: Usage,
-                 peers: set[Peer]) -> None:
+                 peers: set[Peer], executor: Executor) -> None:
         self.config = config
+        self.executor = executor  # the server's copies of staged bytes run here
         self.counters = counters  # the server's own: bytes are counted where they move
         self.usage = usage
         self.peers = peers  # the server's own set
@@ -513,8 +515,7 @@ class _DataOps:
         staged, offset, data = peer.staged, msg.offset, msg.data
         if data:
             src = np.frombuffer(data, dtype=np.uint8)
-            await anyio.to_thread.run_sync(
-                lambda: np.copyto(staged[offset:offset + len(data)].numpy(), src))
+            await self.executor.run(np.copyto, staged[offset:offset + len(data)].numpy(), src)
         self.counters.bytes_received += len(data)
         self.counters.bytes_copied += len(data)
         return len(data)
@@ -736,7 +737,8 @@ class Server:
         self._caches = _Caches(config, self.counters)
         #: what all connections hold together, and the fds their requests may hold
         self.usage = Usage(fd_budget=_fd_budget(config))
-        self._data = _DataOps(config, self.counters, self.usage, self._peers)
+        self._executor = Executor("musacache-server")
+        self._data = _DataOps(config, self.counters, self.usage, self._peers, self._executor)
         self._handlers: dict[str, Handler] = {
             op: getattr(self, f"_op_{op}", None) or getattr(self._data, f"_op_{op}")
             for op in OPS}
@@ -825,6 +827,7 @@ class Server:
         for peer in list(self._peers):
             self._release_peer(peer)
         await self._caches.close_all()
+        self._executor.close()
 
     async def _accept_loop(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
@@ -850,7 +853,7 @@ class Server:
                 self.counters.refused += 1
                 log.warning("refusing a connection: %d connections open", len(self._peers))
                 try:  # told why (typed), not a bare reset: a new socket has room for it
-                    sock.send(ipc.encode_error(None, ServerLimitError(
+                    sock.send(proto.encode_error(None, ServerLimitError(
                         f"the server has max_connections={self.config.max_connections} "
                         f"connections open")))
                 except OSError:
@@ -871,12 +874,12 @@ class Server:
 
     async def _serve_peer(self, sock: socket.socket) -> None:
         try:
-            creds = ipc.peer_credentials(sock)
+            creds = proto.peer_credentials(sock)
         except Exception as e:  # not a Unix socket peer we can identify
             log.warning("refusing a peer without credentials: %r", e)
             sock.close()
             return
-        conn = ipc.Connection(sock, max_frame_size=self.config.max_frame_size,
+        conn = proto.Connection(sock, max_frame_size=self.config.max_frame_size,
                               expect="request", ops=OPS)
         allowed = {os.getuid(), *self.config.allow_uids}
         if creds.uid not in allowed:
@@ -915,10 +918,10 @@ class Server:
             raise
 
     async def _hello(self, peer: Peer, msg: msgs.HelloMessage) -> Any:
-        if msg.protocol != ipc.PROTOCOL_VERSION:
+        if msg.protocol != proto.PROTOCOL_VERSION:
             raise ProtocolError(f"client speaks protocol {msg.protocol}, server "
-                                f"{ipc.PROTOCOL_VERSION}")
-        info: dict[str, Any] = {"server": __version__, "protocol": ipc.PROTOCOL_VERSION,
+                                f"{proto.PROTOCOL_VERSION}")
+        info: dict[str, Any] = {"server": __version__, "protocol": proto.PROTOCOL_VERSION,
                                 "event_ipc": {k: ipc.event_ipc_capability(k)
                                               for k in ("cpu", "cuda", "musa")}}
         if msg.monitor:

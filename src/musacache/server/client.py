@@ -34,11 +34,13 @@ from musacache._errors import (
     MusaCacheError,
     ShapeError,
 )
+from musacache._executor import Executor
 from musacache._keys import as_tokens, token_bytes
 from musacache._spec import KVSpec, check_writable, may_overlap
 from musacache._validate import positive_float
 from musacache.cache import Hit, _new_hit
 from musacache.engine.pages import check_pages
+from musacache.ipc import _wire as proto
 from musacache.ipc._memory import shared_segment
 
 __all__ = ["Client", "connect"]
@@ -51,7 +53,7 @@ class _LocalRegistration:
         # Shared in the order of Pages.tensors, which the server's Pages.from_tensors takes.
         self.handles = [ipc.share(t) for t in pages.tensors]
         self.remote: int | None = None  # the server's id for it on ``conn``
-        self.conn: ipc.Connection | None = None
+        self.conn: proto.Connection | None = None
         self.signature = _signature(pages.tensors)
 
 
@@ -124,7 +126,7 @@ class _Buffers:
     harmless.
     """
 
-    def __init__(self, conn: ipc.Connection, limit: int) -> None:
+    def __init__(self, conn: proto.Connection, limit: int) -> None:
         self.conn = conn
         self.limit = limit
         self._ids: dict[tuple[Any, ...], int] = {}  # in order of use, oldest first
@@ -261,8 +263,8 @@ class Client:
         self.connect_timeout = positive_float(connect_timeout, "connect_timeout",
                                               error=InvalidInputError)
         self.server_info: dict[str, Any] = {}
-        self._conn: ipc.Connection | None = None
-        self._pending: dict[int, asyncio.Future[ipc.Reply]] = {}
+        self._conn: proto.Connection | None = None
+        self._pending: dict[int, asyncio.Future[proto.Reply]] = {}
         # Each pending request's deadline, oldest first (the timeout is the same for all,
         # so the order of sending is the order of deadlines): one timer serves them all.
         self._due: dict[int, float] = {}
@@ -275,6 +277,7 @@ class Client:
         self._staging = _Staging()
         self._buffers: _Buffers | None = None
         self._shapes: dict[int, tuple[int, ...]] = {}
+        self._executor = Executor("musacache-client")  # copies too large for the loop
         self._state = "new"
         self._connected_once = False
         self.reconnects = 0
@@ -299,13 +302,20 @@ class Client:
         await self._drop("the client was closed")
         self._regs.clear()
         self._staging.clear()
+        self._executor.close()
+
+    async def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if dst.numel() * dst.element_size() < (1 << 20):
+            dst.copy_(src)
+        else:
+            await self._executor.run(dst.copy_, src)
 
     def _check_open(self) -> None:
         if self._state != "open":
             raise CacheClosedError("the client is closed" if self._state == "closed"
                                    else "the client is not open: use `async with connect(...)`")
 
-    async def _ensure(self) -> ipc.Connection:
+    async def _ensure(self) -> proto.Connection:
         conn = self._conn
         if conn is not None and not conn.closed:
             return conn
@@ -324,10 +334,10 @@ class Client:
                 self._connect_failed = (time.monotonic(), e)
                 raise
 
-    async def _connect(self) -> ipc.Connection:
+    async def _connect(self) -> proto.Connection:
         try:
             with anyio.fail_after(self.connect_timeout):
-                conn = await ipc.Connection.connect(self.path, expect="reply")
+                conn = await proto.Connection.connect(self.path, expect="reply")
         except (OSError, TimeoutError) as e:
             raise CacheUnavailableError(f"cannot reach musacache server at {self.path}: {e}") \
                 from e
@@ -338,7 +348,7 @@ class Client:
                            functools.partial(self._on_end, conn))  # reply: partials)
         try:
             self.server_info = await self._request(conn, "hello", {
-                "protocol": ipc.PROTOCOL_VERSION, "namespace": self.namespace,
+                "protocol": proto.PROTOCOL_VERSION, "namespace": self.namespace,
                 "spec": self.spec.to_dict(), "chunk_size": self.chunk_size,
                 "tenant": self.tenant})
             for reg in self._regs:
@@ -366,26 +376,26 @@ class Client:
 
     # Replies are routed from the connection's reader callback: no reading task to wake
     # between the socket and the caller's future.
-    def _on_frame(self, conn: ipc.Connection, frame: ipc.Frame | ipc.FrameError) -> None:
-        if isinstance(frame, ipc.FrameError):
+    def _on_frame(self, conn: proto.Connection, frame: proto.Frame | proto.FrameError) -> None:
+        if isinstance(frame, proto.FrameError):
             # A reply the client cannot read: nothing on this connection can be trusted.
             self._fail_pending(f"connection to the server lost: {frame}")
             conn.close()
             return
         if frame.fds:
             ipc.close_fds(frame.fds)
-        if not isinstance(frame, ipc.Reply):
+        if not isinstance(frame, proto.Reply):
             return
         if frame.id is None:
             # An error about the connection itself (refused, bad frame): fail everyone.
-            err = ipc.error_from_wire(frame.error) if frame.error else None
+            err = proto.error_from_wire(frame.error) if frame.error else None
             self._fail_with(err, str(err) if err else "the server closed the connection")
             return
         fut = self._pending.pop(frame.id, None)
         if fut is not None and not fut.done():
             fut.set_result(frame)
 
-    def _on_end(self, conn: ipc.Connection, exc: BaseException | None) -> None:
+    def _on_end(self, conn: proto.Connection, exc: BaseException | None) -> None:
         if self._conn is conn:
             self._conn = None
         self._fail_pending("the server closed the connection" if exc is None
@@ -397,11 +407,11 @@ class Client:
             if not fut.done():
                 fut.set_exception(exc if exc is not None else CacheUnavailableError(why))
 
-    async def _request(self, conn: ipc.Connection, op: str, args: dict[str, Any],
+    async def _request(self, conn: proto.Connection, op: str, args: dict[str, Any],
                        fds: Sequence[int] = ()) -> Any:
         rid = next(self._ids)
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future[ipc.Reply] = loop.create_future()
+        fut: asyncio.Future[proto.Reply] = loop.create_future()
         self._pending[rid] = fut
         # The deadline fails the reply's future from a timer: an anyio cancel scope per
         # request cost as much as the rest of a small request's client side, and a timer
@@ -410,7 +420,7 @@ class Client:
         if self._timer is None or self._timer_loop is not loop:
             self._timer, self._timer_loop = loop.call_at(due, self._expire), loop
         try:
-            frame = ipc.encode_request(rid, op, args, nfds=len(fds))
+            frame = proto.encode_request(rid, op, args, nfds=len(fds))
             if fds or len(frame) > _HOLD_BYTES:
                 await conn.send_frame(frame, fds, timeout=self.timeout)
             else:  # with this turn's other requests in one syscall (the timer bounds it)
@@ -426,7 +436,7 @@ class Client:
             self._pending.pop(rid, None)
             self._due.pop(rid, None)
         if reply.error is not None:
-            raise ipc.error_from_wire(reply.error)
+            raise proto.error_from_wire(reply.error)
         return reply.result
 
     def _expire(self) -> None:
@@ -494,7 +504,7 @@ class Client:
             raw = self._staging.take(self.spec.nbytes(len(toks)))
             staged = raw[:self.spec.nbytes(len(toks))].view(self.spec.dtype).view(
                 self.spec.shape(len(toks)))
-            await _copy(staged, dense)
+            await self._copy(staged, dense)
             dense = staged
         answered = False
         try:
@@ -565,7 +575,7 @@ class Client:
                 dst.narrow(td, 0, got).copy_(target.narrow(td, 0, got))
                 target = dst
             elif out is not None and target is not out:
-                await _copy(out.narrow(td, 0, got), target.narrow(td, 0, got))
+                await self._copy(out.narrow(td, 0, got), target.narrow(td, 0, got))
                 target = out
         finally:
             if raw is not None:
@@ -678,7 +688,7 @@ class Client:
         self._regs.append(reg)
         return len(self._regs) - 1
 
-    async def _register_remote(self, conn: ipc.Connection, reg: _LocalRegistration) -> None:
+    async def _register_remote(self, conn: proto.Connection, reg: _LocalRegistration) -> None:
         fds = [fd for h in reg.handles for fd in h.fds]
         res = await self._request(conn, "register", {
             "layout": reg.layout, "handles": [h.to_wire() for h in reg.handles]}, fds)
@@ -852,13 +862,6 @@ def _sealed(t: torch.Tensor) -> bool:
 
 def _tok_bytes(tokens: TokensLike) -> bytes:
     return token_bytes(tokens)
-
-
-async def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    if dst.numel() * dst.element_size() < (1 << 20):
-        dst.copy_(src)
-    else:
-        await anyio.to_thread.run_sync(dst.copy_, src)
 
 
 def connect(path: str, *, spec: KVSpec, namespace: str, chunk_size: int | None = None,

@@ -43,6 +43,7 @@ from musacache._errors import (
 from musacache._executor import outlive
 from musacache.cache import Cache
 from musacache.ipc import _messages as msgs
+from musacache.ipc import _wire as proto
 
 if TYPE_CHECKING:
     from musacache.server import CacheKey, ServerConfig
@@ -140,11 +141,11 @@ Handler = Callable[["Peer", Any, list[int]], Awaitable[Any]]
 class Peer:
     """One connection: its state, what it holds (cache, mappings, events, registrations,
     kept buffers, staging), its counters against the per-connection limits, and the
-    callbacks its :class:`~musacache.ipc.Connection` delivers frames to."""
+    callbacks its :class:`~musacache.ipc._wire.Connection` delivers frames to."""
 
-    def __init__(self, conn: ipc.Connection, creds: ipc.PeerCredentials, config: ServerConfig, *,
-                 counters: ServerCounters, usage: Usage, handlers: Mapping[str, Handler],
-                 on_close: Callable[[Peer], None]) -> None:
+    def __init__(self, conn: proto.Connection, creds: proto.PeerCredentials,
+                 config: ServerConfig, *, counters: ServerCounters, usage: Usage,
+                 handlers: Mapping[str, Handler], on_close: Callable[[Peer], None]) -> None:
         self.conn = conn
         self.pid = creds.pid
         self.uid = creds.uid
@@ -299,7 +300,7 @@ class Peer:
         """A limit that ends the connection, told to the peer first (typed, not a reset)."""
         self.counters.limited += 1
         try:
-            self.conn.send_nowait(ipc.encode_error(None, error))
+            self.conn.send_nowait(proto.encode_error(None, error))
         except (CacheUnavailableError, OSError):
             pass
         return error
@@ -331,14 +332,14 @@ class Peer:
                 f"an incomplete frame of {nbytes} bytes would pass max_buffered_bytes="
                 f"{most} (staging and incomplete frames together)"))
 
-    def on_frame(self, frame: ipc.Frame | ipc.FrameError) -> None:
+    def on_frame(self, frame: proto.Frame | proto.FrameError) -> None:
         """A whole frame: a request is admitted (a task runs it) or refused at the door."""
         self.partial_since = 0.0  # (the next frame's clock: see overdue)
         if self.parked_fds:  # (fds that waited for their frame: taken now, or closed)
             self._sync_parked()
-        if type(frame) is not ipc.Request:
+        if type(frame) is not proto.Request:
             self.counters.bad_frames += 1
-            if isinstance(frame, ipc.FrameError):
+            if isinstance(frame, proto.FrameError):
                 log.info("bad frame from pid %d: %s", self.pid, frame)
                 self._refuse(frame.request_id, frame)
             else:
@@ -363,7 +364,7 @@ class Peer:
     def on_end(self, error: BaseException | None) -> None:
         """The connection ended (EOF, a frame that broke the stream, a lost peer, a limit
         raised by a hook, or its close)."""
-        if isinstance(error, ipc.FrameError):
+        if isinstance(error, proto.FrameError):
             self.counters.bad_frames += 1
             log.info("bad frame from pid %d: %s", self.pid, error)
         elif error is not None and not isinstance(error, (MusaCacheError, OSError)):
@@ -389,7 +390,7 @@ class Peer:
 
     # -- limits -----------------------------------------------------------------------------
 
-    def _over_limit(self, req: ipc.Request, held_fds: int) -> ServerLimitError | None:
+    def _over_limit(self, req: proto.Request, held_fds: int) -> ServerLimitError | None:
         """Why ``req`` is refused at the door, or None. ``held_fds``: what the requests in
         flight hold now, all connections together, against the server's fd budget."""
         cfg, fd_budget = self.config, self.usage.fd_budget
@@ -438,7 +439,7 @@ class Peer:
 
     # -- one request ------------------------------------------------------------------------
 
-    async def _dispatch(self, req: ipc.Request, fds: list[int]) -> None:
+    async def _dispatch(self, req: proto.Request, fds: list[int]) -> None:
         """Run one request; it leaves the connection's ops when it ends (no done callback:
         one more turn of the loop per request)."""
         try:
@@ -446,7 +447,7 @@ class Peer:
         finally:
             self._ops.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
 
-    async def run(self, req: ipc.Request, fds: list[int]) -> None:
+    async def run(self, req: proto.Request, fds: list[int]) -> None:
         """Run one request and answer it; ``fds`` are its fds (handlers take theirs out of
         the list; the rest are closed here, and the list emptied)."""
         self.counters.requests += 1
@@ -494,7 +495,7 @@ class Peer:
             self.in_flight -= 1
 
 
-async def _send_result(conn: ipc.Connection, req: ipc.Request, result: Any,
+async def _send_result(conn: proto.Connection, req: proto.Request, result: Any,
                        counters: ServerCounters) -> None:
     """Answer ``req`` with ``result``. A result the wire cannot carry (nothing of it was
     sent: a server bug) is answered with its ProtocolError, or its caller would wait for
@@ -509,7 +510,7 @@ async def _send_result(conn: ipc.Connection, req: ipc.Request, result: Any,
         await reply_error(conn, req.id, e)
 
 
-async def reply_error(conn: ipc.Connection, rid: int, e: BaseException) -> None:
+async def reply_error(conn: proto.Connection, rid: int, e: BaseException) -> None:
     """Answer request ``rid`` with ``e``, unless the peer is gone or stuck (5 s)."""
     try:
         with anyio.move_on_after(5):

@@ -16,6 +16,7 @@ import anyio
 
 from musacache import ipc
 from musacache._errors import CacheUnavailableError, MusaCacheError
+from musacache.ipc import _wire as proto
 
 
 def _size(n: float | None) -> str:
@@ -115,8 +116,8 @@ async def fetch_stats(path: str, timeout: float = 5.0) -> dict[str, Any]:
     """One stats snapshot from the server at ``path`` (a monitor connection: no spec needed)."""
     try:
         with anyio.fail_after(timeout):
-            async with await ipc.Connection.connect(path, expect="reply") as conn:
-                await conn.send_request(1, "hello", {"protocol": ipc.PROTOCOL_VERSION,
+            async with await proto.Connection.connect(path, expect="reply") as conn:
+                await conn.send_request(1, "hello", {"protocol": proto.PROTOCOL_VERSION,
                                                      "monitor": True})
                 await _reply(conn)
                 await conn.send_request(2, "stats", {})
@@ -131,9 +132,9 @@ async def fetch_stats(path: str, timeout: float = 5.0) -> dict[str, Any]:
                                     f"{e.strerror or e}") from e
 
 
-async def _reply(conn: ipc.Connection) -> Any:
+async def _reply(conn: proto.Connection) -> Any:
     frame = await conn.receive()
-    if not isinstance(frame, ipc.Reply):
+    if not isinstance(frame, proto.Reply):
         raise CacheUnavailableError("the server closed the connection")
     ipc.close_fds(frame.fds)
     return frame.unwrap()
