@@ -19,7 +19,6 @@ The default chunk is 32 layers x 2 x 256 tokens x 8 heads x 128 dims of bf16 (32
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +31,7 @@ from .._keys import Fingerprint, KeyChain
 from .._spec import KVSpec, dtype_from_name
 from ..codec import DEFAULT_BLOCK_SIZE, decode_chunk, encode_chunk
 from ..tiers.base import ChunkMeta
+from . import emit
 
 GOAL_RATIO = 1.15
 GOAL_BOTH_GBPS = 0.8
@@ -186,12 +186,7 @@ def _print(results: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    results = run(args)
-    if args.json:
-        print(json.dumps(results, indent=2))
-    else:
-        _print(results)
-    return 0
+    return emit(run(args), args.json, _print)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import sys
 import time
 import uuid
@@ -32,6 +31,7 @@ from .._spec import KVSpec, dtype_from_name
 from ..codec import encode_chunk
 from ..tiers.base import ChunkMeta, TierContext
 from ..tiers.s3 import S3Store, S3Tier
+from . import emit
 from .cache import positive_int
 
 GOAL_RATIO = 0.9
@@ -201,12 +201,7 @@ def _print(results: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    results = run(args)
-    if args.json:
-        print(json.dumps(results, indent=2))
-    else:
-        _print(results)
-    return 0
+    return emit(run(args), args.json, _print)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ and 4096 tokens in random blocks (512 MiB moved per call); flags shrink it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from typing import Any
 import torch
 
 from .. import _native, transfer
+from . import emit
 
 GOAL_GATHER_VS_COPY = 0.85
 GOAL_GATHER_VS_INDEX_SELECT = 1.25
@@ -195,12 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("layers", "blocks", "block_size", "heads", "head_dim", "tokens", "repeats"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
-    report = run(args)
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        _print_table(report)
-    return 0
+    return emit(run(args), args.json, _print_table)
 
 
 if __name__ == "__main__":

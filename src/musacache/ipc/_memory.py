@@ -35,24 +35,6 @@ from ..devices import allocation_range, device_uuid, ipc_module, local_device_in
 
 log = logging.getLogger("musacache")
 
-__all__ = [
-    "DEVICE_KINDS",
-    "DeviceKind",
-    "ExportTable",
-    "MappingKey",
-    "TensorHandle",
-    "close_fds",
-    "empty_shared",
-    "is_sealed",
-    "is_shareable",
-    "open_storage",
-    "open_tensor",
-    "rebuild_view",
-    "share",
-    "shared_segment",
-    "to_shared",
-]
-
 #: A device kind as IPC names it (a string: "musa" parses only where torch_musa is loaded).
 DeviceKind = Literal["cpu", "cuda", "musa"]
 DEVICE_KINDS: Final[tuple[DeviceKind, ...]] = ("cpu", "cuda", "musa")
@@ -354,15 +336,22 @@ def _cpu_storage_fd(storage: torch.UntypedStorage) -> int | None:
         return None
 
 
+def _memory_fd(tensor: torch.Tensor) -> int | bool:
+    """True for memory any process may map (device memory, an empty storage), False for
+    memory none may, else the fd of the CPU shared memory behind ``tensor``."""
+    kind = tensor.device.type
+    if kind != "cpu":
+        return kind in ("cuda", "musa")
+    storage = tensor.untyped_storage()
+    if storage.nbytes() == 0:
+        return True
+    fd = _cpu_storage_fd(storage)
+    return False if fd is None else fd
+
+
 def is_shareable(tensor: torch.Tensor) -> bool:
     """Whether :func:`share` can export ``tensor`` without a copy."""
-    kind = tensor.device.type
-    if kind in ("cuda", "musa"):
-        return True
-    if kind != "cpu":
-        return False
-    storage = tensor.untyped_storage()
-    return storage.nbytes() == 0 or _cpu_storage_fd(storage) is not None
+    return _memory_fd(tensor) is not False
 
 
 def is_sealed(tensor: torch.Tensor) -> bool:
@@ -370,16 +359,10 @@ def is_sealed(tensor: torch.Tensor) -> bool:
     sealed against shrinking (:func:`empty_shared`). torch's ``share_memory_()`` memory is
     shareable but not sealed: its owner could truncate it under the server's mapping, so the
     server refuses it."""
-    kind = tensor.device.type
-    if kind in ("cuda", "musa"):
-        return True
-    if kind != "cpu":
-        return False
-    storage = tensor.untyped_storage()
-    if storage.nbytes() == 0:
-        return True
-    fd = _cpu_storage_fd(storage)
-    return fd is not None and bool(_seals(fd) & fcntl.F_SEAL_SHRINK)
+    fd = _memory_fd(tensor)
+    if isinstance(fd, bool):
+        return fd
+    return bool(_seals(fd) & fcntl.F_SEAL_SHRINK)
 
 
 # -- export -------------------------------------------------------------------------------

@@ -335,35 +335,26 @@ class _DataOps:
         return peer.table.open_event(wire.wire, msgs.take_fds(fds, wire.nfds))
 
     async def _op_store(self, peer: Peer, msg: msgs.PagedMessage, fds: list[int]) -> Any:
-        cache = _cache_of(peer)
-        reg = self._reg(peer, msg.reg)
-        ready = self._open_event(peer, msg.ready, fds)
-        try:
-            n = await cache.store(
-                _tokens(msg.tokens), reg.pages, _slots(msg.slots),
-                skip_prefix=msg.skip_prefix, ready=ready,
-                ready_timeout=self.config.ready_timeout)
-            self.counters.bytes_copied += cache.spec.nbytes(max(0, n - msg.skip_prefix))
-            return n
-        finally:
-            if ready is not None:
-                peer.table.close_event(ready)
+        return await self._paged(peer, msg, fds, store=True)
 
     async def _op_retrieve(self, peer: Peer, msg: msgs.PagedMessage, fds: list[int]) -> Any:
+        return await self._paged(peer, msg, fds, store=False)
+
+    async def _paged(self, peer: Peer, msg: msgs.PagedMessage, fds: list[int], *,
+                     store: bool) -> int:
+        """A store or retrieve on a registration's pages; a retrieve sets its ``done`` event
+        once the pages are written."""
         cache = _cache_of(peer)
         reg = self._reg(peer, msg.reg)
         ready = self._open_event(peer, msg.ready, fds)
+        done = None
         try:
-            done = self._open_event(peer, msg.done, fds)
-        except BaseException:
-            if ready is not None:
-                peer.table.close_event(ready)
-            raise
-        try:
-            n = await cache.retrieve(
-                _tokens(msg.tokens), reg.pages, _slots(msg.slots),
-                skip_prefix=msg.skip_prefix, ready=ready,
-                ready_timeout=self.config.ready_timeout)
+            if not store:
+                done = self._open_event(peer, msg.done, fds)
+            move = cache.store if store else cache.retrieve
+            n = await move(_tokens(msg.tokens), reg.pages, _slots(msg.slots),
+                           skip_prefix=msg.skip_prefix, ready=ready,
+                           ready_timeout=self.config.ready_timeout)
             self.counters.bytes_copied += cache.spec.nbytes(max(0, n - msg.skip_prefix))
             if done is not None:
                 done.set()

@@ -610,19 +610,12 @@ class Client:
                         after: str | bytes | None = None) -> int:
         """As :meth:`musacache.Cache.put_pages`: the pages are staged into one shared buffer
         (one copy) and the server copies them into its tiers."""
-        self._check_open()
-        wire_keys = _page_keys(keys)
-        tokens = _page_tokens(self.server_info, self.chunk_size)
-        numel = self.spec.nbytes(tokens) // self.spec.dtype.itemsize
-        check_pages(pages, len(wire_keys), self.spec, tokens, "pages")
+        wire_keys, numel = self._page_args(keys, pages, "pages", writes=False)
         if not wire_keys:
             return 0
-        itemsize = self.spec.dtype.itemsize
-        raw = self._staging.take(len(pages) * numel * itemsize)
+        raw, staged = self._page_buffer(len(pages), numel)
         answered = False
         try:
-            staged = raw[:len(pages) * numel * itemsize].view(self.spec.dtype).view(
-                len(pages), numel)
             for i, p in enumerate(pages):
                 staged[i].view(p.shape).copy_(p.detach())
             handle = ipc.share(staged)
@@ -635,23 +628,31 @@ class Client:
         finally:
             self._staging.settle(raw, answered)
 
+    def _page_args(self, keys: Sequence[str | bytes], pages: Sequence[torch.Tensor],
+                   what: str, *, writes: bool) -> tuple[list[bytes], int]:
+        """The keys as sent, and the elements of one page, once ``pages`` are checked."""
+        self._check_open()
+        wire_keys = _page_keys(keys)
+        tokens = _page_tokens(self.server_info, self.chunk_size)
+        check_pages(pages, len(wire_keys), self.spec, tokens, what, writes=writes)
+        return wire_keys, self.spec.nbytes(tokens) // self.spec.dtype.itemsize
+
+    def _page_buffer(self, count: int, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A staging buffer (to settle after the call) and its ``[count, numel]`` view."""
+        nbytes = count * numel * self.spec.dtype.itemsize
+        raw = self._staging.take(nbytes)
+        return raw, raw[:nbytes].view(self.spec.dtype).view(count, numel)
+
     async def get_pages(self, keys: Sequence[str | bytes], outs: Sequence[torch.Tensor],
                         ) -> list[bool]:
         """As :meth:`musacache.Cache.get_pages`: the server writes into a shared buffer, then
         each found page is copied into its ``out``."""
-        self._check_open()
-        wire_keys = _page_keys(keys)
-        tokens = _page_tokens(self.server_info, self.chunk_size)
-        numel = self.spec.nbytes(tokens) // self.spec.dtype.itemsize
-        check_pages(outs, len(wire_keys), self.spec, tokens, "outs", writes=True)
+        wire_keys, numel = self._page_args(keys, outs, "outs", writes=True)
         if not wire_keys:
             return []
-        itemsize = self.spec.dtype.itemsize
-        raw = self._staging.take(len(outs) * numel * itemsize)
+        raw, target = self._page_buffer(len(outs), numel)
         answered = False
         try:
-            target = raw[:len(outs) * numel * itemsize].view(self.spec.dtype).view(
-                len(outs), numel)
             handle = ipc.share(target)
             found = [bool(f) for f in await self._call(
                 "get_pages", {"keys": wire_keys, "out": handle.to_wire()}, handle.fds)]
