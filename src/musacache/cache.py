@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import torch
 
@@ -33,7 +34,7 @@ from musacache.engine import removal as _removal
 from musacache.engine.core import BATCH, DenseSource, Engine, PagedSource
 from musacache.engine.directory import Match
 from musacache.engine.move import Mover, accelerator_of
-from musacache.engine.pages import PageSource, check_pages, page_keys
+from musacache.engine.pages import PAGE_RUN, PageSource, check_pages_paced, page_keys_paced
 from musacache.engine.reads import VIEW_RUN
 from musacache.engine.resident import MIN_CHUNKS as RESIDENT_MIN
 from musacache.engine.resident import read_resident, retrieve_resident
@@ -508,8 +509,8 @@ class Cache:
         """
         eng = self._check_open()
         cs = self.config.chunk_size
-        ks = page_keys(eng.chain.seed, keys, cs, after)
-        check_pages(pages, len(ks), self.spec, cs, "pages")
+        ks = await page_keys_paced(eng.chain.seed, keys, cs, after)
+        await check_pages_paced(pages, len(ks), self.spec, cs, "pages")
         if not ks:
             return 0
         self._ops.puts += 1
@@ -528,13 +529,18 @@ class Cache:
         was; the pages after it are still served."""
         eng = self._check_open()
         cs = self.config.chunk_size
-        ks = page_keys(eng.chain.seed, keys, cs)
-        check_pages(outs, len(ks), self.spec, cs, "outs", writes=True)
+        ks = await page_keys_paced(eng.chain.seed, keys, cs)
+        await check_pages_paced(outs, len(ks), self.spec, cs, "outs", writes=True)
         self._ops.gets += 1
         eng.inflight.gets += 1
         try:
-            wanted = [Match(start, cs, e) for start, _end, _parent, key in ks
-                      if (e := eng.dir.get(key)) is not None]
+            wanted = []
+            for i, (start, _end, _parent, key) in enumerate(ks):
+                if i and not i % PAGE_RUN:
+                    await anyio.lowlevel.checkpoint()
+                e = eng.dir.get(key)
+                if e is not None:
+                    wanted.append(Match(start, cs, e))
             # Staged: a page that fails part-way leaves its ``outs`` as it was.
             found = await _read_into(eng, wanted, lambda m, src: (
                 outs[m.start // cs], src.reshape(outs[m.start // cs].shape)),
@@ -550,9 +556,11 @@ class Cache:
     async def exists_pages(self, keys: Sequence[str | bytes]) -> int:
         """How many of ``keys``, from the first, are cached in some tier. Moves no data."""
         eng = self._check_open()
-        ks = page_keys(eng.chain.seed, keys, self.config.chunk_size)
+        ks = await page_keys_paced(eng.chain.seed, keys, self.config.chunk_size)
         self._ops.lookups += 1
         for i, (_s, _e, _p, key) in enumerate(ks):
+            if i and not i % PAGE_RUN:
+                await anyio.lowlevel.checkpoint()
             if eng.dir.get(key) is None:
                 return i
         return len(ks)

@@ -14,16 +14,28 @@ page root no token chain reaches, so a token prompt never matches a page.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, Final
 
+import anyio.lowlevel
 import torch
 
 from musacache._errors import DTypeError, InvalidInputError, ShapeError
 from musacache._keys import KEY_BYTES
 from musacache._spec import KVSpec, check_has_data, check_plain_values, check_writable, dtype_name
 
-__all__ = ["PageSource", "check_pages", "page_keys"]
+__all__ = ["PAGE_RUN", "PageSource", "check_pages", "check_pages_paced", "page_keys",
+           "page_keys_paced", "paced"]
+
+#: Pages checked or hashed per turn of the loop (about 1 ms of it): a call that names tens
+#: of thousands of pages leaves the loop to others between runs.
+PAGE_RUN: Final = 512
+
+
+async def paced(steps: Iterator[object]) -> None:
+    """Drive ``steps`` to its end, with a turn of the loop between them."""
+    for _ in steps:
+        await anyio.lowlevel.checkpoint()
 
 
 def _page_key(seed: bytes, key: str | bytes) -> bytes:
@@ -42,6 +54,24 @@ def page_root(seed: bytes) -> bytes:
 def page_keys(seed: bytes, keys: Sequence[str | bytes], chunk_size: int,
               after: str | bytes | None = None) -> list[tuple[int, int, bytes, bytes]]:
     """``(start, end, parent, key)`` per page, as the token key chain gives per chunk."""
+    out: list[tuple[int, int, bytes, bytes]] = []
+    for _ in _page_key_steps(seed, keys, chunk_size, after, out):
+        pass
+    return out
+
+
+async def page_keys_paced(seed: bytes, keys: Sequence[str | bytes], chunk_size: int,
+                          after: str | bytes | None = None,
+                          ) -> list[tuple[int, int, bytes, bytes]]:
+    """:func:`page_keys`, :data:`PAGE_RUN` keys per turn of the loop."""
+    out: list[tuple[int, int, bytes, bytes]] = []
+    await paced(_page_key_steps(seed, keys, chunk_size, after, out))
+    return out
+
+
+def _page_key_steps(seed: bytes, keys: Sequence[str | bytes], chunk_size: int,
+                    after: str | bytes | None,
+                    out: list[tuple[int, int, bytes, bytes]]) -> Iterator[None]:
     if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
         raise InvalidInputError(f"keys must be a sequence of str or bytes, got "
                                 f"{type(keys).__name__}")
@@ -49,12 +79,12 @@ def page_keys(seed: bytes, keys: Sequence[str | bytes], chunk_size: int,
         if not isinstance(k, (str, bytes)) or not k:
             raise InvalidInputError(f"keys[{i}] must be a non-empty str or bytes, got {k!r}")
     parent = page_root(seed) if after is None else _page_key(seed, after)
-    out = []
     for i, k in enumerate(keys):
+        if i and not i % PAGE_RUN:
+            yield None
         key = _page_key(seed, k)
         out.append((i * chunk_size, (i + 1) * chunk_size, parent, key))
         parent = key
-    return out
 
 
 def check_pages(pages: Any, count: int, spec: KVSpec, chunk_size: int, what: str, *,
@@ -62,6 +92,18 @@ def check_pages(pages: Any, count: int, spec: KVSpec, chunk_size: int, what: str
     """Every page a dense CPU-or-device tensor of ``spec.dtype`` with the elements of one
     chunk, its memory there and holding its values as they are; with ``writes`` (``outs``),
     also one the cache can write into in place (:func:`~musacache._spec.check_writable`)."""
+    for _ in _check_steps(pages, count, spec, chunk_size, what, writes):
+        pass
+
+
+async def check_pages_paced(pages: Any, count: int, spec: KVSpec, chunk_size: int, what: str,
+                            *, writes: bool = False) -> None:
+    """:func:`check_pages`, :data:`PAGE_RUN` pages per turn of the loop."""
+    await paced(_check_steps(pages, count, spec, chunk_size, what, writes))
+
+
+def _check_steps(pages: Any, count: int, spec: KVSpec, chunk_size: int, what: str,
+                 writes: bool) -> Iterator[None]:
     if isinstance(pages, torch.Tensor) or not isinstance(pages, Sequence):
         raise InvalidInputError(f"{what} must be a sequence of tensors, got "
                                 f"{type(pages).__name__}")
@@ -69,6 +111,8 @@ def check_pages(pages: Any, count: int, spec: KVSpec, chunk_size: int, what: str
         raise InvalidInputError(f"{count} keys but {len(pages)} {what}")
     numel = spec.nbytes(chunk_size) // spec.dtype.itemsize
     for i, p in enumerate(pages):
+        if i and not i % PAGE_RUN:
+            yield None
         if not isinstance(p, torch.Tensor):
             raise InvalidInputError(f"{what}[{i}] is a {type(p).__name__}, not a tensor")
         if p.dtype != spec.dtype:

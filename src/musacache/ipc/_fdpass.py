@@ -31,6 +31,7 @@ from ._protocol import (
     Frame,
     FrameDecoder,
     FrameError,
+    RawFrame,
     encode_error,
     encode_reply,
     encode_request,
@@ -259,14 +260,15 @@ class Connection:
     def __init__(self, sock: socket.socket, *, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
                  max_fds: int = MAX_FDS_PER_FRAME,
                  expect: Literal["any", "request", "reply"] = "any",
-                 ops: Collection[str] | None = None) -> None:
+                 ops: Collection[str] | None = None,
+                 defer_above: int | None = None) -> None:
         if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM:
             raise ProtocolError("a Connection needs a connected AF_UNIX stream socket")
         sock.setblocking(False)
         self._sock = sock
         self._max_frame_size = max_frame_size
         self._decoder = FrameDecoder(max_frame_size=max_frame_size, max_fds=max_fds,
-                                     expect=expect, ops=ops)
+                                     expect=expect, ops=ops, defer_above=defer_above)
         self._send_lock = anyio.Lock()
         # The rest of a frame that send_nowait could only send in part: every other frame
         # waits for it (see send_nowait).
@@ -277,7 +279,7 @@ class Connection:
         self._held_senders: set[asyncio.Task[None]] = set()
         self._read_waiter: asyncio.Future[None] | None = None
         self._reader_loop: asyncio.AbstractEventLoop | None = None
-        self._on_frame: Callable[[Frame | FrameError], None] | None = None
+        self._on_frame: Callable[[Frame | RawFrame | FrameError], None] | None = None
         self._paused = False
         self._on_end: Callable[[BaseException | None], None] | None = None
         self._closed = False
@@ -468,6 +470,10 @@ class Connection:
 
     # -- receiving ------------------------------------------------------------------------
 
+    def parse(self, raw: RawFrame) -> Frame:
+        """Decode a frame handed out undecoded (see ``defer_above``); any thread."""
+        return self._decoder.parse(raw)
+
     async def receive(self) -> Frame | None:
         """The next frame (a Request or a Reply, with its fds), or None at a clean EOF.
 
@@ -479,6 +485,8 @@ class Connection:
                 raise CacheUnavailableError("the connection is closed")
             frame = self._decoder.next_frame()
             if frame is not None:
+                if isinstance(frame, RawFrame):
+                    return self._decoder.parse(frame)
                 return frame
             if self._eof:
                 if self._decoder.buffered:
@@ -499,7 +507,7 @@ class Connection:
                     os.close(fd)
                 self._eof = True
 
-    def start_reading(self, on_frame: Callable[[Frame | FrameError], None],
+    def start_reading(self, on_frame: Callable[[Frame | RawFrame | FrameError], None],
                       on_end: Callable[[BaseException | None], None], *,
                       on_fds: Callable[[int], None] | None = None,
                       on_partial: Callable[[int], None] | None = None) -> None:
@@ -590,7 +598,7 @@ class Connection:
         """Hand out the frames in the decoder; False once delivery stopped or paused."""
         while self._on_frame is not None and not self._paused:
             try:
-                frame: Frame | FrameError | None = self._decoder.next_frame()
+                frame: Frame | RawFrame | FrameError | None = self._decoder.next_frame()
             except FrameError as exc:
                 if exc.fatal:
                     raise

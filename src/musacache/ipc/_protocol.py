@@ -98,6 +98,18 @@ class Request:
     op: str
     args: dict[str, Any]
     fds: tuple[int, ...] = field(default=(), repr=False)
+    #: bytes of the frame's body, as received (0 for a request made locally)
+    size: int = field(default=0, repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class RawFrame:
+    """A whole frame whose body is not decoded yet: a body larger than the decoder's
+    ``defer_above``, for its taker to decode off the event loop with
+    :meth:`FrameDecoder.parse`. ``fds`` are owned by whoever takes the frame."""
+
+    body: bytes | bytearray
+    fds: tuple[int, ...] = field(default=(), repr=False)
 
 
 @dataclass(frozen=True)
@@ -481,6 +493,9 @@ class FrameDecoder:
 
     * ``expect``: ``"request"`` for a server, ``"reply"`` for a client, ``"any"`` for both.
     * ``ops``: the known ops; a request for another op is a recoverable FrameError.
+    * ``defer_above``: a body of more bytes comes out as a :class:`RawFrame`, undecoded, so
+      that the work that grows with it (shape check, unpacking) need not run in the reader's
+      callback on the loop. :meth:`parse` decodes it, in any thread.
 
     fds fed in are owned by the decoder until handed out in a frame; :meth:`close` (and any
     failure) closes the ones it still holds.
@@ -489,7 +504,8 @@ class FrameDecoder:
     def __init__(self, *, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
                  max_fds: int = MAX_FDS_PER_FRAME,
                  expect: Literal["any", "request", "reply"] = "any",
-                 ops: Collection[str] | None = None) -> None:
+                 ops: Collection[str] | None = None,
+                 defer_above: int | None = None) -> None:
         if not 0 < max_frame_size <= _MAX_BODY_LENGTH:
             raise ValueError(f"max_frame_size must be in (0, 2**32), got {max_frame_size}")
         if not 0 <= max_fds <= MAX_FDS_PER_FRAME:
@@ -500,6 +516,7 @@ class FrameDecoder:
         self.max_fds = max_fds
         self.expect = expect
         self.ops = frozenset(ops) if ops is not None else None
+        self.defer_above = _MAX_BODY_LENGTH if defer_above is None else defer_above
         self._buf = bytearray()
         self._pos = 0
         self._base = 0  # stream offset of _buf[0]
@@ -543,7 +560,7 @@ class FrameDecoder:
                 raise self._fail(f"the peer sent more than {self.max_fds} fds ahead of "
                                  f"their frames")
 
-    def next_frame(self) -> Frame | None:
+    def next_frame(self) -> Frame | RawFrame | None:
         """The next complete frame, or None until more bytes arrive."""
         if self._failure is not None:
             raise self._failure
@@ -577,10 +594,21 @@ class FrameDecoder:
             with memoryview(buf) as view:
                 body = bytes(view[pos + HEADER_SIZE:end])
         self._pos = end
+        if length > self.defer_above:
+            return RawFrame(body, fds)
         try:
             return self._parse_body(body, fds)
         except FrameError:
             _close_all(fds)
+            raise
+
+    def parse(self, raw: RawFrame) -> Frame:
+        """Decode a :class:`RawFrame` as :meth:`next_frame` would have (its fds are closed if
+        that fails). Reads only the decoder's settings, so any thread may call it."""
+        try:
+            return self._parse_body(raw.body, raw.fds)
+        except FrameError:
+            _close_all(raw.fds)
             raise
 
     def _bad_header(self, magic: bytes, version: int, nfds: int, length: int) -> FrameError:
@@ -648,6 +676,7 @@ class FrameDecoder:
             d["op"] = op
             d["args"] = args
             d["fds"] = fds
+            d["size"] = len(body)
             return frame
         if "result" in obj or "error" in obj:
             if self.expect == "request":

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import torch
 
@@ -60,9 +61,10 @@ from musacache._keys import Fingerprint
 from musacache._spec import KVSpec
 from musacache._version import __version__
 from musacache.cache import Cache
+from musacache.engine.pages import PAGE_RUN
 from musacache.ipc import _messages as msgs
 from musacache.ipc import _wire as proto
-from musacache.server.peer import Handler, Peer, Registration, Usage
+from musacache.server.peer import DEFER_ABOVE, Handler, Peer, Registration, Usage
 from musacache.server.spawn import SpawnedServer, spawn
 from musacache.stats import ServerCounters, as_dict
 
@@ -118,6 +120,13 @@ class ServerConfig:
     max_requests_per_peer: int = 64
     #: fds one connection's in-flight requests may hold (ready/done events, handles).
     max_fds_per_peer: int = 256
+    #: Bytes one connection's in-flight requests may hold in the server: their frames, and
+    #: what they expand to (:data:`~musacache.server.peer.BYTES_PER_CHUNK` per chunk or page
+    #: named). A request past it gets ServerLimitError. At least ``max_frame_size``.
+    max_request_bytes_per_peer: int = 256 * 1024**2
+    #: The smallest ``chunk_size`` a client may ask for in hello: the server's memory per
+    #: token a request names grows as the chunks shrink.
+    min_chunk_size: int = 16
     #: Client buffers one connection may keep mapped between requests (put/get ``buf``).
     max_buffers_per_peer: int = 128
     #: Largest staging buffer of the byte path (``stage_bytes``), per connection.
@@ -174,10 +183,14 @@ class ServerConfig:
         for name in ("max_caches", "max_connections", "max_requests_per_peer",
                      "max_fds_per_peer", "max_buffers_per_peer", "max_stage_bytes",
                      "max_frame_size", "max_buffered_bytes", "max_mappings_per_peer",
-                     "max_mappings"):
+                     "max_mappings", "max_request_bytes_per_peer", "min_chunk_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"[server] {name} must be a positive int, got {value!r}")
+        if self.max_request_bytes_per_peer < self.max_frame_size:
+            raise ConfigError(f"[server] max_request_bytes_per_peer "
+                              f"({self.max_request_bytes_per_peer}) must hold one frame of "
+                              f"max_frame_size ({self.max_frame_size})")
         if self.max_buffered_bytes < self.max_frame_size:
             raise ConfigError(f"[server] max_buffered_bytes ({self.max_buffered_bytes}) must "
                               f"hold one frame of max_frame_size ({self.max_frame_size})")
@@ -233,8 +246,8 @@ class ServerConfig:
         known = {"allow_uids", "max_caches", "max_frame_size", "max_connections",
                  "max_requests_per_peer", "max_fds_per_peer", "max_buffers_per_peer",
                  "max_stage_bytes", "max_buffered_bytes", "max_mappings_per_peer",
-                 "max_mappings", "ready_timeout", "hello_timeout", "idle_timeout",
-                 "frame_timeout"}
+                 "max_mappings", "max_request_bytes_per_peer", "min_chunk_size",
+                 "ready_timeout", "hello_timeout", "idle_timeout", "frame_timeout"}
         unknown = set(server) - known
         if unknown:
             raise ConfigError(
@@ -520,7 +533,16 @@ class _DataOps:
             imp.close()
             raise InvalidInputError(f"pages: a [{len(msg.keys)}, page elements] tensor is "
                                     f"needed, got shape {tuple(t.shape)}")
-        return imp, [t[i] for i in range(t.shape[0])]
+        views: list[torch.Tensor] = []
+        try:
+            for start in range(0, t.shape[0], PAGE_RUN):  # (a view per page: ms per thousand)
+                if start:
+                    await anyio.lowlevel.checkpoint()
+                views.extend(t[start:start + PAGE_RUN].unbind(0))
+        except BaseException:
+            imp.close()
+            raise
+        return imp, views
 
     async def _op_put_pages(self, peer: Peer, msg: msgs.PagesMessage, fds: list[int]) -> Any:
         cache = _cache_of(peer)
@@ -871,7 +893,7 @@ class Server:
             sock.close()
             return
         conn = proto.Connection(sock, max_frame_size=self.config.max_frame_size,
-                              expect="request", ops=OPS)
+                                expect="request", ops=OPS, defer_above=DEFER_ABOVE)
         allowed = {os.getuid(), *self.config.allow_uids}
         if creds.uid not in allowed:
             self.counters.refused += 1
@@ -883,7 +905,8 @@ class Server:
             await conn.aclose()
             return
         peer = Peer(conn, creds, self.config, counters=self.counters, usage=self.usage,
-                    handlers=self._handlers, on_close=self._release_peer)
+                    handlers=self._handlers, on_close=self._release_peer,
+                    executor=self._executor)
         self._peers.add(peer)
         self.counters.connections += 1
         await peer.serve()
@@ -924,6 +947,9 @@ class Server:
             spec = KVSpec.from_dict(dict(msg.spec))
         except (MusaCacheError, TypeError, ValueError) as e:
             raise ProtocolError(f"hello: malformed spec: {e}") from None
+        if msg.chunk_size and msg.chunk_size < self.config.min_chunk_size:
+            raise ServerLimitError(f"hello: chunk_size={msg.chunk_size} is below this "
+                                   f"server's min_chunk_size={self.config.min_chunk_size}")
         chunk = msg.chunk_size or self.config.chunk_size
         key: CacheKey = (msg.namespace, spec, chunk, msg.tenant, peer.uid)
         cache = await self._caches.acquire(key)

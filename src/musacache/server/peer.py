@@ -40,7 +40,7 @@ from musacache._errors import (
     ProtocolError,
     ServerLimitError,
 )
-from musacache._executor import outlive
+from musacache._executor import Executor, outlive
 from musacache.cache import Cache
 from musacache.ipc import _messages as msgs
 from musacache.ipc import _wire as proto
@@ -99,6 +99,15 @@ OPEN: Final = frozenset({State.AWAITING_HELLO, State.GREETING, State.SERVING})
 # check, and every request makes it.
 _SERVING: Final = State.SERVING
 
+#: A frame whose body is larger is decoded (shape check, unpacking, the op's arguments) in
+#: the server's executor: on the loop, a frame near max_frame_size takes tens of ms.
+DEFER_ABOVE: Final = 256 * 1024
+
+#: What the server may hold for each chunk or page a request names, beyond its frame: the
+#: chunk's key and its place in the lists that plan the op. Counted against
+#: ``max_request_bytes_per_peer`` before the op runs.
+BYTES_PER_CHUNK: Final = 256
+
 #: Every transition, by (state, event). A hello that ends once the connection is closing (or
 #: released, by a server that closes meanwhile) changes nothing: the end stands.
 TRANSITIONS: Final[Mapping[tuple[State, Event], State]] = {
@@ -145,8 +154,10 @@ class Peer:
 
     def __init__(self, conn: proto.Connection, creds: proto.PeerCredentials,
                  config: ServerConfig, *, counters: ServerCounters, usage: Usage,
-                 handlers: Mapping[str, Handler], on_close: Callable[[Peer], None]) -> None:
+                 handlers: Mapping[str, Handler], on_close: Callable[[Peer], None],
+                 executor: Executor) -> None:
         self.conn = conn
+        self._executor = executor  # the server's: large frames are decoded there
         self.pid = creds.pid
         self.uid = creds.uid
         self.config = config
@@ -168,6 +179,8 @@ class Peer:
         self.in_flight = 0
         self._max_requests = config.max_requests_per_peer  # (read per frame)
         self.held_fds = 0
+        #: bytes the in-flight requests hold: their frames, and what they expand to
+        self.request_bytes = 0
         #: mappings being opened (awaited in a worker thread): counted against the limits
         #: before they exist, so that registers running at once cannot all pass them
         self.opening = 0
@@ -332,12 +345,16 @@ class Peer:
                 f"an incomplete frame of {nbytes} bytes would pass max_buffered_bytes="
                 f"{most} (staging and incomplete frames together)"))
 
-    def on_frame(self, frame: proto.Frame | proto.FrameError) -> None:
+    def on_frame(self, frame: proto.Frame | proto.RawFrame | proto.FrameError) -> None:
         """A whole frame: a request is admitted (a task runs it) or refused at the door."""
         self.partial_since = 0.0  # (the next frame's clock: see overdue)
         if self.parked_fds:  # (fds that waited for their frame: taken now, or closed)
             self._sync_parked()
-        if type(frame) is not proto.Request:
+        if isinstance(frame, proto.Request):
+            op, rid, size = frame.op, frame.id, frame.size
+        elif isinstance(frame, proto.RawFrame):
+            op, rid, size = "request", None, len(frame.body)
+        else:
             self.counters.bad_frames += 1
             if isinstance(frame, proto.FrameError):
                 log.info("bad frame from pid %d: %s", self.pid, frame)
@@ -345,21 +362,23 @@ class Peer:
             else:
                 ipc.close_fds(frame.fds)
             return
-        nfds = len(frame.fds)
+        fds = list(frame.fds)
+        nfds = len(fds)
         usage = self.usage
-        if nfds or self.in_flight >= self._max_requests:
+        if nfds or self.in_flight >= self._max_requests \
+                or self.request_bytes + size > self.config.max_request_bytes_per_peer:
             # (else no limit can refuse it)
-            limit = self._over_limit(frame, usage.held_fds + usage.parked_fds)
+            limit = self._over_limit(op, nfds, size, usage.held_fds + usage.parked_fds)
             if limit is not None:
-                ipc.close_fds(frame.fds)
+                ipc.close_fds(fds)
                 self.counters.limited += 1
-                self._refuse(frame.id, limit)
+                self._refuse(rid, limit)
                 return
         self.in_flight += 1
         self.held_fds += nfds
+        self.request_bytes += size
         usage.held_fds += FDS_PER_RECEIVED * nfds
-        fds = list(frame.fds)
-        self._ops[self._loop.create_task(self._dispatch(frame, fds))] = fds
+        self._ops[self._loop.create_task(self._dispatch(frame, fds, size))] = fds
 
     def on_end(self, error: BaseException | None) -> None:
         """The connection ended (EOF, a frame that broke the stream, a lost peer, a limit
@@ -390,24 +409,44 @@ class Peer:
 
     # -- limits -----------------------------------------------------------------------------
 
-    def _over_limit(self, req: proto.Request, held_fds: int) -> ServerLimitError | None:
-        """Why ``req`` is refused at the door, or None. ``held_fds``: what the requests in
-        flight hold now, all connections together, against the server's fd budget."""
+    def _over_limit(self, op: str, nfds: int, size: int,
+                    held_fds: int) -> ServerLimitError | None:
+        """Why a request (``op``, with ``nfds`` fds and a body of ``size`` bytes) is refused
+        at the door, or None. ``held_fds``: what the requests in flight hold now, all
+        connections together, against the server's fd budget."""
         cfg, fd_budget = self.config, self.usage.fd_budget
-        if req.fds and held_fds + FDS_PER_RECEIVED * len(req.fds) > fd_budget:
+        if nfds and held_fds + FDS_PER_RECEIVED * nfds > fd_budget:
             return ServerLimitError(
-                f"{req.op}: the server's requests in flight hold {held_fds} fds, and this one "
+                f"{op}: the server's requests in flight hold {held_fds} fds, and this one "
                 f"would pass the {fd_budget} its open-file limit leaves them (RLIMIT_NOFILE; "
                 f"raise it, e.g. LimitNOFILE= in systemd)")
         if self.in_flight >= cfg.max_requests_per_peer:
-            return ServerLimitError(f"{req.op}: {self.in_flight} requests already in flight "
+            return ServerLimitError(f"{op}: {self.in_flight} requests already in flight "
                                     f"on this connection (max_requests_per_peer="
                                     f"{cfg.max_requests_per_peer})")
-        if self.held_fds + len(req.fds) > cfg.max_fds_per_peer:
-            return ServerLimitError(f"{req.op}: this connection's requests would hold "
-                                    f"{self.held_fds + len(req.fds)} fds (max_fds_per_peer="
+        if self.held_fds + nfds > cfg.max_fds_per_peer:
+            return ServerLimitError(f"{op}: this connection's requests would hold "
+                                    f"{self.held_fds + nfds} fds (max_fds_per_peer="
                                     f"{cfg.max_fds_per_peer})")
-        return None
+        return self._over_bytes(op, size)
+
+    def _over_bytes(self, op: str, more: int) -> ServerLimitError | None:
+        most = self.config.max_request_bytes_per_peer
+        if self.request_bytes + more <= most:
+            return None
+        return ServerLimitError(f"{op}: this connection's requests in flight hold "
+                                f"{self.request_bytes} bytes, and this one needs {more} more "
+                                f"(max_request_bytes_per_peer={most})")
+
+    def _expansion(self, msg: Any) -> int:
+        """What the server may hold, beyond the frame, for the chunks or pages ``msg``
+        names (see :data:`BYTES_PER_CHUNK`)."""
+        tokens = getattr(msg, "tokens", None)
+        if tokens is not None:
+            chunk = self.key[2] if self.key is not None else self.config.chunk_size
+            return -(-len(tokens) // (4 * chunk)) * BYTES_PER_CHUNK
+        keys = getattr(msg, "keys", None)
+        return len(keys) * BYTES_PER_CHUNK if keys is not None else 0
 
     def overdue(self, received: int, now: float, paused: bool = False) -> Overdue | None:
         """The timeout the connection has run past (it is closed), or None.
@@ -439,19 +478,26 @@ class Peer:
 
     # -- one request ------------------------------------------------------------------------
 
-    async def _dispatch(self, req: proto.Request, fds: list[int]) -> None:
+    async def _dispatch(self, frame: proto.Request | proto.RawFrame, fds: list[int],
+                        size: int) -> None:
         """Run one request; it leaves the connection's ops when it ends (no done callback:
         one more turn of the loop per request)."""
         try:
-            await self.run(req, fds)
+            await self.run(frame, fds)
         finally:
+            self.request_bytes -= size
             self._ops.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
 
-    async def run(self, req: proto.Request, fds: list[int]) -> None:
+    async def run(self, frame: proto.Request | proto.RawFrame, fds: list[int]) -> None:
         """Run one request and answer it; ``fds`` are its fds (handlers take theirs out of
-        the list; the rest are closed here, and the list emptied)."""
+        the list; the rest are closed here, and the list emptied). A :class:`RawFrame` is
+        decoded in the server's executor first. What the request expands to is counted
+        against ``max_request_bytes_per_peer`` before its handler runs, until its reply is
+        out."""
         self.counters.requests += 1
         held = len(fds)
+        req = frame if type(frame) is proto.Request else None
+        more = 0
         # In flight until its reply is out, not only until it is made: a peer that never
         # reads its replies would otherwise have request after request admitted, each
         # holding its reply in a task (memory without bound). max_requests_per_peer
@@ -464,8 +510,18 @@ class Peer:
                         # Admitted just before the connection ended: it goes with the rest
                         # of its ops, unstarted (the peer sees the connection close).
                         return
-                    msg = msgs.decode_args(req.op, req.args, len(fds),
-                                           max_stage_bytes=self.config.max_stage_bytes)
+                    if req is None:
+                        assert isinstance(frame, proto.RawFrame)
+                        req, msg = await self._decode_raw(frame, fds)
+                    else:
+                        msg = self._decode(req, held)
+                    need = self._expansion(msg)
+                    if need:
+                        over = self._over_bytes(req.op, need)
+                        if over is not None:
+                            raise over
+                        more = need
+                        self.request_bytes += more
                     if req.op != "hello":
                         if state is not _SERVING:
                             raise ProtocolError(
@@ -483,16 +539,51 @@ class Peer:
             except MusaCacheError as e:
                 # The peer's mistake (or a refused request): answered, never logged as a bug.
                 self.counters.errors += 1
-                await reply_error(self.conn, req.id, e)
+                await reply_error(self.conn, _request_id(req, e), e)
                 return
             except Exception as e:  # a server bug: answer, log, keep serving everyone else
                 self.counters.errors += 1
-                log.exception("op %s failed", req.op)
-                await reply_error(self.conn, req.id, e)
+                log.exception("op %s failed", req.op if req is not None else "?")
+                await reply_error(self.conn, _request_id(req, e), e)
                 return
             await _send_result(self.conn, req, result, self.counters)
         finally:
             self.in_flight -= 1
+            self.request_bytes -= more
+
+    def _decode(self, req: proto.Request, nfds: int) -> Any:
+        return msgs.decode_args(req.op, req.args, nfds,
+                                max_stage_bytes=self.config.max_stage_bytes)
+
+    async def _decode_raw(self, raw: proto.RawFrame,
+                          fds: list[int]) -> tuple[proto.Request, Any]:
+        """A large frame's request and typed message, decoded in the server's executor."""
+        def decode() -> tuple[proto.Request, Any, MusaCacheError | None]:
+            req = self.conn.parse(raw)
+            assert type(req) is proto.Request  # (the decoder expects only requests)
+            try:
+                return req, self._decode(req, len(fds)), None
+            except MusaCacheError as e:  # the request's error: answered with its id
+                return req, None, e
+
+        try:
+            req, msg, error = await self._executor.run(decode)
+        except proto.FrameError as e:
+            fds.clear()  # (closed by the decoder)
+            self.counters.bad_frames += 1
+            log.info("bad frame from pid %d: %s", self.pid, e)
+            raise
+        if error is not None:
+            error.request_id = req.id  # type: ignore[attr-defined]
+            raise error
+        return req, msg
+
+
+def _request_id(req: proto.Request | None, error: BaseException) -> int | None:
+    if req is not None:
+        return req.id
+    rid = getattr(error, "request_id", None)
+    return rid if isinstance(rid, int) else None
 
 
 async def _send_result(conn: proto.Connection, req: proto.Request, result: Any,
@@ -510,7 +601,7 @@ async def _send_result(conn: proto.Connection, req: proto.Request, result: Any,
         await reply_error(conn, req.id, e)
 
 
-async def reply_error(conn: proto.Connection, rid: int, e: BaseException) -> None:
+async def reply_error(conn: proto.Connection, rid: int | None, e: BaseException) -> None:
     """Answer request ``rid`` with ``e``, unless the peer is gone or stuck (5 s)."""
     try:
         with anyio.move_on_after(5):
