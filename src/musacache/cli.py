@@ -24,6 +24,8 @@ BENCHES = {
               "host-tier put/get vs copy_, lookup time, event-loop gap"),
     "gpu": ("musacache.bench.gpu", "the accelerator data path and TTFT, ratios vs torch copies"),
     "scale": ("musacache.bench.scale", "the control plane at scale: every goal in one run"),
+    "hostile": ("musacache.bench.hostile",
+                "node server under hostile clients: a polite client's p99 and server memory"),
 }
 
 SUBCOMMANDS = {

@@ -108,7 +108,7 @@ class RawFrame:
     ``defer_above``, for its taker to decode off the event loop with
     :meth:`FrameDecoder.parse`. ``fds`` are owned by whoever takes the frame."""
 
-    body: bytes | bytearray
+    body: bytes | bytearray | memoryview
     fds: tuple[int, ...] = field(default=(), repr=False)
 
 
@@ -587,6 +587,13 @@ class FrameDecoder:
         if end > len(buf):
             return None
         fds = self._claim_fds(self._base + pos, nfds) if nfds else ()
+        if length > self.defer_above:
+            # The body stays where it was received (a view of the old buffer, no copy on
+            # the loop); the new buffer starts with what followed it.
+            self._buf = buf[end:]
+            self._base += end
+            self._pos = 0
+            return RawFrame(memoryview(buf)[pos + HEADER_SIZE:end], fds)
         if length <= _SMALL_BODY:
             body: bytes | bytearray = buf[pos + HEADER_SIZE:end]  # (one copy of a few bytes)
         else:
@@ -594,8 +601,6 @@ class FrameDecoder:
             with memoryview(buf) as view:
                 body = bytes(view[pos + HEADER_SIZE:end])
         self._pos = end
-        if length > self.defer_above:
-            return RawFrame(body, fds)
         try:
             return self._parse_body(body, fds)
         except FrameError:
@@ -633,7 +638,7 @@ class FrameDecoder:
         self._batches.popleft()
         return tuple(batch.fds)
 
-    def _parse_body(self, body: bytes | bytearray, fds: tuple[int, ...]) -> Frame:
+    def _parse_body(self, body: bytes | bytearray | memoryview, fds: tuple[int, ...]) -> Frame:
         small = len(body) <= _SMALL_BODY
         if not small:
             check_body_shape(body)
@@ -646,7 +651,8 @@ class FrameDecoder:
         if type(obj) is not dict:  # (unpackb makes plain dicts)
             raise FrameError(f"a frame body must be a map, got {type(obj).__name__}",
                              fatal=False)
-        if (small and len(body.translate(None, _NOT_CONTAINER_LEADS)) > MAX_DEPTH
+        if (small and not isinstance(body, memoryview)
+                and len(body.translate(None, _NOT_CONTAINER_LEADS)) > MAX_DEPTH
                 and _nested_deeper(obj, MAX_DEPTH)):
             raise FrameError(f"frame body refused: nested deeper than {MAX_DEPTH}", fatal=False)
         raw_id = obj.get("id")
