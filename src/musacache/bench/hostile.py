@@ -214,7 +214,9 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
                 watcher.cancel()
                 row = {"p50_ms": _pct(times, 0.5) * 1e3, "p99_ms": _pct(times, 0.99) * 1e3,
                        "calls": len(times), "p99_vs_idle_p99": _pct(times, 0.99) / idle_p99,
-                       "rss_growth_MiB": (peak[0] - base_rss) / 1024}
+                       "rss_growth_MiB": (peak[0] - base_rss) / 1024,
+                       # what stays after the hostile client is gone
+                       "rss_kept_MiB": (_rss_kib(pid) - base_rss) / 1024}
                 if name == "long_delete":
                     frame = DELETE_TOKENS * 4
                     row["growth_per_request_vs_frame"] = \
