@@ -512,7 +512,9 @@ class Peer:
                         return
                     if req is None:
                         assert isinstance(frame, proto.RawFrame)
-                        req, msg = await self._decode_raw(frame, fds)
+                        req, msg, error = await self._decode_raw(frame, fds)
+                        if error is not None:  # (answered under the request's id)
+                            raise error
                     else:
                         msg = self._decode(req, held)
                     need = self._expansion(msg)
@@ -555,9 +557,10 @@ class Peer:
         return msgs.decode_args(req.op, req.args, nfds,
                                 max_stage_bytes=self.config.max_stage_bytes)
 
-    async def _decode_raw(self, raw: proto.RawFrame,
-                          fds: list[int]) -> tuple[proto.Request, Any]:
-        """A large frame's request and typed message, decoded in the server's executor."""
+    async def _decode_raw(self, raw: proto.RawFrame, fds: list[int],
+                          ) -> tuple[proto.Request, Any, MusaCacheError | None]:
+        """A large frame's request and its typed message, or the error that makes the
+        message, decoded in the server's executor."""
         def decode() -> tuple[proto.Request, Any, MusaCacheError | None]:
             req = self.conn.parse(raw)
             assert type(req) is proto.Request  # (the decoder expects only requests)
@@ -567,16 +570,12 @@ class Peer:
                 return req, None, e
 
         try:
-            req, msg, error = await self._executor.run(decode)
+            return await self._executor.run(decode)
         except proto.FrameError as e:
             fds.clear()  # (closed by the decoder)
             self.counters.bad_frames += 1
             log.info("bad frame from pid %d: %s", self.pid, e)
             raise
-        if error is not None:
-            error.request_id = req.id  # type: ignore[attr-defined]
-            raise error
-        return req, msg
 
 
 def _request_id(req: proto.Request | None, error: BaseException) -> int | None:
