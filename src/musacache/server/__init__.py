@@ -619,6 +619,20 @@ def _raise_open_file_limit() -> None:
             pass  # (above the kernel's nr_open: the limit stays as it was)
 
 
+def peer_salt(uid: int, tenant: str | None, own_uid: int) -> str | None:
+    """The key salt of a peer's cache: a digest of the length-prefixed (uid, tenant), so that
+    no tenant string can spell another identity, and another uid's chunks are apart even
+    where the tenant names match (isolation between users rests on SO_PEERCRED, not on a
+    secret). The server's own uid without a tenant keeps the unsalted default cache."""
+    if tenant is None and uid == own_uid:
+        return None
+    h = hashlib.blake2b(digest_size=16, person=b"musacache-peer")
+    for part in (str(uid).encode(), b"" if tenant is None else b"t" + tenant.encode()):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return f"peer.{h.hexdigest()}"
+
+
 class _Caches:
     """The caches of a server, one per :data:`CacheKey`, opened by the first hello that names
     one. A cache that no connection uses stays open, its chunks served to the next one that
@@ -654,9 +668,7 @@ class _Caches:
                 if len(self.caches) >= self.config.max_caches and not await self._evict():
                     raise self._full(key)
                 namespace, spec, chunk, tenant, uid = key
-                # Another uid's chunks are salted apart even when the tenant names match:
-                # isolation between users rests on SO_PEERCRED, not on a shared secret.
-                salt = tenant if uid == os.getuid() else f"uid:{uid}:{tenant or ''}"
+                salt = peer_salt(uid, tenant, os.getuid())
                 cache = Cache(self.config.cache_config(spec, namespace, chunk, salt))
                 await cache.open()
                 self.caches[key] = cache
