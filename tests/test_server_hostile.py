@@ -1,7 +1,7 @@
 """Hostile clients, each a process of its own (``musacache.bench.hostile``), against a server
 in this process while a well-behaved client makes its calls: every call of the polite client
-is answered right, and no turn of the server's loop takes more than twice the loop budget of
-CPU (counted as in ``test_server_budgets``, not timed)."""
+is answered right, and no turn of the server's loop is a stall (counted as in
+``test_server_budgets``)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,7 @@ from test_server_budgets import TURN_CPU_S, most_cpu_per_turn
 SECONDS = 2.0
 
 
-# (Not yet big_lookup, whose 64 MiB receive buffer is still grown by copies in turns of about
-# 12 ms of CPU, nor long_delete, whose turns took 15 to 24 ms in some runs.)
-@pytest.mark.parametrize("pattern", ["flood", "big_pages"])
+@pytest.mark.parametrize("pattern", ["flood", "big_lookup", "big_pages", "long_delete"])
 async def test_a_hostile_client_does_not_hold_the_loop(tmp_path, pattern):
     cfg = ServerConfig(str(tmp_path / "h" / "s.sock"),
                        tiers=(mc.HostTier(hostile.SPEC.nbytes(hostile.CHUNK) * 4096),),

@@ -307,7 +307,10 @@ async def finish(work: Awaitable[_T]) -> _T:
     task = asyncio.ensure_future(work)
     came = await outlive(task)
     if came is not None:
-        raise came
+        try:
+            raise came
+        finally:
+            del came  # (a local would keep its traceback in a cycle)
     # An anyio scope cancelled meanwhile was held off by outlive's shield: raised here.
     await anyio.lowlevel.checkpoint_if_cancelled()
     return task.result()

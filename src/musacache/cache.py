@@ -645,7 +645,10 @@ async def _release_to_end(cache: Cache) -> None:
     cache._state = "closed"
     task.result()
     if came is not None:
-        raise came
+        try:
+            raise came
+        finally:
+            del came  # (a local would keep its traceback in a cycle)
 
 
 async def _close_from_other_loop(cache: Cache, opened: asyncio.AbstractEventLoop) -> None:

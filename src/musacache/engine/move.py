@@ -96,7 +96,10 @@ class Mover:
             self._idle = idle = asyncio.get_running_loop().create_future()
             came = await outlive(idle) or came
         if came is not None:
-            raise came
+            try:
+                raise came
+            finally:
+                del came  # (a local would keep its traceback in a cycle)
 
     def close(self) -> None:
         """Refuse new moves (the cache is closed: nothing hops any more)."""
@@ -146,7 +149,10 @@ class Mover:
                         waiter = asyncio.ensure_future(devices.wait_event(queued[0]))
                         came = await outlive(waiter)
                         if came is not None:
-                            raise came
+                            try:
+                                raise came
+                            finally:
+                                del came  # (a local would keep its traceback in a cycle)
                         waiter.result()  # a device error is the caller's
             finally:
                 self._done()

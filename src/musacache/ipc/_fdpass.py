@@ -50,6 +50,9 @@ __all__ = [
 
 _INT_SIZE = array.array("i").itemsize
 _RECV_CHUNK = 256 * 1024
+#: Reads of one reader callback: a large frame arriving fast is taken 1 MiB a turn of the
+#: loop, not whole in one turn (epoll calls the reader again at the next turn).
+_READS_PER_TURN = 4
 
 
 # -- waiting on fds -------------------------------------------------------------------------
@@ -566,7 +569,9 @@ class Connection:
         # Called when the socket is readable; the decoder holds no whole frame then (every
         # one was handed out, or delivery is paused and this is not registered).
         try:
-            while self._on_frame is not None and not self._paused:
+            for _ in range(_READS_PER_TURN):
+                if self._on_frame is None or self._paused:
+                    return
                 data, fds = _recv_now(self._sock)
                 if not data:
                     for fd in fds:

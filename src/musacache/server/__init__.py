@@ -725,7 +725,10 @@ class _Caches:
                  "%d written to storage", key[0], entry["tenant"], entry["chunks"],
                  entry["persisted"])
         if came is not None:
-            raise came
+            try:
+                raise came
+            finally:
+                del came  # (a local would keep its traceback in a cycle)
         return True
 
     async def close_all(self) -> None:

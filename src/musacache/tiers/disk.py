@@ -581,9 +581,8 @@ class DiskStore(StorageTier):
         path = self._path(meta.key, meta.parent, meta.num_tokens)
         if meta.key in self._quarantined:
             raise _quarantined(self, path)
-        refused = _refusal(self, path)
-        if refused is not None:
-            raise refused
+        if _stuck_all(self):
+            raise _refusal(self, path)
         call = call or _ThreadRead()
         started = anyio.current_time()
         self._reading.begin(meta.key, call)
@@ -810,12 +809,14 @@ def _quarantined(store: DiskStore, path: Path) -> QuarantinedError:
                             "hung); the engine deletes it")
 
 
-def _refusal(store: DiskStore, path: Path) -> TierError | None:
-    """The error (counted) of a read of ``path`` refused because every thread the store may
-    use is stuck in the file system (starting another one would only leak it too), or None
-    when a read may start."""
-    if store._stuck < store.max_concurrency:
-        return None
+def _stuck_all(store: DiskStore) -> bool:
+    """Whether every thread the store may use is stuck in the file system (starting another
+    one would only leak it too)."""
+    return store._stuck >= store.max_concurrency
+
+
+def _refusal(store: DiskStore, path: Path) -> TierError:
+    """The error (counted) of a read of ``path`` refused because :func:`_stuck_all`."""
     store._c.read_faults += 1
     store._c.reads_refused += 1
     return TierError(f"disk tier {store.name!r}: {store._stuck} reads are stuck in "
@@ -897,7 +898,7 @@ class _BatchRead:
                 self.todo.append(i)
         if not self.todo:
             return self.out
-        if store._stuck >= store.max_concurrency:
+        if _stuck_all(store):
             for i in self.todo:
                 self.out[i] = _refusal(store, self.path_of(i))
             return self.out
