@@ -34,7 +34,13 @@ from musacache.engine import removal as _removal
 from musacache.engine.core import BATCH, DenseSource, Engine, PagedSource
 from musacache.engine.directory import Match
 from musacache.engine.move import Mover, accelerator_of
-from musacache.engine.pages import PAGE_RUN, PageSource, check_pages_paced, page_keys_paced
+from musacache.engine.pages import (
+    PAGE_RUN,
+    PageSource,
+    check_pages_paced,
+    first_missing_page,
+    page_keys_paced,
+)
 from musacache.engine.reads import VIEW_RUN
 from musacache.engine.resident import MIN_CHUNKS as RESIDENT_MIN
 from musacache.engine.resident import read_resident, retrieve_resident
@@ -556,14 +562,10 @@ class Cache:
     async def exists_pages(self, keys: Sequence[str | bytes]) -> int:
         """How many of ``keys``, from the first, are cached in some tier. Moves no data."""
         eng = self._check_open()
-        ks = await page_keys_paced(eng.chain.seed, keys, self.config.chunk_size)
+        found = await first_missing_page(eng.chain.seed, keys,
+                                         lambda key: eng.dir.get(key) is not None)
         self._ops.lookups += 1
-        for i, (_s, _e, _p, key) in enumerate(ks):
-            if i and not i % PAGE_RUN:
-                await anyio.lowlevel.checkpoint()
-            if eng.dir.get(key) is None:
-                return i
-        return len(ks)
+        return found
 
     async def delete(self, tokens: Any) -> int:
         """Forget the chunks of ``tokens`` and every chunk that extends them, in every tier.

@@ -14,7 +14,7 @@ page root no token chain reaches, so a token prompt never matches a page.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final
 
 import anyio.lowlevel
@@ -24,8 +24,8 @@ from musacache._errors import DTypeError, InvalidInputError, ShapeError
 from musacache._keys import KEY_BYTES
 from musacache._spec import KVSpec, check_has_data, check_plain_values, check_writable, dtype_name
 
-__all__ = ["PAGE_RUN", "PageSource", "check_pages", "check_pages_paced", "page_keys",
-           "page_keys_paced", "paced"]
+__all__ = ["PAGE_RUN", "PageSource", "check_pages", "check_pages_paced", "first_missing_page",
+           "page_keys", "page_keys_paced", "paced"]
 
 #: Pages checked or hashed per turn of the loop (about 1 ms of it): a call that names tens
 #: of thousands of pages leaves the loop to others between runs.
@@ -69,15 +69,35 @@ async def page_keys_paced(seed: bytes, keys: Sequence[str | bytes], chunk_size: 
     return out
 
 
-def _page_key_steps(seed: bytes, keys: Sequence[str | bytes], chunk_size: int,
-                    after: str | bytes | None,
-                    out: list[tuple[int, int, bytes, bytes]]) -> Iterator[None]:
+async def first_missing_page(seed: bytes, keys: Sequence[str | bytes],
+                             has: Callable[[bytes], bool]) -> int:
+    """The index of the first of ``keys`` whose page ``has`` denies (``len(keys)`` if none):
+    a key is hashed only once the pages before it were found, :data:`PAGE_RUN` per turn of
+    the loop, and no list of the keys is kept."""
+    await paced(_check_key_steps(keys))
+    for i, k in enumerate(keys):
+        if i and not i % PAGE_RUN:
+            await anyio.lowlevel.checkpoint()
+        if not has(_page_key(seed, k)):
+            return i
+    return len(keys)
+
+
+def _check_key_steps(keys: Sequence[str | bytes]) -> Iterator[None]:
     if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
         raise InvalidInputError(f"keys must be a sequence of str or bytes, got "
                                 f"{type(keys).__name__}")
     for i, k in enumerate(keys):
+        if i and not i % (PAGE_RUN * 16):
+            yield None
         if not isinstance(k, (str, bytes)) or not k:
             raise InvalidInputError(f"keys[{i}] must be a non-empty str or bytes, got {k!r}")
+
+
+def _page_key_steps(seed: bytes, keys: Sequence[str | bytes], chunk_size: int,
+                    after: str | bytes | None,
+                    out: list[tuple[int, int, bytes, bytes]]) -> Iterator[None]:
+    yield from _check_key_steps(keys)
     parent = page_root(seed) if after is None else _page_key(seed, after)
     for i, k in enumerate(keys):
         if i and not i % PAGE_RUN:
