@@ -29,13 +29,15 @@ from ._validate import (
     optional_str,
     parse_size,
     positive_int,
+    shown,
     size_bytes,
 )
 from .tiers import register_tier_kind, tier_kind, tier_kinds
 from .tiers.base import TierConfig
 
-__all__ = ["MAX_CHUNK_BYTES", "MAX_CHUNK_SIZE", "CacheConfig", "DeviceTier", "HostTier",
-           "MemoryTierConfig", "TierConfig", "parse_size"]
+__all__ = ["MAX_CHUNK_BYTES", "MAX_CHUNK_SIZE", "MAX_DEPTH", "CacheConfig", "DeviceTier",
+           "HostTier", "MemoryTierConfig", "TierConfig", "check_depth", "parse_size",
+           "read_toml"]
 
 DEFAULT_SEGMENT_BYTES = 256 * 1024**2
 
@@ -47,6 +49,53 @@ DEFAULT_SEGMENT_BYTES = 256 * 1024**2
 MAX_CHUNK_SIZE = 2**31 - 1
 #: The most bytes one chunk may take (a tier's slot; the chunk header's lengths are 64-bit).
 MAX_CHUNK_BYTES = 2**40
+#: The deepest that a config's tables and arrays may nest: a real one is 4 deep (tiers, a
+#: tier, a list value), and deeper data recurses without bound in the TOML parser and in the
+#: messages that show its values.
+MAX_DEPTH = 32
+
+
+def check_depth(data: Any, where: str) -> None:
+    """A :class:`ConfigError` if tables and arrays in ``data`` nest deeper than MAX_DEPTH.
+
+    It walks with a stack of its own, so data of any depth (or a cycle) is refused without
+    recursing."""
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, Mapping):
+            children: Any = node.values()
+        elif isinstance(node, (list, tuple)):
+            children = node
+        else:
+            continue
+        if depth > MAX_DEPTH:
+            raise ConfigError(f"{where}: tables and arrays nest more than {MAX_DEPTH} deep")
+        stack.extend((child, depth + 1) for child in children)
+
+
+def read_toml(path: str | os.PathLike[str], where: str) -> dict[str, Any]:
+    """The table of a TOML file, checked by :func:`check_depth`; a :class:`ConfigError`
+    that starts with ``where`` for a file that cannot be read or is no UTF-8 TOML."""
+    import tomllib
+
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"{where}: a config path is a str or a PathLike, "
+                          f"got {type(path).__name__}")
+    try:
+        raw = Path(path).read_bytes()
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the path
+        raise ConfigError(f"cannot read {where}: {e}") from e
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except RecursionError:
+        # The parser recurses once per nested array or inline table.
+        raise ConfigError(f"{where}: tables and arrays nest more than {MAX_DEPTH} deep") \
+            from None
+    except (UnicodeDecodeError, ValueError) as e:  # an int past int()'s digits is ValueError
+        raise ConfigError(f"{where} is not valid TOML: {e}") from e
+    check_depth(data, where)
+    return data
 
 
 def _tier_name(value: Any, default: str) -> str:
@@ -83,7 +132,7 @@ class HostTier:
                               f"capacity_bytes ({self.capacity_bytes})")
         if not (isinstance(self.pinned, bool) or self.pinned == "auto"):
             raise ConfigError(
-                f"{self.name}.pinned must be true, false or 'auto', got {self.pinned!r}")
+                f"{self.name}.pinned must be true, false or 'auto', got {shown(self.pinned)}")
 
 
 _DEVICE_NAME = re.compile(r"auto|cpu|(cuda|musa)(:\d+)?")
@@ -95,7 +144,7 @@ def _device_name(value: object, what: str) -> None:
     known now (a server started with one listened, and refused every client)."""
     if not isinstance(value, str) or not _DEVICE_NAME.fullmatch(value):
         raise ConfigError(f"{what} must be 'auto', 'cpu', 'cuda[:n]' or 'musa[:n]', "
-                          f"got {value!r}")
+                          f"got {shown(value)}")
 
 
 @dataclass(frozen=True)
@@ -180,7 +229,8 @@ class CacheConfig:
         if not isinstance(self.namespace, str) or not self.namespace:
             raise ConfigError("namespace must be a non-empty string (the model name)")
         if isinstance(self.tiers, (str, bytes, Mapping)) or not hasattr(self.tiers, "__iter__"):
-            raise ConfigError(f"tiers must be a sequence of tier configs, got {self.tiers!r}")
+            raise ConfigError(f"tiers must be a sequence of tier configs, got "
+                              f"{shown(self.tiers)}")
         tiers = tuple(self.tiers)
         if not tiers:
             raise ConfigError("tiers must name at least one tier")
@@ -190,14 +240,18 @@ class CacheConfig:
                     f"tiers[{i}] is a {type(tier).__name__}: a tier is a HostTier, a "
                     "DeviceTier, a DiskTier, an S3Tier, or a StorageTier (anything with a "
                     "name and build())")
+            name = getattr(tier, "name", None)
+            if not isinstance(name, str) or not name:
+                raise ConfigError(f"tiers[{i}].name must be a non-empty string, got "
+                                  f"{shown(name)}")
         object.__setattr__(self, "tiers", tiers)
         for hot, cold in itertools.pairwise(tiers):
             if isinstance(cold, (HostTier, DeviceTier)) and \
                     not isinstance(hot, (HostTier, DeviceTier)):
                 # Tiers go hot to cold: chunks move down from memory to storage, never up
                 # into a memory tier listed below one (it would stay empty).
-                raise ConfigError(f"tiers go hot to cold: memory tier {cold.name!r} cannot "
-                                  f"come after storage tier {hot.name!r}")
+                raise ConfigError(f"tiers go hot to cold: memory tier {shown(cold.name)} "
+                                  f"cannot come after storage tier {shown(hot.name)}")
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise ConfigError(f"tier names must be unique, got {names}; set name= on each tier")
@@ -223,7 +277,7 @@ class CacheConfig:
                            non_negative_float(self.close_timeout, "close_timeout"))
         if self.promotion not in ("background", "sync"):
             raise ConfigError(f"promotion must be 'background' or 'sync', got "
-                              f"{self.promotion!r}")
+                              f"{shown(self.promotion)}")
 
     # -- loaders --------------------------------------------------------------------------
 
@@ -234,6 +288,9 @@ class CacheConfig:
         Values are checked as strictly as in Python: ``chunk_size = 128.7`` or
         ``num_layers = "4"`` is a :class:`ConfigError`, not a conversion.
         """
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"a config is a table of settings, got {type(data).__name__}")
+        check_depth(data, "the config")
         data = dict(data)
         spec_data = data.pop("spec", None)
         if not isinstance(spec_data, Mapping):
@@ -250,27 +307,27 @@ class CacheConfig:
         if isinstance(tiers_data, Mapping):  # env form: {"0": {...}, "1": {...}}
             tiers_data = [tiers_data[k] for k in sorted(tiers_data, key=_index_key)]
         if isinstance(tiers_data, (str, bytes)) or not isinstance(tiers_data, list):
-            raise ConfigError(f"tiers must be a list of tables ([[tiers]]), got {tiers_data!r}")
-        tiers = tuple(_tier_from_dict(t, i) for i, t in enumerate(tiers_data))
-        known = {f.name for f in dataclasses.fields(cls)} - {"spec", "tiers"}
+            raise ConfigError(f"tiers must be a list of tables ([[tiers]]), got "
+                              f"{shown(tiers_data)}")
+        tiers = tuple(tier_from_dict(t, i) for i, t in enumerate(tiers_data))
+        fields = [f for f in dataclasses.fields(cls) if f.name not in ("spec", "tiers")]
+        known = {f.name for f in fields}
         unknown = set(data) - known
         if unknown:
-            raise ConfigError(f"unknown setting(s) {sorted(unknown)}; known: {sorted(known)}")
+            raise ConfigError(f"unknown setting(s) {sorted(unknown, key=str)}; "
+                              f"known: {sorted(known)}")
+        missing = [f.name for f in fields if f.name not in data
+                   and f.default is dataclasses.MISSING
+                   and f.default_factory is dataclasses.MISSING]
+        if missing:
+            raise ConfigError(f"the config needs {', '.join(missing)} (e.g. namespace = "
+                              '"llama-3-8b", the model name)')
         return cls(spec=KVSpec.from_dict(spec_data), tiers=tiers, **data)
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str]) -> CacheConfig:
         """Load a TOML file (see docs/configuration.md)."""
-        import tomllib
-
-        try:
-            with open(path, "rb") as f:
-                data = tomllib.load(f)
-        except OSError as e:
-            raise ConfigError(f"cannot read config file {path}: {e}") from e
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{path} is not valid TOML: {e}") from e
-        return cls.from_dict(data)
+        return cls.from_dict(read_toml(path, f"config file {path}"))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None,
@@ -280,22 +337,23 @@ class CacheConfig:
         (``ENV_RESERVED``: the engines' test interpreters, the native module's thread count)
         are not settings and are passed over, so a shell that exports them can still build a
         config from its environment."""
-        import tomllib
-
         env = os.environ if environ is None else environ
+        if not isinstance(env, Mapping):
+            raise ConfigError(f"the environment is a mapping of names to strings, got "
+                              f"{type(env).__name__}")
         data: dict[str, Any] = {}
         base = env.get(prefix + "CONFIG")
         if base:
-            try:
-                data = tomllib.loads(Path(base).read_text(encoding="utf-8"))
-            except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-                raise ConfigError(f"MUSACACHE_CONFIG={base}: {e}") from e
+            data = read_toml(base, f"{prefix}CONFIG={base}")
             if isinstance(data.get("tiers"), list):
                 data["tiers"] = {str(i): t for i, t in enumerate(data["tiers"])}
         for name, raw in env.items():
             if not name.startswith(prefix) or name == prefix + "CONFIG" \
                     or name[len(prefix):] in ENV_RESERVED:
                 continue
+            if not isinstance(raw, str):
+                raise ConfigError(f"{name}: an environment value is a string, got "
+                                  f"{type(raw).__name__}")
             path = [p.lower() for p in name[len(prefix):].split("__")]
             node = data
             for part in path[:-1]:
@@ -327,11 +385,11 @@ _NAME_SETTINGS = frozenset({
 })
 
 
-def _index_key(k: str) -> int:
+def _index_key(k: Any) -> int:
     try:
         return int(k)
-    except ValueError:
-        raise ConfigError(f"tier index must be a number, got {k!r}") from None
+    except (TypeError, ValueError):
+        raise ConfigError(f"tier index must be a number, got {shown(k)}") from None
 
 
 def _env_value(raw: str, setting: str) -> Any:
@@ -353,13 +411,18 @@ def _env_value(raw: str, setting: str) -> Any:
     return raw
 
 
-def _tier_from_dict(d: Any, index: int) -> MemoryTierConfig | TierConfig:
+def tier_from_dict(d: Any, index: int) -> MemoryTierConfig | TierConfig:
+    """The tier config a ``[[tiers]]`` table describes (``index``: where, for messages)."""
     if not isinstance(d, Mapping):
         raise ConfigError(f"tiers[{index}] must be a table, got {type(d).__name__}")
+    check_depth(d, f"tiers[{index}]")
     d = dict(d)
     kind = d.pop("kind", None)
     if kind is None:
         raise ConfigError(f"tiers[{index}] has no kind; kinds: {tier_kinds()}")
+    if not isinstance(kind, str):
+        raise ConfigError(f"tiers[{index}].kind must be a string, got {shown(kind)}; "
+                          f"kinds: {tier_kinds()}")
     try:
         config_cls = tier_kind(kind)
     except ConfigError as e:
@@ -372,14 +435,16 @@ def _tier_from_dict(d: Any, index: int) -> MemoryTierConfig | TierConfig:
         accepted, required = params
         unknown = set(d) - accepted
         if unknown:
-            raise ConfigError(f"{where}: unknown setting(s) {sorted(unknown)}; "
+            raise ConfigError(f"{where}: unknown setting(s) {sorted(unknown, key=str)}; "
                               f"known: {sorted(accepted)}")
         missing = [p for p in required if p not in d]
         if missing:
             raise ConfigError(f"{where}: missing required setting(s) {missing}")
     try:
         tier = config_cls(**d)
-    except TypeError as e:  # a plug-in whose signature could not be read
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:  # a plug-in whose signature could not be read
         raise ConfigError(f"{where}: {e}") from e
     if not isinstance(tier, (HostTier, DeviceTier, TierConfig)):
         raise ConfigError(f"{where}: {config_cls!r} built a {type(tier).__name__}, which has "

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ._errors import ConfigError, DeviceError, DTypeError, InvalidInputError, ShapeError
-from ._validate import boolean, positive_int
+from ._validate import boolean, positive_int, shown
 
 __all__ = ["MAX_BYTES_PER_TOKEN", "KVSpec", "check_has_data", "check_plain_values",
            "check_writable", "dtype_from_name", "dtype_name", "may_overlap", "storage_short"]
@@ -33,12 +33,15 @@ def dtype_from_name(name: str | torch.dtype) -> torch.dtype:
         if dtype_name(name) not in _DTYPES:
             raise ConfigError(f"unsupported KV dtype {name}; use one of {sorted(_DTYPES)}")
         return name
-    key = str(name).removeprefix("torch.").lower()
+    if not isinstance(name, str):
+        raise ConfigError(f"a KV dtype is a name such as 'bfloat16', got {shown(name)}")
+    key = name.removeprefix("torch.").lower()
     key = _ALIASES.get(key, key)
     try:
         return _DTYPES[key]
     except KeyError:
-        raise ConfigError(f"unknown KV dtype {name!r}; use one of {sorted(_DTYPES)}") from None
+        raise ConfigError(f"unknown KV dtype {shown(name)}; use one of {sorted(_DTYPES)}") \
+            from None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -178,14 +181,14 @@ class KVSpec:
         known = {"num_layers", "num_kv_heads", "head_dim", "dtype", "mla"}
         unknown = set(d) - known
         if unknown:
-            raise ConfigError(f"[spec]: unknown setting(s) {sorted(unknown)}; "
+            raise ConfigError(f"[spec]: unknown setting(s) {sorted(unknown, key=str)}; "
                               f"known: {sorted(known)}")
         missing = [k for k in ("num_layers", "num_kv_heads", "head_dim") if k not in d]
         if missing:
             raise ConfigError(f"KVSpec is missing {', '.join(map(repr, missing))}")
         dtype = d.get("dtype", "bfloat16")
         if not isinstance(dtype, (str, torch.dtype)):
-            raise ConfigError(f"KVSpec.dtype must be a dtype name, got {dtype!r}")
+            raise ConfigError(f"KVSpec.dtype must be a dtype name, got {shown(dtype)}")
         return cls(d["num_layers"], d["num_kv_heads"], d["head_dim"], dtype_from_name(dtype),
                    d.get("mla", False))
 

@@ -22,6 +22,7 @@ import math
 import numbers
 import operator
 import re
+import reprlib
 from typing import Any
 
 from ._errors import ConfigError, InvalidInputError, MusaCacheError
@@ -36,11 +37,40 @@ __all__ = [
     "parse_size",
     "positive_float",
     "positive_int",
+    "shown",
     "size_bytes",
     "timeout",
 ]
 
 ErrorType = type[MusaCacheError]
+
+#: The largest byte size: every size travels in 64-bit fields (chunk headers, the native
+#: module, the wire protocol).
+MAX_SIZE = 2**63 - 1
+
+
+class _Shown(reprlib.Repr):
+    """``repr`` bounded in length and depth, so a message never fails to show a value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel = 3
+        self.maxstring = self.maxother = 120
+        self.maxlist = self.maxtuple = self.maxdict = self.maxset = 8
+
+    def repr_int(self, x: int, level: int) -> str:
+        # repr() refuses ints past 4300 digits (a ValueError inside the message itself).
+        if x.bit_length() > 256:
+            return f"<an int of {x.bit_length()} bits>"
+        return repr(x)
+
+
+_SHOWN = _Shown()
+
+
+def shown(value: Any) -> str:
+    """``value`` as an error message shows it: its ``repr``, cut short if long or deep."""
+    return _SHOWN.repr(value)
 
 # A unit is an optional prefix (k..p, with "i" for binary), then an optional "b": "16i" or
 # "ib" alone are no unit.
@@ -60,21 +90,21 @@ def _bounds(n: float, what: str, minimum: float | None, maximum: float | None,
             rule = "be positive"
         else:
             rule = f"be {'>' if exclusive_min else '>='} {minimum}"
-        raise error(f"{what} must {rule}, got {n!r}")
+        raise error(f"{what} must {rule}, got {shown(n)}")
     if maximum is not None and n > maximum:
-        raise error(f"{what} must be at most {maximum}, got {n!r}")
+        raise error(f"{what} must be at most {maximum}, got {shown(n)}")
 
 
 def integer(value: Any, what: str, *, minimum: int | None = None, maximum: int | None = None,
             error: ErrorType = ConfigError) -> int:
     """``value`` as an ``int`` within ``[minimum, maximum]``; no bool, str or float."""
     if isinstance(value, bool):
-        raise error(f"{what} must be an integer, got {value!r}")
+        raise error(f"{what} must be an integer, got {shown(value)}")
     try:
         # __index__ accepts ints and numpy integers, and nothing that would be truncated.
         n = operator.index(value)
     except TypeError:
-        raise error(f"{what} must be an integer, got {value!r} "
+        raise error(f"{what} must be an integer, got {shown(value)} "
                     f"({type(value).__name__})") from None
     _bounds(n, what, minimum, maximum, error)
     return n
@@ -97,12 +127,15 @@ def number(value: Any, what: str, *, minimum: float | None = None,
            error: ErrorType = ConfigError) -> float:
     """A finite real number as a ``float``; no bool, str, complex, NaN or infinity."""
     if isinstance(value, bool):
-        raise error(f"{what} must be a number, got {value!r}")
+        raise error(f"{what} must be a number, got {shown(value)}")
     if not isinstance(value, numbers.Real):  # numpy scalars register as Real; complex does not
-        raise error(f"{what} must be a number, got {value!r} ({type(value).__name__})")
-    x = float(value)
+        raise error(f"{what} must be a number, got {shown(value)} ({type(value).__name__})")
+    try:
+        x = float(value)
+    except OverflowError:  # an int past the float range
+        x = math.inf
     if not math.isfinite(x):
-        raise error(f"{what} must be a finite number, got {value!r}")
+        raise error(f"{what} must be a finite number, got {shown(value)}")
     _bounds(x, what, minimum, maximum, error, exclusive_min=exclusive_min)
     return x
 
@@ -136,22 +169,22 @@ def size_bytes(value: Any, what: str = "size", *, minimum: int = 0,
     ``"8GiB"`` -> 8589934592, ``"1.5GB"`` -> 1500000000, ``"512"`` -> 512.
     """
     if isinstance(value, bool):
-        raise error(f"{what} must be a byte count, got {value!r}")
+        raise error(f"{what} must be a byte count, got {shown(value)}")
     n: int
     if isinstance(value, float):
         if not value.is_integer():
-            raise error(f"{what} must be a whole number of bytes, got {value!r}")
+            raise error(f"{what} must be a whole number of bytes, got {shown(value)}")
         n = int(value)
     elif isinstance(value, str):
         stripped = value.strip()
         if stripped.startswith("-"):
-            raise error(f"{what} must not be negative, got {value!r}")
+            raise error(f"{what} must not be negative, got {shown(value)}")
         m = _SIZE_RE.match(stripped)
         if not m:
-            raise error(f"{what}: cannot read {value!r} as a size (e.g. 512MiB, 8GiB)")
+            raise error(f"{what}: cannot read {shown(value)} as a size (e.g. 512MiB, 8GiB)")
         exact = float(m.group(1)) * _UNITS[m.group(2).lower()]
         if not exact.is_integer():  # "1.5" bytes, as the float 1.5 is refused
-            raise error(f"{what} must be a whole number of bytes, got {value!r}")
+            raise error(f"{what} must be a whole number of bytes, got {shown(value)}")
         n = int(exact)
     else:
         try:
@@ -159,11 +192,12 @@ def size_bytes(value: Any, what: str = "size", *, minimum: int = 0,
         except TypeError:
             raise error(f"{what} must be a byte count, got {type(value).__name__}") from None
     if n < 0:
-        raise error(f"{what} must not be negative, got {value!r}")
+        raise error(f"{what} must not be negative, got {shown(value)}")
     if n < minimum:
-        raise error(f"{what} must be at least {minimum} bytes, got {value!r}")
-    if maximum is not None and n > maximum:
-        raise error(f"{what} must be at most {maximum} bytes, got {value!r}")
+        raise error(f"{what} must be at least {minimum} bytes, got {shown(value)}")
+    maximum = MAX_SIZE if maximum is None else min(maximum, MAX_SIZE)
+    if n > maximum:
+        raise error(f"{what} must be at most {maximum} bytes, got {shown(value)}")
     return n
 
 
@@ -175,7 +209,7 @@ def parse_size(value: Any, *, what: str = "size") -> int:
 def boolean(value: Any, what: str, *, error: ErrorType = ConfigError) -> bool:
     """``True`` or ``False`` only (``1``, ``"yes"`` and ``None`` are mistakes here)."""
     if not isinstance(value, bool):
-        raise error(f"{what} must be true or false, got {value!r}")
+        raise error(f"{what} must be true or false, got {shown(value)}")
     return value
 
 
@@ -185,7 +219,7 @@ def optional_str(value: Any, what: str, *, allow_empty: bool = True,
     if value is None:
         return None
     if not isinstance(value, str):
-        raise error(f"{what} must be a string, got {value!r} ({type(value).__name__})")
+        raise error(f"{what} must be a string, got {shown(value)} ({type(value).__name__})")
     if not allow_empty and not value:
         raise error(f"{what} must not be empty")
     return value

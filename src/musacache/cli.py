@@ -11,7 +11,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from ._errors import MusaCacheError
+from ._errors import ConfigError, InvalidInputError, MusaCacheError
 from ._version import __version__
 
 BENCHES = {
@@ -43,7 +43,15 @@ def _run_module(module: str, argv: list[str]) -> int:
         hint = " (pip install 'musacache[demo]')" if module == "musacache.demo" else ""
         print(f"musacache: {module} needs {missing}, which is not installed{hint}", file=sys.stderr)
         return 2
-    return int(mod.main(argv) or 0)
+    try:
+        return int(mod.main(argv) or 0)
+    except (MusaCacheError, OSError) as e:
+        # Every subcommand's refusal (a bad config, a bad value, a file it cannot read) is
+        # one line here, never a traceback.
+        text = " ".join(str(e).split()) or type(e).__name__
+        print(f"musacache: error: {text}", file=sys.stderr)
+        # 2 as argparse's usage errors: the command line or its config must change.
+        return 2 if isinstance(e, (ConfigError, InvalidInputError)) else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -65,11 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] in SUBCOMMANDS:
         return _run_module(SUBCOMMANDS[argv[0]][0], argv[1:])
     if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHES:
-        try:
-            return _run_module(BENCHES[argv[1]][0], argv[2:])
-        except MusaCacheError as e:  # a benchmark's argument the cache refused
-            print(f"musacache bench {argv[1]}: {e}", file=sys.stderr)
-            return 2
+        return _run_module(BENCHES[argv[1]][0], argv[2:])
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

@@ -3,14 +3,13 @@ node server through :class:`Client` (started from a tiers file when none listens
 
 from __future__ import annotations
 
-import tomllib
 from typing import Any
 
 import anyio
 
 from musacache.server.spawn import is_listening, spawn
 
-from .._config import CacheConfig
+from .._config import CacheConfig, read_toml
 from .._errors import ConfigError
 from .._spec import KVSpec
 
@@ -22,11 +21,7 @@ _NAMED_BY_ENGINE = ("namespace", "spec", "chunk_size", "server", "tenant")
 
 def embedded_config(path: str, *, spec: KVSpec, chunk_size: int, namespace: str,
                     ) -> CacheConfig:
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise ConfigError(f"cannot read musacache config {path}: {e}") from e
+    data = read_toml(path, f"musacache config {path}")
     named = sorted(k for k in _NAMED_BY_ENGINE if k in data and k != "server")
     if named:
         raise ConfigError(f"{path}: {named} are chosen by the engine integration (model, page "

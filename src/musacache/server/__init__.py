@@ -32,7 +32,6 @@ import resource
 import signal
 import socket
 import stat
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -45,7 +44,7 @@ import numpy as np
 import torch
 
 from musacache import ipc, transfer
-from musacache._config import CacheConfig
+from musacache._config import CacheConfig, check_depth, read_toml, tier_from_dict
 from musacache._errors import (
     CacheUnavailableError,
     ConfigError,
@@ -59,6 +58,7 @@ from musacache._errors import (
 from musacache._executor import Executor, outlive
 from musacache._keys import Fingerprint
 from musacache._spec import KVSpec
+from musacache._validate import integer, positive_float, shown
 from musacache._version import __version__
 from musacache.cache import Cache
 from musacache.engine.pages import PAGE_RUN
@@ -86,6 +86,11 @@ _PER_CACHE_FIELDS: Final = frozenset({"spec", "namespace", "tenant", "chunk_size
 # Only used to validate the server's tiers and cache options before any client names a spec.
 _PROBE_SPEC: Final = KVSpec(1, 1, 8, torch.float16)
 _SUN_PATH_MAX: Final = 107  # sockaddr_un.sun_path is 108 bytes with the terminating NUL
+# The other CacheConfig fields: what cache_options may set.
+_CACHE_OPTIONS: Final = frozenset(f.name for f in dataclasses.fields(CacheConfig)) \
+    - _PER_CACHE_FIELDS
+# Limits travel as 64-bit ints (stats, the wire protocol).
+_MAX_LIMIT: Final = 2**63 - 1
 
 #: (namespace, spec, chunk size, tenant, uid): one cache of the server.
 CacheKey = tuple[str, KVSpec, int, str | None, int]
@@ -171,22 +176,26 @@ class ServerConfig:
             object.__setattr__(self, "chunk_size", 256)
         if not self.max_caches:
             object.__setattr__(self, "max_caches", 1 if cache is not None else 4)
-        if not self.max_buffered_bytes and isinstance(self.max_stage_bytes, int) \
-                and isinstance(self.max_frame_size, int):
-            object.__setattr__(self, "max_buffered_bytes",
-                               2 * (self.max_stage_bytes + self.max_frame_size))
-        object.__setattr__(self, "tiers", tuple(self.tiers))
-        object.__setattr__(self, "cache_options", dict(self.cache_options))
-        object.__setattr__(self, "allow_uids", tuple(self.allow_uids))
-        if not self.tiers:
-            raise ConfigError("a server needs its tiers: [[tiers]] in the config file")
         for name in ("max_caches", "max_connections", "max_requests_per_peer",
                      "max_fds_per_peer", "max_buffers_per_peer", "max_stage_bytes",
-                     "max_frame_size", "max_buffered_bytes", "max_mappings_per_peer",
-                     "max_mappings", "max_request_bytes_per_peer", "min_chunk_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"[server] {name} must be a positive int, got {value!r}")
+                     "max_frame_size", "max_mappings_per_peer", "max_mappings",
+                     "max_request_bytes_per_peer", "min_chunk_size"):
+            _limit(self, name)
+        if not self.max_buffered_bytes:
+            object.__setattr__(self, "max_buffered_bytes",
+                               min(2 * (self.max_stage_bytes + self.max_frame_size), _MAX_LIMIT))
+        _limit(self, "max_buffered_bytes")
+        object.__setattr__(self, "tiers", tuple(
+            tier_from_dict(t, i) if isinstance(t, Mapping) else t
+            for i, t in enumerate(_sequence(self.tiers, "tiers"))))
+        if not isinstance(self.cache_options, Mapping):
+            raise ConfigError(f"cache_options must be a table of CacheConfig settings, got "
+                              f"{type(self.cache_options).__name__}")
+        check_depth(self.cache_options, "cache_options")
+        object.__setattr__(self, "cache_options", dict(self.cache_options))
+        object.__setattr__(self, "allow_uids", _sequence(self.allow_uids, "[server] allow_uids"))
+        if not self.tiers:
+            raise ConfigError("a server needs its tiers: [[tiers]] in the config file")
         if self.max_request_bytes_per_peer < self.max_frame_size:
             raise ConfigError(f"[server] max_request_bytes_per_peer "
                               f"({self.max_request_bytes_per_peer}) must hold one frame of "
@@ -195,16 +204,18 @@ class ServerConfig:
             raise ConfigError(f"[server] max_buffered_bytes ({self.max_buffered_bytes}) must "
                               f"hold one frame of max_frame_size ({self.max_frame_size})")
         for name in ("ready_timeout", "hello_timeout", "idle_timeout", "frame_timeout"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not 0 < value < float("inf"):
-                raise ConfigError(f"[server] {name} must be > 0 seconds, got {value!r}")
-        if any(isinstance(u, bool) or not isinstance(u, int) or u < 0 for u in self.allow_uids):
-            raise ConfigError(f"[server] allow_uids must be uids, got {self.allow_uids!r}")
+            object.__setattr__(self, name, positive_float(getattr(self, name),
+                                                          f"[server] {name} (seconds)"))
+        for i, uid in enumerate(self.allow_uids):
+            integer(uid, f"[server] allow_uids[{i}] (a uid)", minimum=0, maximum=2**32 - 1)
         bad = set(self.cache_options) & _PER_CACHE_FIELDS
         if bad:
             raise ConfigError(f"cache_options may not set {sorted(bad)}: each client names "
                               f"its own namespace, spec, chunk size and tenant")
+        unknown = set(self.cache_options) - _CACHE_OPTIONS
+        if unknown:
+            raise ConfigError(f"cache_options: unknown setting(s) {sorted(unknown, key=str)}; "
+                              f"known: {sorted(_CACHE_OPTIONS)}")
         # Fail at start, not at the first client: build one cache config over the tiers.
         self.cache_config(_PROBE_SPEC, "probe", self.chunk_size, None)
 
@@ -229,18 +240,15 @@ class ServerConfig:
         ``frame_timeout``) and optional cache
         settings (``chunk_size``, ``copy_threads``...; docs/configuration.md).
         ``namespace`` with ``[spec]`` names a cache opened at start."""
-        import tomllib
-
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-            raise ConfigError(f"cannot read server config {path}: {e}") from e
+        data = read_toml(path, f"server config {path}")
         server = data.pop("server", {})
         if not isinstance(server, dict):
             raise ConfigError("[server] must be a table")
         server = dict(server)
-        sock = socket_path or server.get("socket")
-        server.pop("socket", None)
+        in_file = server.pop("socket", None)
+        if in_file is not None and not isinstance(in_file, str):
+            raise ConfigError(f"[server] socket must be a path, got {shown(in_file)}")
+        sock = socket_path or in_file
         if not sock:
             raise ConfigError("no socket path: pass --socket or set [server] socket")
         known = {"allow_uids", "max_caches", "max_frame_size", "max_connections",
@@ -250,13 +258,13 @@ class ServerConfig:
                  "ready_timeout", "hello_timeout", "idle_timeout", "frame_timeout"}
         unknown = set(server) - known
         if unknown:
-            raise ConfigError(
-                f"[server]: unknown setting(s) {sorted(unknown)}; known: {sorted(known)}")
+            raise ConfigError(f"[server]: unknown setting(s) {sorted(unknown, key=str)}; "
+                              f"known: {sorted(known)}")
         if "max_caches" in server and (isinstance(server["max_caches"], bool)
                                        or not isinstance(server["max_caches"], int)
                                        or server["max_caches"] <= 0):
             raise ConfigError(f"[server] max_caches must be a positive int, got "
-                              f"{server['max_caches']!r}")
+                              f"{shown(server['max_caches'])}")
         if "allow_uids" in server:
             uids = server["allow_uids"]
             if not isinstance(uids, list):
@@ -269,13 +277,27 @@ class ServerConfig:
                               f"or neither")
         if "namespace" in data:
             cache = CacheConfig.from_dict(data)
-            return cls(socket_path=str(sock), cache=cache, **server)
+            return cls(socket_path=sock, cache=cache, **server)
         probe = CacheConfig.from_dict({**data, "namespace": "probe",
                                        "spec": _PROBE_SPEC.to_dict()})
         options = {f.name: getattr(probe, f.name) for f in dataclasses.fields(probe)
                    if f.name not in _PER_CACHE_FIELDS and f.name in data}
-        return cls(socket_path=str(sock), tiers=probe.tiers, chunk_size=probe.chunk_size,
+        return cls(socket_path=sock, tiers=probe.tiers, chunk_size=probe.chunk_size,
                    cache_options=options, **server)
+
+
+def _limit(config: ServerConfig, name: str) -> None:
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= _MAX_LIMIT:
+        raise ConfigError(f"[server] {name} must be a positive int below 2**63, got "
+                          f"{shown(value)}")
+
+
+def _sequence(value: Any, what: str) -> tuple[Any, ...]:
+    """``value`` (a list or another iterable but a string or table) as a tuple."""
+    if isinstance(value, (str, bytes, Mapping)) or not hasattr(value, "__iter__"):
+        raise ConfigError(f"{what} must be a list, got {shown(value)}")
+    return tuple(value)
 
 
 def _share_of(tier: Any, n: int) -> Any:
@@ -283,14 +305,19 @@ def _share_of(tier: Any, n: int) -> Any:
         return tier
     if not dataclasses.is_dataclass(tier) or isinstance(tier, type):
         # A StorageTier instance holds its own state: it can back one cache only.
-        raise ConfigError(f"tier {getattr(tier, 'name', tier)!r} is a StorageTier instance, "
+        raise ConfigError(f"tier {shown(getattr(tier, 'name', tier))} is a StorageTier instance, "
                           f"which can back one cache only; with max_caches={n} pass its "
                           f"config (DiskTier, S3Tier) instead")
     capacity = getattr(tier, "capacity_bytes", None)
     if capacity is None:
         return tier
     try:
-        return dataclasses.replace(tier, capacity_bytes=int(capacity) // n)
+        share = int(capacity) // n
+    except (TypeError, ValueError) as e:  # a plug-in tier's capacity that is no number
+        raise ConfigError(f"tier {shown(getattr(tier, 'name', '?'))}: capacity_bytes must be "
+                          f"a byte count, got {shown(capacity)}") from e
+    try:
+        return dataclasses.replace(tier, capacity_bytes=share)
     except ConfigError as e:
         raise ConfigError(f"tier {getattr(tier, 'name', '?')!r}: each of max_caches={n} caches "
                           f"gets capacity_bytes // {n} = {int(capacity) // n} of its "
@@ -1143,11 +1170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(list(argv) if argv is not None else None)
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        config = ServerConfig.from_toml(args.config, socket_path=args.socket)
-    except MusaCacheError as e:
-        print(f"musacache serve: {e}", file=sys.stderr)
-        return 2
+    # A MusaCacheError goes up to the musacache command, which says it in one line.
+    config = ServerConfig.from_toml(args.config, socket_path=args.socket)
 
     def say(text: str) -> None:
         print(f"musacache serve: {text}", flush=True)
@@ -1177,9 +1201,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         asyncio.run(run())
-    except MusaCacheError as e:
-        print(f"musacache serve: {e}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         return 130
     return 0

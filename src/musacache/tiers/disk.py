@@ -83,7 +83,7 @@ from .._errors import (
 )
 from .._executor import Executor
 from .._keys import KEY_BYTES, Fingerprint
-from .._validate import boolean, parse_size, positive_float, positive_int
+from .._validate import boolean, parse_size, positive_float, positive_int, shown
 from ..codec import CODECS, HEADER_SIZE, read_chunk_into, read_chunk_to, read_header
 from ..stats import DiskStats, as_dict
 from ._ordering import KeyOrder
@@ -136,12 +136,12 @@ class DiskTier:
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, os.PathLike)) or not os.fspath(self.path):
             raise ConfigError(f"{self.name}.path must be a non-empty folder path, "
-                              f"got {self.path!r}")
+                              f"got {shown(self.path)}")
         object.__setattr__(self, "path", os.fspath(self.path))
         object.__setattr__(self, "capacity_bytes",
                            parse_size(self.capacity_bytes, what=f"{self.name}.capacity_bytes"))
         if self.codec not in CODECS:
-            raise ConfigError(f"{self.name}.codec must be one of {CODECS}, got {self.codec!r}")
+            raise ConfigError(f"{self.name}.codec must be one of {CODECS}, got {shown(self.codec)}")
         for flag in ("write_through", "fsync"):
             boolean(getattr(self, flag), f"{self.name}.{flag}")
         object.__setattr__(self, "timeout",

@@ -61,6 +61,7 @@ from .._validate import (
     parse_size,
     positive_float,
     positive_int,
+    shown,
 )
 from ..codec import CODECS
 from ..stats import S3Stats, as_dict
@@ -149,14 +150,15 @@ class S3Tier:
         for opt in ("bucket", "prefix", "access_key_id", "secret_access_key", "session_token"):
             value = getattr(self, opt)
             # The env loader reads "12345" as an int; these settings are names, not numbers.
-            if isinstance(value, int) and not isinstance(value, bool):
+            if isinstance(value, int) and not isinstance(value, bool) \
+                    and value.bit_length() < 10_000:  # str() refuses ints past 4300 digits
                 object.__setattr__(self, opt, str(value))
         if self.prefix is None:  # an empty env value reads as None
             object.__setattr__(self, "prefix", "")
         if not isinstance(self.bucket, str) or not self.bucket:
-            raise ConfigError(f"{n}.bucket must be a non-empty string, got {self.bucket!r}")
+            raise ConfigError(f"{n}.bucket must be a non-empty string, got {shown(self.bucket)}")
         if not isinstance(self.prefix, str):
-            raise ConfigError(f"{n}.prefix must be a string, got {self.prefix!r}")
+            raise ConfigError(f"{n}.prefix must be a string, got {shown(self.prefix)}")
         object.__setattr__(self, "prefix", self.prefix.strip("/"))
         for opt in ("endpoint_url", "region", "access_key_id", "secret_access_key",
                     "session_token"):
@@ -167,7 +169,7 @@ class S3Tier:
         if (self.access_key_id is None) != (self.secret_access_key is None):
             raise ConfigError(f"{n}: set both access_key_id and secret_access_key, or neither")
         if self.codec not in CODECS:
-            raise ConfigError(f"{n}.codec must be one of {CODECS}, got {self.codec!r}")
+            raise ConfigError(f"{n}.codec must be one of {CODECS}, got {shown(self.codec)}")
         for flag in ("write_through", "create_bucket", "sign_payload"):
             boolean(getattr(self, flag), f"{n}.{flag}")
         object.__setattr__(self, "max_concurrency", positive_int(
