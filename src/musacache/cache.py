@@ -30,6 +30,7 @@ from musacache._errors import (
 from musacache._executor import Executor, outlive
 from musacache._keys import Fingerprint, KeyChain, as_tokens, check_token_memory
 from musacache._spec import KVSpec, check_has_data
+from musacache.engine import notes as _notes
 from musacache.engine import removal as _removal
 from musacache.engine.core import BATCH, DenseSource, Engine, PagedSource
 from musacache.engine.directory import Match
@@ -289,6 +290,9 @@ class Cache:
                     # every tier is learned, so that what a lower one holds is not written
                     # to it again).
                     await eng.cold.make_room(st, 0)
+            # Deletes a close cut short, done before the first read (a deleted prefix must
+            # never come back as a hit).
+            await _notes.replay(eng, BATCH)
             for mt in eng.mem:
                 if mt.prealloc_bytes:
                     await mt.pool.prealloc(mt.prealloc_bytes)
@@ -306,9 +310,11 @@ class Cache:
         self._state = "open"
 
     async def aclose(self) -> None:
-        """Persist (``persist_on_close``) and finish queued writes, within ``close_timeout``
-        seconds; then release every tier. What did not make it is counted in
-        ``stats()["close"]``. Idempotent. Call it in the event loop that opened the cache:
+        """Persist (``persist_on_close``) and finish queued writes and deletes, within
+        ``close_timeout`` seconds; then release every tier. What did not make it is counted
+        in ``stats()["close"]``: deletes cut short are noted by the storage tiers that keep
+        notes (the disk tier) and finished at the next open, never run on here.
+        Idempotent. Call it in the event loop that opened the cache:
         from any other it raises :class:`~musacache.EventLoopError` (after releasing what
         it can, when that loop has closed)."""
         if self._state == "closing" and self._release_task is not None:
@@ -691,9 +697,15 @@ async def _close_from_other_loop(cache: Cache, opened: asyncio.AbstractEventLoop
 
 
 async def _close_rest(cache: Cache, eng: Engine) -> None:
-    """Stop the cache's own tasks, close each storage tier (once, even when this is run
-    again), then :func:`_release`."""
+    """Stop the cache's own tasks, note the deletes cut short (once), close each storage
+    tier (once, even when this is run again), then :func:`_release`."""
     await cache._tasks.aclose()
+    if not eng.cut.noted:
+        eng.cut.noted = True  # first: a note written twice would drop the first's keys
+        try:
+            await _notes.note_cut(eng, cache._close, BATCH)
+        except Exception:  # closing must release the rest regardless
+            log.exception("musacache: noting the deletes cut short failed")
     for st in eng.stores:
         if st.idx in cache._closed_stores:
             continue

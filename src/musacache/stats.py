@@ -94,6 +94,17 @@ class CloseReport:
     """Writes still queued for a storage tier when the tiers were closed (lost)."""
     timed_out: int = 0
     """1 if ``close_timeout`` cut the close short, else 0."""
+    deletes_cut: int = 0
+    """Deletes and clears still running when the close cut them short (their memory part
+    goes with the cache; their storage part is noted or abandoned)."""
+    object_deletes_cut: int = 0
+    """Storage object deletes queued or running when the close cut them short."""
+    deletes_noted: int = 0
+    """Prompts and object keys written to delete notes, finished at the next open (all
+    tiers together)."""
+    deletes_abandoned: int = 0
+    """Prompts and object keys a storage tier could not note (S3, or a note that failed to
+    write): what they name may be served again after a restart."""
 
 
 @dataclass(slots=True)
@@ -157,6 +168,8 @@ class StorageTierStats:
     """Chunks evicted from this tier that no tier below took: their data is gone."""
     deletes: int = 0
     """Objects deleted."""
+    notes_replayed: int = 0
+    """Prompts and keys of this tier's delete notes done at open (deletes a close cut)."""
 
     def read_fault(self) -> None:
         """A read that failed: a fault, and a miss."""

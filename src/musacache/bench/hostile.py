@@ -10,7 +10,11 @@ process, looking up a short prompt one call at a time. Goals: its p99 at most 5x
 under every pattern, and the server's growth per in-flight request at most 4x that
 request's frame bytes (or ``max_request_bytes_per_peer``, whichever is smaller).
 
-    musacache bench hostile [--seconds S] [--only flood,big_lookup,...] [--json]
+``aclose`` (not a client): an embedded cache with a disk tier closes while long deletes at the
+smallest chunk size run in its background, far more than ``close_timeout`` lets finish; goal:
+``aclose()`` returns within ``close_timeout`` + 0.5 s, the rest noted for the next open.
+
+    musacache bench hostile [--seconds S] [--only flood,big_lookup,...,aclose] [--json]
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import anyio
 import numpy as np
 import torch
 
-from .. import KVSpec, connect
+from .. import Cache, CacheConfig, DiskTier, HostTier, KVSpec, connect
 from ..ipc import _wire as proto
 from ..server.spawn import spawn
 from . import emit
@@ -48,6 +52,11 @@ DELETE_TOKENS = 4 * 1024 * 1024
 DELETES_IN_FLIGHT = 8
 GOAL_P99 = 5.0
 GOAL_MEMORY = 4.0
+#: ``aclose``: its deletes (chunks each), its close_timeout (s), and the goal's margin (s).
+ACLOSE_DELETES = 8
+ACLOSE_CHUNKS = 16384
+ACLOSE_TIMEOUT = 0.5
+GOAL_ACLOSE_MARGIN = 0.5
 
 
 class RawClient:
@@ -146,6 +155,52 @@ PATTERNS: dict[str, Callable[[str, float], None]] = {
     **{name: partial(_pipelined, *how) for name, how in PIPELINED.items()},
     "tenant_churn": _tenant_churn,
 }
+#: What ``--only`` may name: the hostile clients, and the close of an embedded cache.
+MEASURES = (*PATTERNS, "aclose")
+
+
+async def aclose_pending_deletes(root: str) -> dict[str, Any]:
+    """``aclose()`` of an embedded cache (host and disk tiers) while ``ACLOSE_DELETES``
+    deletes of ``ACLOSE_CHUNKS`` chunks each run in its background: its wall time, and the
+    longest gap between turns of the loop meanwhile."""
+    cfg = CacheConfig(SPEC, "hostile", chunk_size=CHUNK, close_timeout=ACLOSE_TIMEOUT,
+                      persist_on_close=False,
+                      tiers=(HostTier(SPEC.nbytes(CHUNK) * ACLOSE_DELETES * ACLOSE_CHUNKS * 2),
+                             DiskTier(root, SPEC.nbytes(CHUNK) * 1024)))
+    cache = Cache(cfg)
+    await cache.open()
+    kv = torch.zeros(SPEC.shape(ACLOSE_CHUNKS * CHUNK), dtype=SPEC.dtype)
+    prompts = [np.frombuffer(_tokens(ACLOSE_CHUNKS * CHUNK, seed=i), dtype=np.int32)
+               for i in range(ACLOSE_DELETES)]
+    for p in prompts:
+        await cache.put(p, kv)
+    calls = [asyncio.ensure_future(cache.delete(p)) for p in prompts]
+    await asyncio.sleep(0.05)
+    for t in calls:  # cut off, as a server's request is: the deletes go on in the background
+        t.cancel()
+    await asyncio.gather(*calls, return_exceptions=True)
+    gaps = [0.0]
+    closing = [True]
+
+    async def watch() -> None:
+        last = time.perf_counter()
+        while closing[0]:
+            await asyncio.sleep(0)
+            now = time.perf_counter()
+            gaps[0] = max(gaps[0], now - last)
+            last = now
+
+    watcher = asyncio.create_task(watch())
+    t0 = time.perf_counter()
+    await cache.aclose()
+    wall = time.perf_counter() - t0
+    closing[0] = False
+    await watcher
+    close = (await cache.stats())["close"]
+    return {"aclose_s": wall, "close_timeout_s": ACLOSE_TIMEOUT,
+            "over_timeout_s": wall - ACLOSE_TIMEOUT, "longest_loop_gap_ms": gaps[0] * 1e3,
+            "deletes_cut": close["deletes_cut"], "deletes_noted": close["deletes_noted"],
+            "deletes_abandoned": close["deletes_abandoned"]}
 
 
 def in_flight_frame_bytes(name: str) -> int:
@@ -197,7 +252,18 @@ def _pct(values: list[float], q: float) -> float:
 
 
 async def _measure(args: argparse.Namespace) -> dict[str, Any]:
-    patterns = [p for p in (args.only.split(",") if args.only else PATTERNS) if p]
+    names = [p for p in (args.only.split(",") if args.only else MEASURES) if p]
+    patterns = [p for p in names if p in PATTERNS]
+    res: dict[str, Any] = {"patterns": {}}
+    if patterns:
+        res.update(await _measure_server(args, patterns))
+    if "aclose" in names:
+        with tempfile.TemporaryDirectory() as tmp:
+            res["aclose"] = await aclose_pending_deletes(tmp)
+    return res
+
+
+async def _measure_server(args: argparse.Namespace, patterns: list[str]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         sock = os.path.join(tmp, "s.sock")
         cfg = Path(tmp) / "server.toml"
@@ -236,6 +302,20 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _print(res: dict[str, Any]) -> None:
+    if "idle" in res:
+        _print_server(res)
+    if "aclose" in res:
+        a = res["aclose"]
+        goal = a["close_timeout_s"] + GOAL_ACLOSE_MARGIN
+        print(f"aclose() with pending deletes: {a['aclose_s']:.2f} s against close_timeout "
+              f"{a['close_timeout_s']:.2f} s (goal <= close_timeout + {GOAL_ACLOSE_MARGIN} s): "
+              f"{'met' if a['aclose_s'] <= goal else 'NOT met'}")
+        print(f"{'':<14}longest loop gap {a['longest_loop_gap_ms']:.1f} ms; "
+              f"{a['deletes_cut']} deletes cut, {a['deletes_noted']} noted, "
+              f"{a['deletes_abandoned']} abandoned")
+
+
+def _print_server(res: dict[str, Any]) -> None:
     idle = res["idle"]
     print(f"idle server: well-behaved lookup p50 {idle['p50_ms']:.2f} ms, p99 "
           f"{idle['p99_ms']:.2f} ms ({idle['calls']} calls)")
@@ -254,10 +334,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="musacache bench hostile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seconds", type=float, default=3.0, help="each pattern's run")
-    p.add_argument("--only", default="", help=f"comma list of: {','.join(PATTERNS)}")
+    p.add_argument("--only", default="", help=f"comma list of: {','.join(MEASURES)}")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    unknown = sorted({x for x in args.only.split(",") if x} - set(PATTERNS))
+    unknown = sorted({x for x in args.only.split(",") if x} - set(MEASURES))
     if unknown:
         p.error(f"--only: no pattern named {', '.join(unknown)}")
     if not args.seconds > 0:

@@ -35,7 +35,7 @@ from musacache.engine.placement import victims
 from musacache.engine.reads import Flight, Reads
 from musacache.engine.staging import STAGE_KEEP_BYTES, StagePool
 from musacache.engine.storage import ColdPath
-from musacache.engine.tasks import TaskOwner
+from musacache.engine.tasks import CutWork, TaskOwner
 from musacache.engine.tierstate import MemTier, StoreTier, Tier
 from musacache.stats import InFlight, TokenCounts
 from musacache.tiers.memory import MemoryPool, Slot
@@ -256,6 +256,7 @@ class Engine(Reads):
         self.mover = mover
         self.executor = mover.executor
         self.tasks = tasks
+        self.cut = CutWork()  # deletes running, noted if a close cuts them (engine.notes)
         self.cold = ColdPath(self)
         self.stage = StagePool(STAGE_KEEP_BYTES)  # host buffers of chunks put to storage
         self.wt_sem = anyio.Semaphore(max(2, config.copy_threads * 2))

@@ -4,7 +4,8 @@ Both run ``BATCH`` entries at a time with the loop free in between: a delete tak
 prompt's first chunk in its first batch of removals (nothing after it can be found from
 then on), a clear swaps the directory for an empty one at once and takes the old one apart.
 What was started finishes: a cancelled delete or dismantling goes on in a background task
-(``engine.tasks.run_steps``).
+(``engine.tasks.run_steps``), until the cache closes: what is left then is noted for the next
+open (``engine.notes``), never run on the loop.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ async def delete(eng: Engine, toks: np.ndarray, batch: int) -> int:
     chunks removed. Once started it finishes: cancelled, it goes on in the background
     (:func:`run_steps`)."""
     removed = [0]
-    await run_steps(_delete_steps(eng, toks, batch, removed), eng.tasks)
+    await run_steps(eng.cut.deleting(toks, _delete_steps(eng, toks, batch, removed)),
+                    eng.tasks, eng.cut.abandon)
     return removed[0]
 
 
@@ -125,7 +127,8 @@ async def clear(eng: Engine, batch: int) -> None:
     removed from every tier."""
     old = eng.dir
     eng.dir = old.emptied()
-    await dismantle(old, batch, eng.remove, eng.tasks)
+    await run_steps(eng.cut.clearing(old, _dismantle_steps(old, batch, eng.remove)),
+                    eng.tasks, eng.cut.abandon)
 
 
 async def dismantle(old: Directory, batch: int,

@@ -363,13 +363,18 @@ class ColdPath:
                     eng.dir.remove(e)
 
     def schedule_delete(self, t: StoreTier, key: bytes) -> None:
-        """Delete ``key`` on ``t`` after every operation on it scheduled so far."""
+        """Delete ``key`` on ``t`` after every operation on it scheduled so far; once the
+        cache is closing, noted for the next open instead (``engine.notes``)."""
+        if not self.eng.tasks.running_group():
+            t.cut_deletes.append(key)
+            return
         before, mine = t.chain_link(key)
         t.delete_started(key)
         self.eng.tasks.spawn(self._delete_job, t, key, before, mine)
 
     async def _delete_job(self, t: StoreTier, key: bytes, before: anyio.Event | None,
                           mine: anyio.Event) -> None:
+        ran = False
         try:
             if before is not None:
                 await before.wait()
@@ -386,7 +391,10 @@ class ColdPath:
                         t.delete_failed(key)
                     else:
                         await anyio.sleep(pause)
+            ran = True
         finally:
+            if not ran:  # cut short by the close: noted for the next open
+                t.cut_deletes.append(key)
             t.delete_done(key)
             t.chain_done(key, mine)
 

@@ -11,14 +11,19 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio.abc import TaskGroup
 
 from musacache._errors import CacheClosedError
 
-__all__ = ["TaskOwner", "run_steps"]
+if TYPE_CHECKING:
+    import numpy as np
+
+    from musacache.engine.directory import Directory
+
+__all__ = ["CutWork", "TaskOwner", "run_steps"]
 
 log = logging.getLogger("musacache")
 
@@ -117,30 +122,75 @@ class TaskOwner:
         self.running = 0
 
 
-async def run_steps(steps: Iterator[object], tasks: TaskOwner | None) -> None:
+async def run_steps(steps: Iterator[object], tasks: TaskOwner | None,
+                    abandon: Callable[[Iterator[object]], None] | None = None) -> None:
     """Drive ``steps`` (work that yields between its batches) to its end, the loop free
     between batches. Work that must finish once started (a delete, taking a directory
     apart): if the caller is cancelled meanwhile, the rest runs in a background task of
-    ``tasks`` (without one, or once it is closed, at once) and the cancellation is
-    raised. Left half done, a delete would leave chunks chained under a removed parent
-    for a later put to chain onto."""
+    ``tasks`` and the cancellation is raised. Left half done, a delete would leave chunks
+    chained under a removed parent for a later put to chain onto.
+
+    Once ``tasks`` is closing (or without one), the rest is handed to ``abandon`` when
+    given (the cache closes: what is left is noted for the next open, or goes with the
+    memory, see ``engine.notes``), else run at once. Run at once at a close, a million
+    steps held the loop for seconds."""
     for _ in steps:
         try:
             await anyio.lowlevel.checkpoint()
         except BaseException:
             if tasks is not None and tasks.running_group():
-                tasks.spawn(_finish_steps, steps)
+                tasks.spawn(_finish_steps, steps, abandon)
             else:
-                for _ in steps:
-                    pass
+                _stop_steps(steps, abandon)
             raise
 
 
-async def _finish_steps(steps: Iterator[object]) -> None:
+async def _finish_steps(steps: Iterator[object],
+                        abandon: Callable[[Iterator[object]], None] | None) -> None:
     for _ in steps:
         try:
             await anyio.lowlevel.checkpoint()
-        except BaseException:  # the cache closes: finish now
-            for _ in steps:
-                pass
+        except BaseException:  # the cache closes
+            _stop_steps(steps, abandon)
             raise
+
+
+def _stop_steps(steps: Iterator[object],
+                abandon: Callable[[Iterator[object]], None] | None) -> None:
+    """Hand the rest of ``steps`` to ``abandon``, or (without one) run it now."""
+    if abandon is not None:
+        abandon(steps)
+        return
+    for _ in steps:
+        pass
+
+
+class CutWork:
+    """The deletes and clears running now, and the steps a close abandoned: what
+    ``engine.notes.note_cut`` notes and lets go of."""
+
+    def __init__(self) -> None:
+        self.prompts: dict[int, np.ndarray] = {}  # deletes running, by ticket
+        self.cleared: dict[int, Directory] = {}  # directories a clear is taking apart
+        self.steps: list[Iterator[object]] = []  # work abandoned at a close
+        self.noted = False  # note_cut has run (a close run again notes nothing twice)
+        self._tickets = iter(range(1 << 62))
+
+    def deleting(self, toks: np.ndarray, steps: Iterator[None]) -> Iterator[None]:
+        """``steps`` of a delete of ``toks``, registered while they run (left registered
+        when abandoned, so that the close notes the prompt)."""
+        ticket = next(self._tickets)
+        self.prompts[ticket] = toks
+        yield from steps
+        del self.prompts[ticket]
+
+    def clearing(self, old: Directory, steps: Iterator[None]) -> Iterator[None]:
+        """``steps`` taking ``old`` apart, registered as :meth:`deleting` registers."""
+        ticket = next(self._tickets)
+        self.cleared[ticket] = old
+        yield from steps
+        del self.cleared[ticket]
+
+    def abandon(self, steps: Iterator[object]) -> None:
+        """Keep ``steps`` to let go of at the close (never run on)."""
+        self.steps.append(steps)

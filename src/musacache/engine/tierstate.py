@@ -150,6 +150,11 @@ class StoreTier:
         # the next miss, and served).
         self.undeleted: OrderedDict[bytes, None] = OrderedDict()
         self.last_write_failed = False
+        # Keys whose delete a close cut short (or refused once the close had begun): noted
+        # for the next open (engine.notes), never run on the loop then.
+        self.cut_deletes: list[bytes] = []
+        # Whether the tier keeps a delete note of this cache not yet done with.
+        self.notes_held = False
         self.c = StorageTierStats()
 
     def holds(self, e: Entry) -> bool:
@@ -175,6 +180,10 @@ class StoreTier:
         mine = anyio.Event()
         self._chains[key] = mine
         return before, mine
+
+    def last_link(self, key: bytes) -> anyio.Event | None:
+        """The event of the last operation scheduled on ``key`` (None: none is running)."""
+        return self._chains.get(key)
 
     def chain_done(self, key: bytes, mine: anyio.Event) -> None:
         mine.set()

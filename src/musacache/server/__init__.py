@@ -55,7 +55,7 @@ from musacache._errors import (
     ProtocolError,
     ServerLimitError,
 )
-from musacache._executor import Executor, outlive
+from musacache._executor import Executor
 from musacache._keys import Fingerprint
 from musacache._spec import KVSpec
 from musacache._validate import integer, positive_float, shown
@@ -665,9 +665,10 @@ class _Caches:
     one. A cache that no connection uses stays open, its chunks served to the next one that
     names it, until a hello for another cache finds ``max_caches`` open: the cache unused the
     longest is then closed to make room (memory-only chunks written to a storage tier first,
-    as at shutdown; without one they are gone). Before, caches were never closed: hellos with
-    made-up tenants held every slot until a restart. The cache of the
-    config's ``cache`` is never closed so."""
+    as at shutdown; without one they are gone), so that hellos with made-up tenants cannot
+    hold every slot. The cache of the config's ``cache`` is never closed so. The close runs in a task of its own, outside
+    :attr:`lock`, and counts against ``max_caches`` until it ends: only the hello that
+    needs its room (or its key) waits for it."""
 
     def __init__(self, config: ServerConfig, counters: ServerCounters) -> None:
         self.config = config
@@ -675,6 +676,8 @@ class _Caches:
         self.caches: dict[CacheKey, Cache] = {}
         self.users: dict[CacheKey, int] = {}
         self.unused: dict[CacheKey, None] = {}  # caches no connection uses, oldest first
+        # Caches evicted and still closing: they count against max_caches until closed.
+        self.closing: dict[CacheKey, asyncio.Task[None]] = {}
         self.pinned: CacheKey | None = None
         self.lock = anyio.Lock()
         #: per cache closed by :meth:`close_all`: chunks held, chunks written while closing
@@ -682,27 +685,46 @@ class _Caches:
 
     async def acquire(self, key: CacheKey, *, pin: bool = False) -> Cache:
         """The cache of ``key``, opened if need be, counted as used until :meth:`release`
-        (``pin``: the server's own, never closed before the server)."""
-        cache = self.caches.get(key)
-        if cache is not None:
-            # Open already: no wait behind a hello that opens or evicts another cache (every hello
-            # waited out an eviction's persist, up to close_timeout).
-            self._use(key, pin)
-            return cache
-        async with self.lock:
+        (``pin``: the server's own, never closed before the server). A cache closed to make
+        room is closed outside :attr:`lock`: hellos for other caches go on meanwhile, and a
+        hello for the one closing waits for its close, then opens it afresh."""
+        while True:
             cache = self.caches.get(key)
-            if cache is None:
-                if len(self.caches) >= self.config.max_caches and not await self._evict():
-                    raise self._full(key)
-                namespace, spec, chunk, tenant, uid = key
-                salt = peer_salt(uid, tenant, os.getuid())
-                cache = Cache(self.config.cache_config(spec, namespace, chunk, salt))
-                await cache.open()
-                self.caches[key] = cache
-                log.info("opened a cache for %s (tenant %s)",
-                         Fingerprint(namespace, spec, chunk).describe(), _tenant_tag(tenant))
+            if cache is not None:
+                # Open already: no wait behind a hello that opens or evicts another cache.
+                self._use(key, pin)
+                return cache
+            wait_for = self.closing.get(key)
+            if wait_for is None:
+                async with self.lock:
+                    wait_for = await self._open_or_make_room(key, pin)
+                if wait_for is None:
+                    return self.caches[key]
+            # Out of the lock, and not cancelled with this hello (its peer may go away).
+            await asyncio.wait({wait_for})
+
+    async def _open_or_make_room(self, key: CacheKey, pin: bool) -> asyncio.Task[None] | None:
+        """Under :attr:`lock`: open ``key``'s cache (None), or the close to wait for before
+        trying again (``key``'s own, or one that makes room)."""
+        if key in self.caches:
             self._use(key, pin)
-            return cache
+            return None
+        if key in self.closing:
+            return self.closing[key]
+        if len(self.caches) + len(self.closing) >= self.config.max_caches:
+            closing = self._evict() or next(iter(self.closing.values()), None)
+            if closing is None:
+                raise self._full(key)
+            return closing
+        namespace, spec, chunk, tenant, uid = key
+        salt = peer_salt(uid, tenant, os.getuid())
+        cache = Cache(self.config.cache_config(spec, namespace, chunk, salt))
+        await cache.open()
+        self.caches[key] = cache
+        log.info("opened a cache for %s (tenant %s)",
+                 Fingerprint(namespace, spec, chunk).describe(), _tenant_tag(tenant))
+        self._use(key, pin)
+        return None
 
     def _use(self, key: CacheKey, pin: bool) -> None:
         if pin:
@@ -734,29 +756,27 @@ class _Caches:
         return ServerLimitError(f"cannot open a cache for {wanted}: the server holds "
                                 f"max_caches={self.config.max_caches} caches, all in use")
 
-    async def _evict(self) -> bool:
-        """Close the cache unused the longest; False if every cache is in use."""
+    def _evict(self) -> asyncio.Task[None] | None:
+        """Start closing the cache unused the longest, in a task of its own (its close
+        must never hold :attr:`lock`, nor be cut short with a hello); None if every cache
+        is in use."""
         key = next(iter(self.unused), None)
         if key is None:
-            return False
+            return None
         del self.unused[key]
         cache = self.caches.pop(key)
-        # In a task of its own, waited for whatever cancels the hello: a plain cancel of the
-        # hello's task (its peer went away) cut the persist short, and the evicted cache's
-        # memory-only chunks were lost.
-        closing = asyncio.ensure_future(self._close(key, cache))
-        came = await outlive(closing)
-        entry = closing.result()
+        closing = self.closing[key] = asyncio.ensure_future(self._close_evicted(key, cache))
+        return closing
+
+    async def _close_evicted(self, key: CacheKey, cache: Cache) -> None:
+        try:
+            entry = await self._close(key, cache)
+        finally:
+            del self.closing[key]
         self.counters.cache_evictions += 1
         log.info("closed the unused cache of %s (tenant %s) to open another: %d chunk(s), "
                  "%d written to storage", key[0], entry["tenant"], entry["chunks"],
                  entry["persisted"])
-        if came is not None:
-            try:
-                raise came
-            finally:
-                del came  # (a local would keep its traceback in a cycle)
-        return True
 
     async def close_all(self) -> None:
         caches, self.caches = self.caches, {}
@@ -764,6 +784,8 @@ class _Caches:
         self.unused.clear()
         for key, cache in caches.items():
             self.report.append(await self._close(key, cache))
+        while self.closing:  # evictions still closing: their tiers are released too
+            await asyncio.wait(set(self.closing.values()))
 
     async def _close(self, key: CacheKey, cache: Cache) -> dict[str, Any]:
         before = await _storage_writes(cache)

@@ -140,6 +140,9 @@ class StorageTier(abc.ABC):
     #: The tier also implements :meth:`read_to_many` (the engine then hands it every such
     #: chunk of a request as one batch, instead of one :meth:`read_to` call per chunk).
     reads_to_many: bool = False
+    #: The tier keeps a delete note (:meth:`write_delete_notes`): deletes a close cut short
+    #: are then finished at the next open instead of lost (their objects served again).
+    keeps_delete_notes: bool = False
 
     @abc.abstractmethod
     async def start(self, ctx: TierContext) -> ChunkListing | Sequence[ChunkMeta]:
@@ -209,6 +212,18 @@ class StorageTier(abc.ABC):
         errors for an object that cannot be read here), or :data:`NOT_TRIED` for an item the
         batch never started (the engine then reads it on its own)."""
         raise NotImplementedError(f"{type(self).__name__} does not read in batches")
+
+    async def write_delete_notes(self, notes: bytes | None) -> None:
+        """Optional (set :attr:`keeps_delete_notes`): keep ``notes`` (opaque bytes, the
+        deletes a close cut short) durably under ``ctx.storage_name``, in place of any
+        kept before; ``None`` removes them. Called while the tier is started, before
+        :meth:`aclose`. Raises :class:`~musacache.TierError` if it cannot."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no delete notes")
+
+    async def read_delete_notes(self) -> bytes | None:
+        """Optional (set :attr:`keeps_delete_notes`): what :meth:`write_delete_notes` kept
+        last, or ``None``; called once after :meth:`start`."""
+        return None
 
     async def refresh(self, parent: bytes | None = None) -> list[ChunkMeta]:
         """Chunks stored now (under ``parent`` only, if given). Shared tiers override this."""

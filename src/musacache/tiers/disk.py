@@ -4,6 +4,7 @@ Layout under ``path``::
 
     <path>/<storage name>/                    one folder per namespace/spec/chunk size and tenant
         .lock                                 flock'ed while a cache uses the folder
+        .delete-notes                         deletes a close cut short, done at the next open
         <kk>/                                 fan-out: the first byte of the key, 256 folders
             <key hex>.<parent hex>.<tokens>.kvc
             .<final name>.<random>.tmp        a write in progress (or a crashed one)
@@ -104,6 +105,8 @@ if TYPE_CHECKING:
 __all__ = ["DiskStore", "DiskTier"]
 
 _SUFFIX = ".kvc"
+#: The delete notes of the folder's cache (``engine.notes``), beside ``.lock``.
+NOTES_FILE = ".delete-notes"
 _NAME_RE = re.compile(r"^([0-9a-f]{64})\.([0-9a-f]{64})\.([1-9][0-9]{0,9})\.kvc$")
 _HEX2_RE = re.compile(r"^[0-9a-f]{2}$")
 _T = TypeVar("_T")
@@ -264,6 +267,7 @@ class DiskStore(StorageTier):
     reads_into = True
     reads_to = True
     reads_to_many = True
+    keeps_delete_notes = True
 
     def __init__(self, config: DiskTier) -> None:
         self.config = config
@@ -738,6 +742,24 @@ class DiskStore(StorageTier):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(folder / n)
 
+    # -- delete notes ---------------------------------------------------------------------
+
+    async def write_delete_notes(self, notes: bytes | None) -> None:
+        try:
+            await self._blocking(_put_notes, self.root, notes)
+        except OSError as e:
+            self._c.last_error = f"delete notes: {e}"
+            raise TierError(f"disk tier {self.name!r}: cannot write its delete notes: "
+                            f"{e}") from e
+
+    async def read_delete_notes(self) -> bytes | None:
+        try:
+            return await self._blocking(_get_notes, self.root)
+        except OSError as e:
+            self._c.last_error = f"delete notes: {e}"
+            raise TierError(f"disk tier {self.name!r}: cannot read its delete notes: "
+                            f"{e}") from e
+
     def stats(self) -> dict[str, Any]:
         return {**as_dict(self._c), "kind": self.kind, "files": len(self._names),
                 "stuck_reads": self._stuck, "path": str(self._root or "")}
@@ -745,6 +767,41 @@ class DiskStore(StorageTier):
     def __repr__(self) -> str:
         return (f"DiskStore(name={self.name!r}, path={self.config.path!r}, "
                 f"codec={self.codec!r}, capacity_bytes={self.capacity_bytes})")
+
+
+def _put_notes(root: Path, notes: bytes | None) -> None:
+    """Replace ``root``'s delete notes with ``notes`` (None: remove them), fsync'ed whatever
+    the tier's policy: a note lost to a crash brings deleted prefixes back."""
+    path = root / NOTES_FILE
+    if notes is None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    else:
+        tmp = root / f"{NOTES_FILE}.{os.urandom(4).hex()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            view = memoryview(notes)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    dfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def _get_notes(root: Path) -> bytes | None:
+    for tmp in root.glob(f"{NOTES_FILE}.*.tmp"):  # a write a crash cut short
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+    try:
+        return (root / NOTES_FILE).read_bytes()
+    except FileNotFoundError:
+        return None
 
 
 def _with_file(path: str | Path, use: Callable[[int, int], _T],
