@@ -19,7 +19,7 @@ from test_server_budgets import TURN_CPU_S, most_cpu_per_turn
 SECONDS = 2.0
 
 
-@pytest.mark.parametrize("pattern", ["flood", "big_lookup", "big_pages", "long_delete"])
+@pytest.mark.parametrize("pattern", list(hostile.PATTERNS))
 async def test_a_hostile_client_does_not_hold_the_loop(tmp_path, pattern):
     cfg = ServerConfig(str(tmp_path / "h" / "s.sock"),
                        tiers=(mc.HostTier(hostile.SPEC.nbytes(hostile.CHUNK) * 4096),),
