@@ -167,3 +167,39 @@ def test_a_delete_note_reads_back_and_a_torn_one_is_refused():
         except ValueError:
             continue
         raise AssertionError(f"a torn note of {len(torn)} bytes was read")
+
+
+async def test_a_large_directory_is_taken_apart_after_aclose_returns(monkeypatch):
+    """Past CLOSE_INLINE entries, ``aclose`` does not wait for the directory to be taken
+    apart a batch per turn of the loop (a million entries were 1.5 s past any
+    ``close_timeout``): a thread of its own frees them all, and ends."""
+    import threading
+
+    from musacache.engine import removal
+
+    taken: list[tuple[int, int]] = []  # (thread, entries) of each part taken apart
+    take_apart = removal._take_apart
+
+    def counted(*args: object) -> int:
+        n = take_apart(*args)  # type: ignore[arg-type]
+        taken.append((threading.get_ident(), n))
+        return n
+
+    monkeypatch.setattr(removal, "_take_apart", counted)
+    chunks = removal.CLOSE_INLINE + 4 * 64
+    cfg = mc.CacheConfig(TINY, "large-close", chunk_size=CH,
+                         tiers=(mc.HostTier(capacity_bytes=TINY.nbytes(CH) * (chunks + 64)),))
+    cache = mc.Cache(cfg)
+    await cache.open()
+    rng = np.random.default_rng(5)
+    kv = torch.zeros(TINY.shape(64 * CH), dtype=TINY.dtype)
+    for _ in range(chunks // 64):
+        await cache.put(rng.integers(0, 1 << 20, 64 * CH).astype(np.int32), kv)
+    assert (await cache.stats())["chunks"] == chunks
+    await cache.aclose()
+    for t in [t for t in threading.enumerate() if t.name == "musacache-dismantle"]:
+        await asyncio.to_thread(t.join, HANG_GUARD)
+        assert not t.is_alive()
+    loop_thread = threading.get_ident()
+    assert sum(n for who, n in taken if who == loop_thread) == 0
+    assert sum(n for _, n in taken) == chunks

@@ -811,3 +811,37 @@ async def test_send_soon_sends_a_turns_frames_at_its_end_and_in_order(pair) -> N
     await anyio.to_thread.run_sync(read_all)
     assert received == [99, *range(10)]
     await conn.aclose()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.integers(1, 3000), min_size=1, max_size=40), st.booleans())
+def test_a_large_frame_read_in_pieces_comes_whole_and_the_next_one_after_it(cuts, with_fds):
+    """A frame above ``defer_above`` that arrives over many reads is kept as the reads came
+    and handed out whole as a RawFrame (with the fds its header declared); the frames read
+    with its last bytes come after it."""
+    from musacache.ipc._wire import RawFrame
+
+    decoder = FrameDecoder(defer_above=1000)
+    fds = list(os.pipe()) if with_fds else []
+    big = encode_request(1, "put", {"data": bytes(range(256)) * 20}, nfds=len(fds))
+    small = encode_request(2, "lookup", {"tokens": b"\0" * 8})
+    stream = big + small
+    at, first = 0, True
+    for cut in cuts:
+        piece, at = stream[at:at + cut], at + cut
+        if piece:
+            decoder.feed(piece, fds if first else [])
+            first = False
+    if at < len(stream):
+        decoder.feed(stream[at:], fds if first else [])
+    assert decoder.received == len(stream)
+    raw = decoder.next_frame()
+    assert isinstance(raw, RawFrame) and tuple(raw.fds) == tuple(fds)
+    assert len(raw.body) == len(big) - HEADER_SIZE
+    req = decoder.parse(raw)
+    assert req.id == 1 and req.args["data"] == bytes(range(256)) * 20
+    nxt = decoder.next_frame()
+    assert isinstance(nxt, Request) and nxt.id == 2
+    assert decoder.next_frame() is None and decoder.buffered == 0
+    for fd in fds:
+        os.close(fd)

@@ -728,9 +728,9 @@ async def _release(eng: Engine, moves_done: bool = False) -> None:
         await _removal.release_memory(mt)
     for st in eng.stores:
         await _removal.release_store(st)
-    # A batch of entries freed per loop turn, not a million in one step.
+    # A batch of entries freed at a time, not a million in one step.
     old, eng.dir = eng.dir, eng.dir.emptied()
-    await _removal.dismantle(old, BATCH)
+    await _removal.dismantle_closed(old, BATCH)
     eng.mover.close()
     eng.executor.close()  # its threads end once idle (a hung read's, when it returns)
 

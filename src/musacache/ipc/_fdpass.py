@@ -319,7 +319,7 @@ class Connection:
         """Bytes received and not yet handed out as frames (0: the frame just delivered was
         the last one of the bytes read so far)."""
         decoder = self._decoder  # (FrameDecoder.buffered inline: a server asks per frame)
-        return len(decoder._buf) - decoder._pos
+        return len(decoder._buf) - decoder._pos + decoder._big_have
 
     def peer_credentials(self) -> PeerCredentials:
         return peer_credentials(self._sock)
@@ -611,7 +611,7 @@ class Connection:
             if frame is None:
                 if self._on_partial is not None:
                     decoder = self._decoder
-                    left = len(decoder._buf) - decoder._pos  # (the bytes of a partial frame)
+                    left = decoder.buffered  # (the bytes of a partial frame)
                     if left or self._partial:
                         self._partial = left
                         self._on_partial(left)

@@ -108,8 +108,40 @@ class RawFrame:
     ``defer_above``, for its taker to decode off the event loop with
     :meth:`FrameDecoder.parse`. ``fds`` are owned by whoever takes the frame."""
 
-    body: bytes | bytearray | memoryview
+    body: bytes | bytearray | memoryview | Received
     fds: tuple[int, ...] = field(default=(), repr=False)
+
+
+class Received:
+    """The body of a large frame as the reads brought it: a list of their bytes, kept as
+    they came (growing one buffer to 64 MiB copied it over and over on the loop), joined
+    by :meth:`gather`, in the thread that decodes it."""
+
+    __slots__ = ("_parts", "_size", "_skip")
+
+    def __init__(self, parts: list[bytes], skip: int, size: int) -> None:
+        self._parts = parts  # the first starts with ``skip`` bytes of the header
+        self._skip = skip
+        self._size = size
+
+    def __len__(self) -> int:
+        return self._size
+
+    def gather(self) -> bytearray:
+        """The body in one buffer; each part is let go of once copied (so the two copies
+        never both exist whole). Once only."""
+        out = bytearray(self._size)
+        at, skip = 0, self._skip
+        parts, self._parts = self._parts, []
+        parts.reverse()
+        with memoryview(out) as view:
+            while parts:
+                part = parts.pop()
+                n = len(part) - skip
+                view[at:at + n] = memoryview(part)[skip:]
+                at, skip = at + n, 0
+                del part
+        return out
 
 
 @dataclass(frozen=True)
@@ -520,13 +552,17 @@ class FrameDecoder:
         self._buf = bytearray()
         self._pos = 0
         self._base = 0  # stream offset of _buf[0]
+        # A large frame being received: its reads as they came, where it starts in the
+        # stream, how many bytes it has and needs, and the fds its header declared.
+        self._big: list[bytes] | None = None
+        self._big_start = self._big_have = self._big_need = self._big_nfds = 0
         self._batches: deque[_FdBatch] = deque()
         self._failure: FrameError | None = None
 
     @property
     def buffered(self) -> int:
         """Bytes received but not yet returned as frames."""
-        return len(self._buf) - self._pos
+        return len(self._buf) - self._pos + self._big_have
 
     @property
     def pending_fds(self) -> int:
@@ -548,6 +584,9 @@ class FrameDecoder:
         if fds and not len(data):
             _close_all(fds)
             raise self._fail("fds arrived without data")
+        if self._big is not None:
+            self._feed_big(data, fds)
+            return
         if self._pos:
             del self._buf[: self._pos]
             self._base += self._pos
@@ -560,10 +599,40 @@ class FrameDecoder:
                 raise self._fail(f"the peer sent more than {self.max_fds} fds ahead of "
                                  f"their frames")
 
+    def _feed_big(self, data: bytes | bytearray | memoryview, fds: Sequence[int]) -> None:
+        start = self._base  # (the large frame's bytes so far end here)
+        take = min(len(data), self._big_need - self._big_have)
+        assert self._big is not None
+        self._big.append(bytes(data) if take == len(data) else bytes(data[:take]))
+        self._big_have += take
+        self._base += take
+        if take < len(data):
+            self._buf += data[take:]  # (the frames after it)
+        if fds:
+            self._batches.append(_FdBatch(start, start + len(data), list(fds)))
+            if self.pending_fds > self.max_fds:
+                raise self._fail(f"the peer sent more than {self.max_fds} fds ahead of "
+                                 f"their frames")
+
+    def _big_frame(self) -> RawFrame | None:
+        """The large frame being received, once whole."""
+        if self._big_have < self._big_need:
+            return None
+        parts, self._big = self._big, None
+        assert parts is not None
+        start, end, nfds = self._big_start, self._big_start + self._big_need, self._big_nfds
+        self._big_have = 0
+        if self._batches and self._batches[0].end <= (end if not nfds else start):
+            raise self._fail("fds arrived with a frame that declared none")
+        fds = self._claim_fds(start, nfds) if nfds else ()
+        return RawFrame(Received(parts, HEADER_SIZE, self._big_need - HEADER_SIZE), fds)
+
     def next_frame(self) -> Frame | RawFrame | None:
         """The next complete frame, or None until more bytes arrive."""
         if self._failure is not None:
             raise self._failure
+        if self._big is not None:
+            return self._big_frame()
         buf, pos = self._buf, self._pos
         available = len(buf) - pos
         if available < HEADER_SIZE:
@@ -585,6 +654,13 @@ class FrameDecoder:
         if self._batches and self._batches[0].end <= self._base + (end if not nfds else pos):
             raise self._fail("fds arrived with a frame that declared none")
         if end > len(buf):
+            if length > self.defer_above:
+                # Kept as the reads bring it from here, not grown into this buffer.
+                self._big = [bytes(memoryview(buf)[pos:])]
+                self._big_start, self._big_have = self._base + pos, len(buf) - pos
+                self._big_need, self._big_nfds = HEADER_SIZE + length, nfds
+                self._base += len(buf)
+                self._buf, self._pos = bytearray(), 0
             return None
         fds = self._claim_fds(self._base + pos, nfds) if nfds else ()
         if length > self.defer_above:
@@ -610,8 +686,9 @@ class FrameDecoder:
     def parse(self, raw: RawFrame) -> Frame:
         """Decode a :class:`RawFrame` as :meth:`next_frame` would have (its fds are closed if
         that fails). Reads only the decoder's settings, so any thread may call it."""
+        body = raw.body.gather() if isinstance(raw.body, Received) else raw.body
         try:
-            return self._parse_body(raw.body, raw.fds)
+            return self._parse_body(body, raw.fds)
         except FrameError:
             _close_all(raw.fds)
             raise
@@ -726,3 +803,4 @@ class FrameDecoder:
             _close_all(self._batches.popleft().fds)
         self._buf = bytearray()
         self._pos = 0
+        self._big, self._big_have = None, 0

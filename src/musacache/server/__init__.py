@@ -666,9 +666,9 @@ class _Caches:
     names it, until a hello for another cache finds ``max_caches`` open: the cache unused the
     longest is then closed to make room (memory-only chunks written to a storage tier first,
     as at shutdown; without one they are gone), so that hellos with made-up tenants cannot
-    hold every slot. The cache of the config's ``cache`` is never closed so. The close runs in a task of its own, outside
-    :attr:`lock`, and counts against ``max_caches`` until it ends: only the hello that
-    needs its room (or its key) waits for it."""
+    hold every slot. The cache of the config's ``cache`` is never closed so. The close runs
+    in a task of its own, outside :attr:`lock`, and counts against ``max_caches`` until it
+    ends: only the hello that needs its room (or its key) waits for it."""
 
     def __init__(self, config: ServerConfig, counters: ServerCounters) -> None:
         self.config = config
