@@ -117,7 +117,9 @@ _MAY_IMPORT = {
     "engine": _GROUND | {"_config", "tiers", "transfer"},
     "cache": _GROUND | {"_config", "engine", "tiers", "transfer"},
     "_api": _GROUND | {"cache"},
-    "server": _GROUND | {"_api", "_config", "cache", "engine", "ipc", "tiers", "transfer"},
+    "metrics": _GROUND | {"cache", "engine"},
+    "server": _GROUND | {"_api", "_config", "cache", "engine", "ipc", "metrics", "tiers",
+                         "transfer"},
     "integrations": _GROUND | {"_api", "_config", "cache", "ipc", "server", "tiers",
                                "transfer"},
 }

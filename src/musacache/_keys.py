@@ -21,7 +21,7 @@ from ._errors import TokensError
 from ._spec import KVSpec
 
 __all__ = ["FORMAT_VERSION", "KEY_BYTES", "Fingerprint", "KeyChain", "as_tokens",
-           "check_token_memory"]
+           "check_token_memory", "tenant_tag"]
 
 FORMAT_VERSION = 1
 KEY_BYTES = 32
@@ -46,6 +46,14 @@ class Fingerprint:
     def digest(self) -> bytes:
         """16 stable bytes naming this fingerprint (object names, headers)."""
         return hashlib.blake2b(self.describe().encode(), digest_size=16).digest()
+
+
+def tenant_tag(tenant: str | None) -> str | None:
+    """How stats and metrics show a tenant: a short digest, since the string itself is a
+    capability (docs/security.md)."""
+    if tenant is None:
+        return None
+    return "#" + hashlib.blake2b(tenant.encode(), digest_size=4).hexdigest()
 
 
 class KeyChain:

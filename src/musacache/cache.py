@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,7 +50,7 @@ from musacache.engine.resident import release as release_resident
 from musacache.engine.tasks import TaskOwner
 from musacache.engine.tee import Tee
 from musacache.engine.tierstate import MemTier, StoreTier, Tier
-from musacache.stats import CloseReport, OpCounts, as_dict
+from musacache.stats import CloseReport, OpCounts, OpLatencies, as_dict
 from musacache.tiers.base import StorageTier, TierContext
 from musacache.transfer import _scatter_own
 
@@ -219,6 +220,9 @@ class Cache:
         self._eng: Engine | None = None
         self._ops = OpCounts()
         self._close = CloseReport()
+        # None until an exporter asks (musacache.metrics): an untimed call then costs a
+        # load and a test, no clock read.
+        self._latency: OpLatencies | None = None
         self._device = torch.device("cpu")
         # store/retrieve: the engine's raw caches, described once while they stay the same,
         # and the last description found to hold this cache's spec (neither holds a tensor).
@@ -346,6 +350,12 @@ class Cache:
                 else "the cache is not open: use `async with Cache(config) as cache`")
         return self._eng
 
+    def _timed(self) -> OpLatencies:
+        """The latencies of this cache's calls, counted from now on (idempotent)."""
+        if self._latency is None:
+            self._latency = OpLatencies()
+        return self._latency
+
     @property
     def device(self) -> torch.device:
         """Where ``get`` returns KV: ``CacheConfig.device`` (by default the hottest memory
@@ -365,6 +375,8 @@ class Cache:
         _check_kv(self.spec, kv, toks, "kv")
         self._ops.puts += 1
         eng.inflight.puts += 1
+        lat = self._latency
+        t0 = time.perf_counter() if lat is not None else 0.0
         try:
             # A prefill run with grad on hands over KV that requires grad: its values are what
             # is cached (a copy into a slot, which autograd would refuse to record).
@@ -372,6 +384,8 @@ class Cache:
                                                    self.spec.token_dim))
         finally:
             eng.inflight.puts -= 1
+            if lat is not None:
+                lat.put.observe(time.perf_counter() - t0)
 
     async def lookup(self, tokens: Any) -> int:
         """The length of the longest prefix of ``tokens`` cached in any tier. Moves no data."""
@@ -379,10 +393,14 @@ class Cache:
         toks = as_tokens(tokens)
         self._ops.lookups += 1
         eng.inflight.lookups += 1
+        lat = self._latency
+        t0 = time.perf_counter() if lat is not None else 0.0
         try:
             return _covered(await eng.match(toks))
         finally:
             eng.inflight.lookups -= 1
+            if lat is not None:
+                lat.lookup.observe(time.perf_counter() - t0)
 
     async def get(self, tokens: Any, out: torch.Tensor | None = None) -> Hit:
         """The KV of the longest cached prefix of ``tokens``.
@@ -401,10 +419,14 @@ class Cache:
         self._ops.gets += 1
         eng.inflight.gets += 1
         td = self.spec.token_dim
+        lat = self._latency
+        t0 = time.perf_counter() if lat is not None else 0.0
         try:
             return await _get_matched(self, eng, toks, out, td)
         finally:
             eng.inflight.gets -= 1
+            if lat is not None:
+                lat.get.observe(time.perf_counter() - t0)
 
     async def prefetch(self, tokens: Any, timeout: float | None = None) -> int:
         """Promote the cached prefix of ``tokens`` into the hottest tier.
@@ -458,6 +480,8 @@ class Cache:
         self._ops.puts += 1
         eng.inflight.puts += 1
         head: Match | None = None
+        lat = self._latency
+        t0 = time.perf_counter() if lat is not None else 0.0
         try:
             toks, slots, paged, holes = await _paged_args(
                 self, tokens, kv_caches, slot_mapping, layout, skip_prefix, ready, ready_timeout)
@@ -482,6 +506,8 @@ class Cache:
             if head is not None:
                 eng.unpin(head.entry)
             eng.inflight.puts -= 1
+            if lat is not None:
+                lat.store.observe(time.perf_counter() - t0)
 
     async def retrieve(self, tokens: Any, kv_caches: Any, slot_mapping: Any, *,
                        layout: str | None = None, skip_prefix: int = 0, ready: Any = None,
@@ -499,12 +525,16 @@ class Cache:
         eng = self._check_open()
         self._ops.gets += 1
         eng.inflight.gets += 1
+        lat = self._latency
+        t0 = time.perf_counter() if lat is not None else 0.0
         try:
             toks, slots, paged, _holes = await _paged_args(
                 self, tokens, kv_caches, slot_mapping, layout, skip_prefix, ready, ready_timeout)
             return await _retrieve_held(self, eng, toks, slots, paged, skip_prefix)
         finally:
             eng.inflight.gets -= 1
+            if lat is not None:
+                lat.retrieve.observe(time.perf_counter() - t0)
 
     # -- key-addressed pages (engines that hash their own pages: SGLang HiCache) -----------
 

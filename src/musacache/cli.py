@@ -26,6 +26,8 @@ BENCHES = {
     "scale": ("musacache.bench.scale", "the control plane at scale: every goal in one run"),
     "hostile": ("musacache.bench.hostile",
                 "node server under hostile clients: a polite client's p99 and server memory"),
+    "metrics": ("musacache.bench.metrics",
+                "node server throughput with and without a /metrics scraper every 100 ms"),
 }
 
 SUBCOMMANDS = {

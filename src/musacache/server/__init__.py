@@ -56,7 +56,7 @@ from musacache._errors import (
     ServerLimitError,
 )
 from musacache._executor import Executor
-from musacache._keys import Fingerprint
+from musacache._keys import Fingerprint, tenant_tag
 from musacache._spec import KVSpec
 from musacache._validate import integer, positive_float, shown
 from musacache._version import __version__
@@ -679,6 +679,8 @@ class _Caches:
         # Caches evicted and still closing: they count against max_caches until closed.
         self.closing: dict[CacheKey, asyncio.Task[None]] = {}
         self.pinned: CacheKey | None = None
+        #: whether each cache opened times its calls (set while metrics are exported)
+        self.timed = False
         self.lock = anyio.Lock()
         #: per cache closed by :meth:`close_all`: chunks held, chunks written while closing
         self.report: list[dict[str, Any]] = []
@@ -719,10 +721,12 @@ class _Caches:
         namespace, spec, chunk, tenant, uid = key
         salt = peer_salt(uid, tenant, os.getuid())
         cache = Cache(self.config.cache_config(spec, namespace, chunk, salt))
+        if self.timed:
+            cache._timed()
         await cache.open()
         self.caches[key] = cache
         log.info("opened a cache for %s (tenant %s)",
-                 Fingerprint(namespace, spec, chunk).describe(), _tenant_tag(tenant))
+                 Fingerprint(namespace, spec, chunk).describe(), tenant_tag(tenant))
         self._use(key, pin)
         return None
 
@@ -746,7 +750,7 @@ class _Caches:
     def _full(self, key: CacheKey) -> MusaCacheError:
         def name(k: CacheKey) -> str:
             # The tenant too: two keys may differ by it alone.
-            return f"{Fingerprint(k[0], k[1], k[2]).describe()} (tenant {_tenant_tag(k[3])})"
+            return f"{Fingerprint(k[0], k[1], k[2]).describe()} (tenant {tenant_tag(k[3])})"
 
         wanted = name(key)
         held = "; ".join(name(k) for k in self.caches)
@@ -794,7 +798,7 @@ class _Caches:
             await cache.aclose()
         except Exception:  # one cache failing to close must not strand the others
             log.exception("closing the cache of %s failed", key[0])
-        return {"namespace": key[0], "tenant": _tenant_tag(key[3]), "chunks": chunks,
+        return {"namespace": key[0], "tenant": tenant_tag(key[3]), "chunks": chunks,
                 "persisted": await _storage_writes(cache) - before,
                 "storage": [n for n, t in (await cache.stats())["tiers"].items()
                             if "pending_writes" in t]}
@@ -826,6 +830,11 @@ class Server:
         return self._caches.caches
 
     @property
+    def peers(self) -> set[Peer]:
+        """The connections open now (monitors included)."""
+        return self._peers
+
+    @property
     def held_fds(self) -> int:
         """fds the requests in flight hold, all connections together (each counted twice:
         a wait on a ready event duplicates it)."""
@@ -844,6 +853,13 @@ class Server:
     @fd_budget.setter
     def fd_budget(self, n: int) -> None:
         self.usage.fd_budget = n
+
+    def time_requests(self) -> None:
+        """Count the latencies of every cache's calls from now on (for an exporter:
+        :mod:`musacache.metrics`)."""
+        self._caches.timed = True
+        for cache in self.caches.values():
+            cache._timed()
 
     @property
     def close_report(self) -> list[dict[str, Any]]:
@@ -1055,15 +1071,9 @@ class Server:
         return {
             "server": self._server_stats(),
             "caches": [{"namespace": k[0], "spec": k[1].describe(), "chunk_size": k[2],
-                        "tenant": _tenant_tag(k[3]), "uid": k[4], **(await c.stats())}
+                        "tenant": tenant_tag(k[3]), "uid": k[4], **(await c.stats())}
                        for k, c in self.caches.items()],
         }
-
-
-def _tenant_tag(tenant: str | None) -> str | None:
-    if tenant is None:
-        return None
-    return "#" + hashlib.blake2b(tenant.encode(), digest_size=4).hexdigest()
 
 
 async def _storage_writes(cache: Cache) -> int:
@@ -1189,7 +1199,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "(docs/deployment.md)")
     p.add_argument("--log-level", default="INFO", type=_log_level,
                    help="debug, info (default), warning, error or critical")
+    p.add_argument("--metrics", metavar="HOST:PORT",
+                   help="serve Prometheus metrics on http://HOST:PORT/metrics (port 0 picks "
+                        "a free one; needs musacache[metrics]; docs/metrics.md)")
     args = p.parse_args(list(argv) if argv is not None else None)
+    address: tuple[str, int] | None = None
+    if args.metrics is not None:
+        # Checked before anything starts: a bad address or a missing package is one line.
+        from musacache import metrics
+
+        address = metrics.parse_address(args.metrics)
+        metrics._prometheus()
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # A MusaCacheError goes up to the musacache command, which says it in one line.
@@ -1202,8 +1222,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     async def run() -> None:
         server = Server(config)
+        httpd = None
         try:
             await server.start()
+            if address is not None:
+                from musacache import metrics
+
+                httpd, _thread = metrics.serve(server, *address)
+                host = address[0] if ":" not in address[0] else f"[{address[0]}]"
+                say(f"metrics on http://{host}:{httpd.server_port}/metrics")
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, server.stop)
@@ -1213,6 +1240,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             say(f"stopping: closing {len(server._peers)} connection(s) and "
                 f"{len(server.caches)} cache(s), writing memory-only chunks to storage")
         finally:
+            if httpd is not None:
+                # (its thread waits up to half a second for the next poll: off the loop)
+                await asyncio.to_thread(httpd.shutdown)
+                httpd.server_close()
             await server.aclose()
         for r in server.close_report:
             where = ", ".join(r["storage"]) or "no storage tier"

@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from musacache._errors import CacheUnavailableError, ConfigError
@@ -78,7 +78,7 @@ class SpawnedServer:
 def spawn(config: str | os.PathLike[str], socket_path: str, *, timeout: float = 60.0,
           log_level: str = "WARNING", detach: bool = False,
           env: Mapping[str, str] | None = None, log: str | os.PathLike[str] | None = None,
-          nofile: int | None = None) -> SpawnedServer:
+          nofile: int | None = None, args: Sequence[str] = ()) -> SpawnedServer:
     """Run ``python -m musacache serve --socket SOCKET --config CONFIG`` and return once it
     accepts connections.
 
@@ -87,7 +87,8 @@ def spawn(config: str | os.PathLike[str], socket_path: str, *, timeout: float = 
     serialised by a lock file beside the socket, so exactly one server is started.
     ``detach=True`` puts the server in its own session so it outlives the caller (a cache
     shared by engine processes that come and go). The server's log goes to ``log`` (default:
-    ``SOCKET.log``); ``nofile`` caps its open files (RLIMIT_NOFILE). Raises
+    ``SOCKET.log``); ``nofile`` caps its open files (RLIMIT_NOFILE); ``args`` are more
+    options of ``musacache serve`` (``["--metrics", "127.0.0.1:9464"]``). Raises
     :class:`ConfigError` if the config
     file is missing and :class:`CacheUnavailableError` if the server exits or does not listen
     within ``timeout`` seconds (its stderr is in the message).
@@ -106,14 +107,15 @@ def spawn(config: str | os.PathLike[str], socket_path: str, *, timeout: float = 
             if is_listening(sock):  # another process won the race while we waited
                 return SpawnedServer(sock, None)
             return _start(cfg, sock, timeout, log_level, detach, env,
-                          Path(log) if log is not None else Path(sock + ".log"), nofile)
+                          Path(log) if log is not None else Path(sock + ".log"), nofile,
+                          tuple(args))
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _start(cfg: Path, sock: str, timeout: float, log_level: str, detach: bool,
            env: Mapping[str, str] | None, log_path: Path, nofile: int | None,
-           ) -> SpawnedServer:
+           args: tuple[str, ...] = ()) -> SpawnedServer:
     child_env = dict(os.environ if env is None else env)
     # The child must import this very musacache (a source checkout need not be installed).
     src = str(Path(__file__).resolve().parent.parent)
@@ -132,7 +134,7 @@ def _start(cfg: Path, sock: str, timeout: float, log_level: str, detach: bool,
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "musacache", "serve", "--socket", sock, "--config",
-             str(cfg), "--log-level", log_level],
+             str(cfg), "--log-level", log_level, *args],
             env=child_env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
             start_new_session=detach, preexec_fn=limit_fds if nofile is not None else None)
     deadline = time.monotonic() + timeout
