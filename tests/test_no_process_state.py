@@ -136,3 +136,23 @@ async def test_the_directory_gives_the_collector_nothing_per_entry_to_walk():
         gc.collect()
         grown = len(gc.get_objects()) - before
     assert grown < n // 20, grown
+
+
+async def test_an_embedded_server_leaves_the_switch_interval_and_file_limit_as_they_were(
+        tmp_path):
+    """Only ``musacache serve``, which owns its process, sets the GIL switch interval and
+    raises RLIMIT_NOFILE; a Server embedded in another process changes neither."""
+    import resource
+    import sys
+
+    from musacache.server import Server, ServerConfig
+
+    before = sys.getswitchinterval(), resource.getrlimit(resource.RLIMIT_NOFILE)
+    cfg = ServerConfig(str(tmp_path / "s" / "s.sock"), chunk_size=16,
+                       tiers=(mc.HostTier(1 << 20),))
+    async with Server(cfg) as srv:
+        task = asyncio.create_task(srv.serve_forever())
+        await asyncio.sleep(0.05)
+        srv.stop()
+        await task
+    assert (sys.getswitchinterval(), resource.getrlimit(resource.RLIMIT_NOFILE)) == before

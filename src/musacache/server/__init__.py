@@ -32,6 +32,7 @@ import resource
 import signal
 import socket
 import stat
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -631,6 +632,10 @@ def _fd_budget(cfg: ServerConfig) -> int:
     return max(_MIN_FD_BUDGET, soft - cfg.max_connections - _FD_RESERVE)
 
 
+#: The GIL switch interval of ``musacache serve`` (Python's default is 5 ms).
+SWITCH_INTERVAL_S: Final = 0.001
+
+
 def _raise_open_file_limit() -> None:
     """Raise this process's soft ``RLIMIT_NOFILE`` to its hard limit (``musacache serve``
     only: a process that embeds a Server keeps its own), as servers do: the common soft
@@ -1219,6 +1224,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"musacache serve: {text}", flush=True)
 
     _raise_open_file_limit()
+    # (musacache serve owns its process.) A thread that unpacks a large frame holds the GIL
+    # for a switch interval at a time, which every other client's request then waits out.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
 
     async def run() -> None:
         server = Server(config)
